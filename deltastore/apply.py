@@ -1,0 +1,218 @@
+"""Turning decoded versions into target writes, all or nothing.
+
+Everything a pull needs is decoded and verified into a :class:`PendingWrite`
+before the target is touched:
+
+* from an anchor: whole tensors, built on the host (:class:`FullState`);
+* from the target's current version: per tensor, the union of changed
+  positions with their final bits and the target's original bits there
+  (:class:`SparseOverlay`), O(changed) memory.
+
+:func:`write_into` then writes tensor by tensor; if any write fails, the
+tensors already written are restored from the saved bits and
+:class:`ApplyError` is raised, so the target stays at its previous version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .checksum import full_checksum, updated_checksum
+from .codecs import TensorSpec, Update
+from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
+from .manifest import Manifest, TensorRecord
+from .tensors import bits_view, dtype_name
+
+
+def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+    """Every manifest tensor must exist in ``target`` with the same dtype and shape, contiguous.
+
+    Raises :class:`TargetMismatchError` naming the first offending tensor.
+    Extra target tensors are allowed and left alone.
+    """
+    for rec in manifest.tensors:
+        t = target.get(rec.name)
+        if t is None:
+            raise TargetMismatchError(f"target has no tensor {rec.name!r} (version {manifest.step} has it)")
+        if dtype_name(t.dtype) != rec.dtype or tuple(t.shape) != rec.shape:
+            raise TargetMismatchError(f"target tensor {rec.name!r} is {t.dtype}{tuple(t.shape)}, "
+                                      f"version {manifest.step} has {rec.dtype}{list(rec.shape)}")
+        if not t.is_contiguous():
+            raise TargetMismatchError(f"target tensor {rec.name!r} is not contiguous")
+
+
+def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int) -> None:
+    """Validate a decoded update against its manifest record; :class:`CorruptObjectError` if off."""
+    spec = rec.spec
+    where = f"version {step}, tensor {rec.name!r}"
+    if u.bits.dtype != spec.bits_dtype or u.bits.dim() != 1:
+        raise CorruptObjectError(f"{where}: decoded bits are {u.bits.dtype}{tuple(u.bits.shape)}")
+    if dense or u.positions is None:
+        if u.positions is not None or u.count != spec.numel:
+            raise CorruptObjectError(f"{where}: dense update has {u.count} of {spec.numel} elements")
+        return
+    p = u.positions
+    if p.dtype != torch.int64 or p.dim() != 1 or p.numel() != u.count:
+        raise CorruptObjectError(f"{where}: positions and bits disagree ({p.numel()} vs {u.count})")
+    if u.count != rec.changed:
+        raise CorruptObjectError(f"{where}: {u.count} changed elements decoded, manifest says {rec.changed}")
+    if u.count:
+        if int(p[0]) < 0 or int(p[-1]) >= spec.numel:
+            raise CorruptObjectError(f"{where}: position out of range [0, {spec.numel})")
+        if u.count > 1 and not bool((p[1:] > p[:-1]).all()):
+            raise CorruptObjectError(f"{where}: positions are not strictly increasing")
+
+
+def _expect(rec: TensorRecord, actual: int, step: int, what: str) -> None:
+    if actual != int(rec.checksum, 16):
+        raise ChecksumMismatchError(
+            f"version {step}, tensor {rec.name!r}: checksum after {what} does not match the manifest "
+            f"(the base it was applied to differs from the publisher's, or the data is corrupt)")
+
+
+class FullState:
+    """Whole tensors on the host, as flat bits: an anchor plus any deltas after it."""
+
+    def __init__(self, manifest: Manifest, updates: Mapping[str, Update], *, verify: bool = True):
+        self.specs: dict[str, TensorSpec] = {r.name: r.spec for r in manifest.tensors}
+        self.bits: dict[str, torch.Tensor] = {}
+        self.checksums: dict[str, int] = {}
+        for rec in manifest.tensors:
+            b = updates[rec.name].bits
+            if verify:
+                cs = full_checksum(rec.name, b)
+                _expect(rec, cs, manifest.step, "decoding the anchor")
+            self.checksums[rec.name] = int(rec.checksum, 16)
+            self.bits[rec.name] = b
+
+    def old_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        return self.bits[name][positions]
+
+    def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
+        """Apply one delta version, checking every touched tensor's checksum first."""
+        staged = []
+        for rec in manifest.tensors:
+            u = updates.get(rec.name)
+            if u is None:
+                continue
+            cur = self.bits[rec.name]
+            if u.positions is None:
+                cs = full_checksum(rec.name, u.bits)
+            else:
+                cs = updated_checksum(rec.name, self.checksums[rec.name], u.positions, cur[u.positions], u.bits)
+            _expect(rec, cs, manifest.step, "applying the delta")
+            staged.append((rec.name, u, cs))
+        for name, u, cs in staged:
+            if u.positions is None:
+                self.bits[name] = u.bits
+            else:
+                self.bits[name][u.positions] = u.bits
+            self.checksums[name] = cs
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """Fresh tensors in their own dtype and shape."""
+        return {n: b.view(self.specs[n].dtype).reshape(self.specs[n].shape) for n, b in self.bits.items()}
+
+
+@dataclass
+class _Pending:
+    positions: torch.Tensor  # sorted union of changed positions (CPU int64)
+    bits: torch.Tensor       # final bits there
+    original: torch.Tensor   # the target's bits there before the pull
+
+
+class SparseOverlay:
+    """Net effect of a run of deltas on a live target, without touching it."""
+
+    def __init__(self, target: Mapping[str, torch.Tensor], base: Manifest):
+        self.target = target
+        self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
+        self.pending: dict[str, _Pending] = {}
+
+    def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        flat = bits_view(self.target[name])
+        return flat[positions.to(flat.device)].cpu()
+
+    def old_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Bits at ``positions`` as of the deltas applied so far."""
+        old = self._target_bits(name, positions)
+        p = self.pending.get(name)
+        if p is not None and p.positions.numel():
+            loc = torch.searchsorted(p.positions, positions).clamp_(max=p.positions.numel() - 1)
+            hit = p.positions[loc] == positions
+            old[hit] = p.bits[loc[hit]]
+        return old
+
+    def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
+        staged = []
+        for rec in manifest.tensors:
+            u = updates.get(rec.name)
+            if u is None:
+                continue
+            positions = u.positions if u.positions is not None else torch.arange(rec.numel)
+            old = self.old_bits(rec.name, positions)
+            cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
+            _expect(rec, cs, manifest.step, "applying the delta to the target")
+            staged.append((rec.name, positions, u.bits, cs))
+        for name, positions, bits, cs in staged:
+            self._merge(name, positions, bits)
+            self.checksums[name] = cs
+
+    def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor) -> None:
+        p = self.pending.get(name)
+        if p is None:
+            self.pending[name] = _Pending(positions, bits.clone(), self._target_bits(name, positions))
+            return
+        union, inverse = torch.unique(torch.cat([p.positions, positions]), sorted=True, return_inverse=True)
+        merged = torch.empty(union.numel(), dtype=bits.dtype)
+        original = torch.empty(union.numel(), dtype=bits.dtype)
+        n_old = p.positions.numel()
+        merged[inverse[:n_old]] = p.bits
+        original[inverse[:n_old]] = p.original
+        new_loc = inverse[n_old:]
+        merged[new_loc] = bits  # later delta wins
+        fresh = torch.ones(union.numel(), dtype=torch.bool)
+        fresh[inverse[:n_old]] = False
+        if bool(fresh.any()):
+            original[fresh] = self._target_bits(name, union[fresh])
+        self.pending[name] = _Pending(union, merged, original)
+
+
+def write_full(target: Mapping[str, torch.Tensor], state: FullState) -> None:
+    """Copy whole tensors into ``target`` in place; restore everything on failure."""
+    done: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for name, bits in state.bits.items():
+                flat = bits_view(target[name])
+                backup = flat.to("cpu", copy=True)
+                done.append((flat, backup))
+                flat.copy_(bits.to(flat.device))
+    except Exception as e:
+        _restore_full(done)
+        raise ApplyError(f"writing into the target failed ({e!r}); the target was restored") from e
+
+
+def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay) -> None:
+    """Write the overlay's net changes into ``target``; restore the touched elements on failure."""
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for name, p in overlay.pending.items():
+                flat = bits_view(target[name])
+                pos = p.positions.to(flat.device)
+                done.append((flat, pos, p.original))
+                flat[pos] = p.bits.to(flat.device)
+    except Exception as e:
+        for flat, pos, original in reversed(done):
+            flat[pos] = original.to(flat.device)
+        raise ApplyError(f"writing into the target failed ({e!r}); the target was restored") from e
+
+
+def _restore_full(done: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for flat, backup in reversed(done):
+            flat.copy_(backup.to(flat.device))

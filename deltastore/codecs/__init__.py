@@ -1,0 +1,58 @@
+"""Codec plugins, chosen by name.
+
+Built-ins: ``raw`` (sparse: positions + new values) and ``dense`` (whole
+tensors, for anchors). Register your own with :func:`register_codec` or an
+entry point in the group ``deltastore.codecs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ManifestError, UnsupportedFormatError
+from ..registry import codecs as _registry
+from .base import Codec, OldBits, TensorSpec, Update
+
+__all__ = ["Codec", "OldBits", "TensorSpec", "Update", "get_codec", "register_codec"]
+
+_registry.register("raw", "deltastore.codecs.raw:RawCodec")
+_registry.register("dense", "deltastore.codecs.dense:DenseCodec")
+
+
+def register_codec(name: str, cls: type[Codec] | str, *, clobber: bool = False,
+                   install_hint: str | None = None) -> None:
+    """Register a codec class (or a lazy ``"module:Class"`` path) under ``name``.
+
+    Raises :class:`PluginConflictError` if another class holds ``name`` and
+    ``clobber`` is false.
+    """
+    _registry.register(name, cls, clobber=clobber, install_hint=install_hint)
+
+
+def get_codec(config: str | dict[str, Any] | Codec) -> Codec:
+    """Build a codec from a name, a manifest codec record or a codec instance.
+
+    A record is ``{"id": NAME, "version": "MAJOR.MINOR", "config": {...}}``; its
+    major version must equal the installed codec's, else
+    :class:`UnsupportedFormatError`. Unknown names raise :class:`UnknownCodecError`.
+    """
+    if isinstance(config, Codec):
+        return config
+    if isinstance(config, str):
+        return _registry.get(config)()
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise ManifestError(f"codec record must be a dict with a string 'id', got {config!r}")
+    cls = _registry.get(config["id"])
+    version = config.get("version", cls.format_version)
+    if not isinstance(version, str) or version.split(".")[0] != cls.format_version.split(".")[0]:
+        raise UnsupportedFormatError(
+            f"codec {config['id']!r} object format {version!r} is not readable by the installed codec "
+            f"(format {cls.format_version}); upgrade deltastore or the codec's package")
+    cfg = config.get("config", {})
+    if not isinstance(cfg, dict):
+        raise ManifestError(f"codec {config['id']!r} config must be a JSON object, got {cfg!r}")
+    try:
+        return cls.from_config(cfg)
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"codec {config['id']!r} rejects config {cfg!r}: {e}") from e
+

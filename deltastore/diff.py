@@ -1,0 +1,64 @@
+"""Bit-exact change detection.
+
+Two tensors are compared through same-width integer views, so ``-0.0`` vs
+``+0.0`` and NaN payloads count as changes and nothing else does. The compare
+runs in chunks of ``chunk_elems`` elements on the device of the *old* (mirror)
+tensor; the new tensor's chunk is copied there if it lives elsewhere, so extra
+memory stays at one chunk plus the changed positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import TargetMismatchError
+from .tensors import bits_view
+
+DEFAULT_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass
+class Change:
+    """The elements of one tensor whose bits changed.
+
+    positions: int64, 1-D, strictly increasing flat positions (CPU).
+    new_bits: the new raw bits at those positions (integer view dtype, CPU).
+    old_bits: the previous raw bits at those positions (CPU).
+    """
+
+    positions: torch.Tensor
+    new_bits: torch.Tensor
+    old_bits: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.numel())
+
+
+def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Change:
+    """Positions where ``new`` differs bit-wise from ``old_bits``.
+
+    ``old_bits`` is a flat integer view (the mirror); ``new`` is a tensor of
+    the same element count and width, on any device. Returns CPU tensors.
+    Raises :class:`TargetMismatchError` when the sizes or widths differ.
+    """
+    new_flat = bits_view(new)
+    if new_flat.numel() != old_bits.numel() or new_flat.dtype != old_bits.dtype:
+        raise TargetMismatchError(
+            f"cannot diff {tuple(new.shape)}/{new.dtype} against a mirror of "
+            f"{old_bits.numel()} x {old_bits.dtype}")
+    positions, new_parts, old_parts = [], [], []
+    for start in range(0, old_bits.numel(), chunk_elems):
+        o = old_bits[start:start + chunk_elems]
+        n = new_flat[start:start + chunk_elems].to(o.device, non_blocking=False)
+        idx = torch.ne(o, n).nonzero().squeeze(1)
+        if idx.numel():
+            positions.append((idx + start).cpu())
+            new_parts.append(n[idx].cpu())
+            old_parts.append(o[idx].cpu())
+    if not positions:
+        empty = torch.empty(0, dtype=old_bits.dtype)
+        return Change(torch.empty(0, dtype=torch.int64), empty, empty.clone())
+    return Change(torch.cat(positions), torch.cat(new_parts), torch.cat(old_parts))

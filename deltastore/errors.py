@@ -1,0 +1,98 @@
+"""Typed errors.
+
+Every error deltastore raises on purpose derives from :class:`DeltaStoreError`
+and also from the builtin a caller would naturally catch (``FileNotFoundError``
+for something missing, ``ValueError`` for bad content, ...), so code that does
+not know deltastore still handles it sensibly.
+"""
+
+from __future__ import annotations
+
+
+class DeltaStoreError(Exception):
+    """Base class of every deltastore error."""
+
+
+# -- missing things -----------------------------------------------------------
+class KeyNotFoundError(DeltaStoreError, FileNotFoundError):
+    """A backend key does not exist."""
+
+
+class VersionNotFoundError(DeltaStoreError, FileNotFoundError):
+    """No committed manifest exists for the requested step (or the store is empty)."""
+
+
+class ObjectNotFoundError(DeltaStoreError, FileNotFoundError):
+    """A manifest names an object that is not in the store."""
+
+
+# -- conflicts -------------------------------------------------------------------
+class KeyExistsError(DeltaStoreError, FileExistsError):
+    """A create-only write found the key already present."""
+
+
+class VersionExistsError(DeltaStoreError, FileExistsError):
+    """A manifest for this step is already committed (by this or another writer)."""
+
+
+# -- bad content -----------------------------------------------------------------
+class CorruptObjectError(DeltaStoreError, ValueError):
+    """An object's bytes do not match its digest, or cannot be decoded."""
+
+
+class ManifestError(DeltaStoreError, ValueError):
+    """A manifest is malformed: bad JSON, a missing or ill-typed field, a hostile value."""
+
+
+class UnsupportedFormatError(DeltaStoreError, ValueError):
+    """A manifest or object uses a format major version this library does not read."""
+
+
+class ChecksumMismatchError(DeltaStoreError, ValueError):
+    """A tensor's checksum after decoding does not match the manifest."""
+
+
+class ParentMismatchError(DeltaStoreError, ValueError):
+    """A delta's parent is not the version the target currently holds."""
+
+
+class TargetMismatchError(DeltaStoreError, ValueError):
+    """The target lacks a tensor, or one has the wrong shape, dtype or layout."""
+
+
+class StepOrderError(DeltaStoreError, ValueError):
+    """A step is not an integer above the last published step."""
+
+
+class InvalidKeyError(DeltaStoreError, ValueError):
+    """A backend key is empty, absolute, or escapes the store root."""
+
+
+# -- plugins ---------------------------------------------------------------------
+class UnknownPluginError(DeltaStoreError, LookupError):
+    """No plugin (codec, backend, policy) is registered under this name."""
+
+
+class UnknownCodecError(UnknownPluginError):
+    """A manifest or a caller names a codec that is not registered."""
+
+
+class UnknownBackendError(UnknownPluginError):
+    """A URI uses a scheme no backend is registered for."""
+
+
+class PluginConflictError(DeltaStoreError, ValueError):
+    """A different plugin is already registered under this name (pass clobber=True)."""
+
+
+class MissingDependencyError(DeltaStoreError, ImportError):
+    """A plugin needs an optional package that is not installed; the message says what to install."""
+
+
+# -- applying --------------------------------------------------------------------
+class ApplyError(DeltaStoreError, RuntimeError):
+    """Writing into the target failed midway; the target was restored to its previous version."""
+
+
+class BackendError(DeltaStoreError, OSError):
+    """A transport failure the backend could not recover from."""

@@ -1,0 +1,309 @@
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.0).
+
+A manifest is the only thing a reader trusts: it names every object of a
+version by digest, the codec that decodes each, and every tensor's dtype,
+shape and checksum after the version. See ``docs/format.md`` for the field
+reference. :meth:`Manifest.from_json` validates strictly and raises
+:class:`ManifestError` / :class:`UnsupportedFormatError` on anything off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .codecs.base import TensorSpec
+from .errors import ManifestError, UnsupportedFormatError
+from .tensors import DTYPES
+
+FORMAT = "deltastore.manifest"
+FORMAT_VERSION = "1.0"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_STEP = 10**12 - 1
+MAX_NUMEL = 1 << 48
+MAX_DIMS = 16
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,511}$")
+
+Kind = Literal["anchor", "delta"]
+
+
+def sha256_digest(data: bytes) -> str:
+    """``"sha256:<hex>"`` of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def check_tensor_name(name: object) -> str:
+    """Return ``name`` if it is a safe tensor name (no ``/``, no ``..``), else raise :class:`ManifestError`."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise ManifestError(f"invalid tensor name {name!r}: use letters, digits and _ . : - (no '/' or '..')")
+    return name
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """A pointer to a committed version: its step and the sha256 of its manifest bytes."""
+
+    step: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """One stored object: digest, size in bytes and the codec record that decodes it."""
+
+    digest: str
+    size: int
+    codec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor of a version.
+
+    changed: elements whose bits differ from the parent version (all of them
+        for a version without parent).
+    checksum: :mod:`deltastore.checksum` of the whole tensor after this version.
+    delta: index into ``objects`` of the object that turns the parent's tensor
+        into this one (None when unchanged or when there is no parent).
+    full: index of the object holding the whole tensor (anchors only).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    changed: int
+    checksum: str
+    delta: int | None = None
+    full: int | None = None
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, DTYPES[self.dtype], self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed version. ``kind == "anchor"`` means every tensor has a ``full`` object."""
+
+    step: int
+    kind: Kind
+    parent: VersionRef | None
+    tensors: tuple[TensorRecord, ...]
+    objects: tuple[ObjectRecord, ...]
+    created: float = 0.0
+    producer: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    format_version: str = FORMAT_VERSION
+
+    # -- derived figures -----------------------------------------------------
+    @property
+    def changed(self) -> int:
+        return sum(t.changed for t in self.tensors)
+
+    @property
+    def total(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def object_bytes(self, indices: set[int] | None = None) -> int:
+        """Bytes of the objects at ``indices`` (all objects when None)."""
+        return sum(o.size for i, o in enumerate(self.objects) if indices is None or i in indices)
+
+    @property
+    def delta_objects(self) -> set[int]:
+        return {t.delta for t in self.tensors if t.delta is not None}
+
+    @property
+    def full_objects(self) -> set[int]:
+        return {t.full for t in self.tensors if t.full is not None}
+
+    @property
+    def has_delta(self) -> bool:
+        """Whether a holder of the parent version can reach this one without the full objects."""
+        return self.parent is not None and all(t.delta is not None or t.changed == 0 for t in self.tensors)
+
+    def tensor_map(self) -> dict[str, TensorRecord]:
+        return {t.name: t for t in self.tensors}
+
+    def object_tensors(self, index: int, role: Literal["delta", "full"]) -> list[TensorRecord]:
+        """Tensors whose ``role`` object is ``index``, in manifest order."""
+        return [t for t in self.tensors if getattr(t, role) == index]
+
+    def __iter__(self) -> Iterator[TensorRecord]:
+        return iter(self.tensors)
+
+    # -- JSON ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "kind": self.kind,
+            "parent": None if self.parent is None else {"step": self.parent.step, "digest": self.parent.digest},
+            "created": self.created,
+            "producer": self.producer,
+            "metadata": self.metadata,
+            "stats": {"changed": self.changed, "total": self.total, "object_bytes": self.object_bytes()},
+            "objects": [{"digest": o.digest, "size": o.size, "codec": o.codec} for o in self.objects],
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "changed": t.changed,
+                 "checksum": t.checksum, "delta": t.delta, "full": t.full}
+                for t in self.tensors
+            ],
+        }
+
+    def to_json(self) -> bytes:
+        """Canonical bytes (sorted keys, compact); the version digest is their sha256."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate manifest bytes.
+
+        Raises :class:`ManifestError` for malformed content (bad JSON, duplicate
+        keys, wrong types, out-of-range numbers, unsafe names, dangling object
+        indices) and :class:`UnsupportedFormatError` for another major version.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            doc = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        except ManifestError:
+            raise
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        return _parse(doc)
+
+
+# -- validation ------------------------------------------------------------------
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ManifestError(f"duplicate key {k!r} in manifest")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ManifestError(f"manifest contains {name}, which JSON does not allow")
+
+
+def _get(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str = "manifest") -> Any:
+    if not isinstance(doc, dict) or key not in doc:
+        raise ManifestError(f"{where} lacks field {key!r}")
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise ManifestError(f"{where} field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _int(doc: dict[str, Any], key: str, lo: int, hi: int, where: str = "manifest") -> int:
+    value = _get(doc, key, int, where)
+    if not lo <= value <= hi:
+        raise ManifestError(f"{where} field {key!r} = {value} outside [{lo}, {hi}]")
+    return value
+
+
+def _digest(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise ManifestError(f"{where}: invalid digest {value!r}")
+    return value
+
+
+def _index(value: Any, n_objects: int, where: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_objects:
+        raise ManifestError(f"{where}: object index {value!r} out of range (0..{n_objects - 1})")
+    return value
+
+
+def _parse(doc: Any) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError("manifest is not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise ManifestError(f"not a deltastore manifest (format={doc.get('format')!r})")
+    version = _get(doc, "format_version", str)
+    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        raise UnsupportedFormatError(
+            f"manifest format {version} is not readable by this deltastore (reads {FORMAT_VERSION.split('.')[0]}.x)")
+    step = _int(doc, "step", 0, MAX_STEP)
+    kind = _get(doc, "kind", str)
+    if kind not in ("anchor", "delta"):
+        raise ManifestError(f"unknown version kind {kind!r}")
+    parent_doc = _get(doc, "parent", (dict, type(None)))
+    parent = None
+    if parent_doc is not None:
+        parent = VersionRef(_int(parent_doc, "step", 0, MAX_STEP, "parent"),
+                            _digest(parent_doc.get("digest"), "parent"))
+        if parent.step >= step:
+            raise ManifestError(f"parent step {parent.step} is not below step {step}")
+    created = _get(doc, "created", (int, float))
+    if not math.isfinite(created):
+        raise ManifestError(f"created time {created!r} is not finite")
+    producer = _get(doc, "producer", dict)
+    metadata = _get(doc, "metadata", dict)
+
+    objects = []
+    for i, o in enumerate(_get(doc, "objects", list)):
+        where = f"objects[{i}]"
+        codec = _get(o, "codec", dict, where)
+        if not isinstance(codec.get("id"), str):
+            raise ManifestError(f"{where}: codec record lacks a string 'id'")
+        objects.append(ObjectRecord(_digest(o.get("digest") if isinstance(o, dict) else None, where),
+                                    _int(o, "size", 0, MAX_NUMEL * 8, where), codec))
+
+    tensors = []
+    names: set[str] = set()
+    for i, t in enumerate(_get(doc, "tensors", list)):
+        where = f"tensors[{i}]"
+        name = check_tensor_name(_get(t, "name", str, where))
+        if name in names:
+            raise ManifestError(f"tensor {name!r} listed twice")
+        names.add(name)
+        dtype = _get(t, "dtype", str, where)
+        if dtype not in DTYPES:
+            raise ManifestError(f"{where} ({name}): unsupported dtype {dtype!r}")
+        shape_list = _get(t, "shape", list, where)
+        if len(shape_list) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL
+                                                 for d in shape_list):
+            raise ManifestError(f"{where} ({name}): invalid shape {shape_list!r}")
+        shape = tuple(shape_list)
+        numel = math.prod(shape)
+        if numel > MAX_NUMEL:
+            raise ManifestError(f"{where} ({name}): {numel} elements is over the {MAX_NUMEL} limit")
+        changed = _int(t, "changed", 0, numel, where)
+        checksum = _get(t, "checksum", str, where)
+        if not _CHECKSUM.match(checksum):
+            raise ManifestError(f"{where} ({name}): invalid checksum {checksum!r}")
+        delta = _index(t.get("delta"), len(objects), where)
+        full = _index(t.get("full"), len(objects), where)
+        if kind == "anchor" and full is None:
+            raise ManifestError(f"anchor tensor {name!r} has no full object")
+        if kind == "delta" and (full is not None or parent is None):
+            raise ManifestError(f"delta tensor {name!r} must have a parent and no full object")
+        if changed > 0 and delta is None and full is None:
+            raise ManifestError(f"tensor {name!r} changed but names no object")
+        tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full))
+    used = {t.delta for t in tensors} | {t.full for t in tensors}
+    for i in range(len(objects)):
+        if i not in used:
+            raise ManifestError(f"objects[{i}] is referenced by no tensor")
+    return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
+                    created=float(created), producer=producer, metadata=metadata, format_version=version)

@@ -1,0 +1,81 @@
+"""Tensor plumbing shared by both roles: dtype names, bit views, state normalisation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+import torch
+
+from .errors import TargetMismatchError
+
+#: dtypes that can be published, by their manifest name.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Same-width integer dtype used to compare and move raw bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+StateLike = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Manifest name of ``dtype``; raises :class:`TargetMismatchError` for an unsupported one."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TargetMismatchError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}") from None
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype with the same element size as ``dtype``."""
+    return _BITS[torch.empty((), dtype=dtype).element_size()]
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view sharing ``t``'s storage (``t`` must be contiguous)."""
+    if not t.is_contiguous():
+        raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
+    return t.detach().reshape(-1).view(bits_dtype(t.dtype))
+
+
+def named_tensors(state: StateLike) -> dict[str, torch.Tensor]:
+    """Normalise a Module, a mapping or an iterable of ``(name, tensor)`` to an ordered dict.
+
+    For a Module this is its ``state_dict`` (parameters and persistent buffers)
+    as live tensors. Entries that alias an earlier entry (same storage, offset,
+    shape and dtype: tied weights) are dropped, so each storage is published and
+    written once; both roles apply the same rule so their names agree.
+    """
+    if isinstance(state, torch.nn.Module):
+        items: Iterable[tuple[str, Any]] = state.state_dict(keep_vars=True).items()
+    elif isinstance(state, Mapping):
+        items = state.items()
+    else:
+        items = state
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for name, t in items:
+        if not isinstance(name, str):
+            raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if name in out:
+            raise TargetMismatchError(f"duplicate tensor name {name!r}")
+        alias = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() > 0 and alias in seen:
+            continue
+        seen.add(alias)
+        out[name] = t
+    return out
