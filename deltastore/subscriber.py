@@ -31,6 +31,9 @@ class PullResult:
     bytes_fetched: object bytes downloaded for this pull.
     versions_applied: steps whose objects were applied, in order (the anchor first, if one was used).
     path: ``"anchor"``, ``"delta"`` or ``"none"`` (already at the version).
+    digest: sha256 of the version's manifest.
+    written: tensor name -> elements written into the target (every element of
+        every tensor after an anchor; the net changed elements after deltas).
     """
 
     step: int
@@ -39,6 +42,7 @@ class PullResult:
     versions_applied: list[int] = field(default_factory=list)
     path: Literal["anchor", "delta", "none"] = "none"
     digest: str = ""
+    written: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,7 +185,8 @@ class Subscriber:
                 tracking.set_version(target, current)
                 raise
             tracking.set_version(target, ref)
-            return PullResult(step, target, fetched, applied, "anchor", digest)
+            return PullResult(step, target, fetched, applied, "anchor", digest,
+                              {n: b.numel() for n, b in state.bits.items()})
 
         assert tensors is not None and current is not None
         overlay = SparseOverlay(tensors, self.store.manifest(current.step))
@@ -198,7 +203,8 @@ class Subscriber:
             tracking.set_version(target, current)
             raise
         tracking.set_version(target, ref)
-        return PullResult(step, target, fetched, applied, "delta", digest)
+        return PullResult(step, target, fetched, applied, "delta", digest,
+                          {n: p.positions.numel() for n, p in overlay.pending.items()})
 
     def identify(self, target: Target, step: int) -> VersionRef:
         """Declare that ``target`` holds version ``step`` after checking every tensor's checksum.
