@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import TargetMismatchError
-from .tensors import bits_view
+from .tensors import bits_dtype, bits_view
 
 DEFAULT_CHUNK_ELEMS = 1 << 24
 
@@ -37,22 +37,28 @@ class Change:
         return int(self.positions.numel())
 
 
-def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Change:
+def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                 dtype: torch.dtype | None = None) -> Change:
     """Positions where ``new`` differs bit-wise from ``old_bits``.
 
     ``old_bits`` is a flat integer view (the mirror); ``new`` is a tensor of
-    the same element count and width, on any device. Returns CPU tensors.
-    Raises :class:`TargetMismatchError` when the sizes or widths differ.
+    the same element count, on any device. With ``dtype``, ``new`` is cast to
+    it chunk by chunk first (an fp32 master published as bf16 never needs a
+    whole bf16 copy). Returns CPU tensors. Raises :class:`TargetMismatchError`
+    when the sizes or widths differ.
     """
-    new_flat = bits_view(new)
-    if new_flat.numel() != old_bits.numel() or new_flat.dtype != old_bits.dtype:
+    dtype = dtype or new.dtype
+    if not new.is_contiguous():
+        raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
+    new_flat = new.detach().reshape(-1)
+    if new_flat.numel() != old_bits.numel() or bits_dtype(dtype) != old_bits.dtype:
         raise TargetMismatchError(
-            f"cannot diff {tuple(new.shape)}/{new.dtype} against a mirror of "
+            f"cannot diff {tuple(new.shape)}/{dtype} against a mirror of "
             f"{old_bits.numel()} x {old_bits.dtype}")
     positions, new_parts, old_parts = [], [], []
     for start in range(0, old_bits.numel(), chunk_elems):
         o = old_bits[start:start + chunk_elems]
-        n = new_flat[start:start + chunk_elems].to(o.device, non_blocking=False)
+        n = bits_view(new_flat[start:start + chunk_elems].to(dtype)).to(o.device)
         idx = torch.ne(o, n).nonzero().squeeze(1)
         if idx.numel():
             positions.append((idx + start).cpu())

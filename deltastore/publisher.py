@@ -80,6 +80,8 @@ class Publisher:
             sparse encoding would be larger than a dense one).
         max_object_bytes: objects are split so none is much larger than this.
         chunk_elems: elements compared per chunk when diffing.
+        dtype: publish every floating-point tensor in this dtype (e.g.
+            ``torch.bfloat16`` for an fp32 master); cast chunk by chunk.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -89,7 +91,8 @@ class Publisher:
                  storage_options: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
                  resume: bool = True, anchor: AnchorPolicy | str | dict[str, Any] | None = None,
                  anchor_codec: str | dict[str, Any] | Codec = "dense",
-                 max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+                 max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                 dtype: torch.dtype | None = None):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -102,6 +105,9 @@ class Publisher:
         json.dumps(self.metadata, allow_nan=False)  # fail now, not at the first commit
         self.max_object_bytes = max_object_bytes
         self.chunk_elems = chunk_elems
+        self.dtype = dtype
+        if dtype is not None:
+            dtype_name(dtype)
         self.writer_id = uuid.uuid4().hex
         self._mirror: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] = {}
@@ -140,17 +146,20 @@ class Publisher:
                 check_tensor_name(name)
             except ManifestError as e:
                 raise TargetMismatchError(str(e)) from None
-            dtype_name(t.dtype)
-            specs[name] = TensorSpec(name, t.dtype, tuple(t.shape))
+            specs[name] = TensorSpec(name, self._dtype_of(t), tuple(t.shape))
+            dtype_name(specs[name].dtype)
         same_layout = self._mirror is not None and specs == self._specs
         is_anchor = not same_layout or self.policy.should_anchor(self._chain)
         parent = self._last if same_layout else None
 
         changes: dict[str, Change] = {}
+        # A new chain needs a private host copy of every tensor anyway (the next mirror).
+        fresh = None if same_layout else {name: self._host_bits(t, specs[name]) for name, t in tensors.items()}
         if same_layout:
             assert self._mirror is not None
             for name, t in tensors.items():
-                changes[name] = find_changes(self._mirror[name], t, chunk_elems=self.chunk_elems)
+                changes[name] = find_changes(self._mirror[name], t, chunk_elems=self.chunk_elems,
+                                             dtype=specs[name].dtype)
 
         objects: list[ObjectRecord] = []
         delta_of: dict[str, int] = {}
@@ -158,9 +167,9 @@ class Publisher:
         if parent is not None:
             self._write_delta_objects(specs, changes, objects, delta_of)
         if is_anchor:
-            self._write_full_objects(specs, tensors, objects, full_of)
+            self._write_full_objects(specs, tensors, fresh, objects, full_of)
 
-        checksums = self._new_checksums(specs, tensors, changes, same_layout)
+        checksums = self._new_checksums(changes, fresh)
         records = []
         for name, spec in specs.items():
             changed = changes[name].count if same_layout else spec.numel
@@ -173,13 +182,13 @@ class Publisher:
         data, digest = self.store.commit(manifest)
 
         # Committed: now (and only now) move the mirror and the chain state forward.
-        if same_layout:
+        if fresh is None:
             assert self._mirror is not None
             for name, ch in changes.items():
                 if ch.count:
                     self._mirror[name][ch.positions] = ch.new_bits
         else:
-            self._mirror = {name: bits_view(t).to("cpu", copy=True) for name, t in tensors.items()}
+            self._mirror = fresh
             self._specs = specs
         self._checksums = checksums
         self._last = VersionRef(step, digest)
@@ -239,11 +248,13 @@ class Publisher:
                 self._store_object(codec, group, objects, delta_of)
 
     def _write_full_objects(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
-                            objects: list[ObjectRecord], full_of: dict[str, int]) -> None:
-        # One group at a time, so host memory holds one object's worth of copies.
+                            host: Mapping[str, torch.Tensor] | None, objects: list[ObjectRecord],
+                            full_of: dict[str, int]) -> None:
+        # Without ready host copies, copy one group at a time: host memory holds one object's worth.
         sized = [(s.numel * s.bits_dtype.itemsize, name) for name, s in specs.items()]
         for group in self._groups(sized):
-            updates = [Update(specs[name], bits_view(tensors[name]).to("cpu")) for name in group]
+            updates = [Update(specs[n], host[n] if host is not None else self._host_bits(tensors[n], specs[n]))
+                       for n in group]
             self._store_object(self.anchor_codec, updates, objects, full_of)
 
     def _groups(self, items: list[tuple[int, Any]]) -> Iterator[list[Any]]:
@@ -267,10 +278,10 @@ class Publisher:
             index_of[u.spec.name] = len(objects) - 1
 
     # -- checksums and resume ------------------------------------------------------
-    def _new_checksums(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
-                       changes: Mapping[str, Change], same_layout: bool) -> dict[str, int]:
-        if not same_layout:
-            return {name: full_checksum(name, tensors[name]) for name in specs}
+    def _new_checksums(self, changes: Mapping[str, Change], fresh: Mapping[str, torch.Tensor] | None
+                       ) -> dict[str, int]:
+        if fresh is not None:
+            return {name: full_checksum(name, bits) for name, bits in fresh.items()}
         out = {}
         for name, ch in changes.items():
             before = self._checksums[name]
@@ -293,6 +304,16 @@ class Publisher:
             delta_bytes += m.object_bytes(m.delta_objects)
             m = self.store.manifest(m.parent.step)
         self._chain = ChainState(since, delta_bytes, m.object_bytes(m.full_objects))
+
+    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
+    @staticmethod
+    def _host_bits(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """A private CPU copy of ``t``'s bits in the published dtype."""
+        if t.dtype == spec.dtype:
+            return bits_view(t).to("cpu", copy=True)
+        return bits_view(t.detach().to("cpu", spec.dtype).contiguous())
 
     def _producer(self) -> dict[str, Any]:
         return {"library": "deltastore", "version": __version__, "writer": self.writer_id,

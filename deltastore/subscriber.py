@@ -166,13 +166,13 @@ class Subscriber:
         applied: list[int] = []
         if plan.anchor is not None:
             am = self.store.manifest(plan.anchor)
-            updates, n = self._decode(am, "full", None)
+            updates, n = self.fetch_updates(am, "full", None)
             fetched += n
             state = FullState(am, updates, verify=self.verify_anchors)
             applied.append(am.step)
             for s in plan.deltas:
                 dm = self.store.manifest(s)
-                updates, n = self._decode(dm, "delta", state.old_bits)
+                updates, n = self.fetch_updates(dm, "delta", state.old_bits)
                 fetched += n
                 state.apply(dm, updates)
                 applied.append(s)
@@ -192,7 +192,7 @@ class Subscriber:
         overlay = SparseOverlay(tensors, self.store.manifest(current.step))
         for s in plan.deltas:
             dm = self.store.manifest(s)
-            updates, n = self._decode(dm, "delta", overlay.old_bits)
+            updates, n = self.fetch_updates(dm, "delta", overlay.old_bits)
             fetched += n
             overlay.apply(dm, updates)
             applied.append(s)
@@ -247,7 +247,7 @@ class Subscriber:
         self.close()
 
     # -- decoding --------------------------------------------------------------------
-    def _decode(self, manifest: Manifest, role: Literal["delta", "full"],
+    def fetch_updates(self, manifest: Manifest, role: Literal["delta", "full"],
                 old: OldBits | None) -> tuple[dict[str, Update], int]:
         """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read."""
         indices = manifest.full_objects if role == "full" else manifest.delta_objects

@@ -1,0 +1,51 @@
+"""Write one version as a Hugging Face-style safetensors checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .store import DeltaStore
+from .subscriber import Subscriber
+
+DEFAULT_SHARD_BYTES = 5 << 30
+
+
+def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *,
+                shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Rebuild version ``step`` and write it to ``out_dir`` as safetensors.
+
+    One ``model.safetensors`` when the model fits in ``shard_bytes``, else
+    ``model-0000i-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` (the layout ``transformers`` and vLLM
+    load). Returns the file names written. Raises what
+    :meth:`Subscriber.pull` raises.
+    """
+    state = Subscriber(store).pull(step=step).state
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt", "deltastore_step": str(step)}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, Any] = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        weight_map.update({n: fname for n in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names + ["model.safetensors.index.json"]
