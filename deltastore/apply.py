@@ -15,7 +15,7 @@ tensors already written are restored from the saved bits and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -182,37 +182,51 @@ class SparseOverlay:
 
 
 def write_full(target: Mapping[str, torch.Tensor], state: FullState) -> None:
-    """Copy whole tensors into ``target`` in place; restore everything on failure."""
-    done: list[tuple[torch.Tensor, torch.Tensor]] = []
+    """Copy whole tensors into ``target`` in place; restore everything on failure (see :func:`_rollback`)."""
+    undo: list[Callable[[], object]] = []
     try:
         with torch.no_grad():
             for name, bits in state.bits.items():
                 flat = bits_view(target[name])
                 backup = flat.to("cpu", copy=True)
-                done.append((flat, backup))
+                undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
                 flat.copy_(bits.to(flat.device))
     except Exception as e:
-        _restore_full(done)
-        raise ApplyError(f"writing into the target failed ({e!r}); the target was restored") from e
+        _rollback(undo, e)
 
 
 def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure."""
-    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    undo: list[Callable[[], object]] = []
     try:
         with torch.no_grad():
             for name, p in overlay.pending.items():
                 flat = bits_view(target[name])
                 pos = p.positions.to(flat.device)
-                done.append((flat, pos, p.original))
+                undo.append(lambda flat=flat, pos=pos, orig=p.original: flat.index_put_((pos,), orig.to(flat.device)))
                 flat[pos] = p.bits.to(flat.device)
     except Exception as e:
-        for flat, pos, original in reversed(done):
-            flat[pos] = original.to(flat.device)
-        raise ApplyError(f"writing into the target failed ({e!r}); the target was restored") from e
+        _rollback(undo, e)
 
 
-def _restore_full(done: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:
+    """Undo the writes made so far (newest first) and raise :class:`ApplyError`.
+
+    The tensor whose write failed is restored too (the write may have been
+    partial). If a restore itself fails, the error says so and carries
+    ``restored = False``: the target's version is then unknown.
+    """
+    failed = 0
     with torch.no_grad():
-        for flat, backup in reversed(done):
-            flat.copy_(backup.to(flat.device))
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:
+                failed += 1
+    if failed:
+        err = ApplyError(f"writing into the target failed ({cause!r}) and {failed} tensor(s) refused the "
+                         "restore; the target's version is unknown: pull again (from an anchor) to repair it")
+        err.restored = False
+    else:
+        err = ApplyError(f"writing into the target failed ({cause!r}); the target was restored")
+    raise err from cause

@@ -91,7 +91,14 @@ class MissingDependencyError(DeltaStoreError, ImportError):
 
 # -- applying --------------------------------------------------------------------
 class ApplyError(DeltaStoreError, RuntimeError):
-    """Writing into the target failed midway; the target was restored to its previous version."""
+    """Writing into the target failed midway.
+
+    ``restored`` is True when every touched element was put back (the target
+    holds its previous version); False when a restore failed too, in which
+    case the target's version is unknown and the next pull starts from an anchor.
+    """
+
+    restored: bool = True
 
 
 class BackendError(DeltaStoreError, OSError):

@@ -14,7 +14,7 @@ from . import tracking
 from .apply import FullState, SparseOverlay, check_layout, check_update, write_full, write_sparse
 from .checksum import full_checksum
 from .codecs import OldBits, Update, get_codec
-from .errors import ChecksumMismatchError, CorruptObjectError, ParentMismatchError, VersionNotFoundError
+from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, ParentMismatchError, VersionNotFoundError
 from .manifest import Manifest, VersionRef
 from .store import DeltaStore, open_store
 from .tensors import named_tensors
@@ -181,8 +181,8 @@ class Subscriber:
             tracking.set_version(target, None)  # unknown while writing; restored below
             try:
                 write_full(tensors, state)
-            except Exception:
-                tracking.set_version(target, current)
+            except ApplyError as e:
+                tracking.set_version(target, current if e.restored else None)
                 raise
             tracking.set_version(target, ref)
             return PullResult(step, target, fetched, applied, "anchor", digest,
@@ -199,8 +199,8 @@ class Subscriber:
         tracking.set_version(target, None)
         try:
             write_sparse(tensors, overlay)
-        except Exception:
-            tracking.set_version(target, current)
+        except ApplyError as e:
+            tracking.set_version(target, current if e.restored else None)
             raise
         tracking.set_version(target, ref)
         return PullResult(step, target, fetched, applied, "delta", digest,

@@ -1,0 +1,318 @@
+"""Vectorised integer coding shared by the built-in sparse codecs.
+
+Everything here works on whole numpy arrays: no Python loop runs per element.
+
+* ``ordered`` / ``unordered``: a bijection between raw bits and integers that
+  preserves the order of float values (sign-magnitude to two's complement), so
+  a change of one ulp is a difference of one.
+* ``uvarint`` helpers: unsigned LEB128 (7 bits per byte, low group first,
+  high bit = "more bytes follow").
+* ``BitWriter`` / ``BitReader``: two bit streams, a *unary* stream U and a
+  *raw* stream R, both packed most-significant bit first with zero padding.
+  An integer sequence is coded with one of three kinds:
+
+  - RICE(k): ``q = v >> k`` as ``q`` zero bits then a one bit in U; the low
+    ``k`` bits of ``v`` in R.
+  - EG(k) (Exp-Golomb of order k): ``u = v + 2**k``, ``L = bit_length(u) - 1``;
+    ``L - k`` zero bits then a one bit in U; the low ``L`` bits of ``u`` in R.
+  - FIXED(w): nothing in U; ``v`` as ``w`` bits in R.
+
+All decoding errors raise :class:`CorruptObjectError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CorruptObjectError
+
+RICE, EG, FIXED = 0, 1, 2
+MAX_WIDTH = 64
+_U64 = np.uint64
+
+
+# -- ordered integers ------------------------------------------------------------------
+def signed_view(bits: np.ndarray) -> np.ndarray:
+    """The same bits as a signed integer array of the same width."""
+    return bits.view({1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[bits.dtype.itemsize])
+
+
+def ordered(bits: np.ndarray, is_float: bool) -> np.ndarray:
+    """int64 order-preserving image of raw bits (floats: sign-magnitude -> two's complement).
+
+    For floats ``x >= 0`` maps to itself and a negative pattern ``x`` (sign bit
+    set, magnitude ``m``) maps to ``-m - 1``, so ``-0.0 -> -1`` and ``+0.0 -> 0``.
+    Integers map to their signed value (``uint8``/``bool`` bits to 0..255).
+    """
+    if bits.dtype == np.uint8:
+        return bits.astype(np.int64)
+    x = signed_view(bits).astype(np.int64)
+    if not is_float:
+        return x
+    width = bits.dtype.itemsize * 8
+    if width == 64:
+        return np.where(x < 0, ~(x & np.int64(0x7FFFFFFFFFFFFFFF)), x)
+    mag = x & ((1 << (width - 1)) - 1)
+    return np.where(x < 0, ~mag, mag)
+
+
+def unordered(o: np.ndarray, bits_dtype: np.dtype, is_float: bool) -> np.ndarray:
+    """Inverse of :func:`ordered`; raises :class:`CorruptObjectError` when ``o`` is out of range."""
+    bits_dtype = np.dtype(bits_dtype)
+    width = bits_dtype.itemsize * 8
+    if bits_dtype == np.uint8:
+        if o.size and (int(o.min()) < 0 or int(o.max()) > 255):
+            raise CorruptObjectError("decoded value out of range for an 8-bit dtype")
+        return o.astype(np.uint8)
+    if width < 64 and o.size:
+        lo, hi = -(1 << (width - 1)), (1 << (width - 1)) - 1
+        if int(o.min()) < lo or int(o.max()) > hi:
+            raise CorruptObjectError(f"decoded value out of range for a {width}-bit dtype")
+    if is_float:
+        if width == 64:
+            x = np.where(o < 0, (~o) | np.int64(-0x8000000000000000), o)
+        else:
+            x = np.where(o < 0, (~o) | np.int64(-(1 << (width - 1))), o)
+    else:
+        x = o
+    return x.astype(signed_view(np.empty(0, bits_dtype)).dtype).view(bits_dtype)
+
+
+def zigzag(d: np.ndarray) -> np.ndarray:
+    """uint64 zig-zag of int64 (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...)."""
+    d = d.astype(np.int64)
+    return ((d << 1) ^ (d >> 63)).view(np.uint64)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`zigzag` (int64, wrapping)."""
+    z = z.astype(np.uint64)
+    return ((z >> _U64(1)).view(np.int64)) ^ (-(z & _U64(1)).view(np.int64))
+
+
+# -- LEB128 -----------------------------------------------------------------------------
+def uvarint_encode(values: np.ndarray) -> bytes:
+    """Concatenated unsigned LEB128 of ``values`` (uint64-convertible, vectorised)."""
+    v = np.asarray(values, dtype=np.uint64).ravel()
+    if v.size == 0:
+        return b""
+    nbytes = np.ones(v.size, dtype=np.int64)
+    t = v >> _U64(7)
+    while True:
+        more = t != 0
+        if not more.any():
+            break
+        nbytes += more
+        t = t >> _U64(7)
+    total = int(nbytes.sum())
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    owner = np.repeat(np.arange(v.size), nbytes)
+    j = np.arange(total) - starts[owner]
+    byte = ((v[owner] >> (j.astype(np.uint64) * _U64(7))) & _U64(0x7F)).astype(np.uint8)
+    byte[j < nbytes[owner] - 1] |= 0x80
+    return byte.tobytes()
+
+
+def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """First ``count`` LEB128 values of ``data`` as uint64, and the bytes they used.
+
+    Raises :class:`CorruptObjectError` if ``data`` holds fewer values or a value
+    is longer than 10 bytes.
+    """
+    b = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), 0
+    ends = np.flatnonzero(b < 0x80)
+    if ends.size < count:
+        raise CorruptObjectError(f"varint stream holds {ends.size} values, {count} expected")
+    ends = ends[:count]
+    used = int(ends[-1]) + 1
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.max() > 10:
+        raise CorruptObjectError("varint longer than 10 bytes")
+    owner = np.repeat(np.arange(count), lengths)
+    j = np.arange(used) - starts[owner]
+    parts = (b[:used].astype(np.uint64) & _U64(0x7F)) << (j.astype(np.uint64) * _U64(7))
+    # Each value's 7-bit groups are disjoint, so a segmented sum is a segmented OR.
+    return np.add.reduceat(parts, starts).astype(np.uint64), used
+
+
+class HeaderReader:
+    """Sequential reader of LEB128 integers from a byte string."""
+
+    def __init__(self, data: bytes):
+        self._b = np.frombuffer(data, dtype=np.uint8)
+        self.pos = 0
+
+    def take(self, n: int = 1) -> list[int]:
+        vals, used = uvarint_decode(self._b[self.pos:], n)
+        self.pos += used
+        return [int(x) for x in vals]
+
+    def one(self) -> int:
+        return self.take(1)[0]
+
+    def done(self) -> bool:
+        return self.pos == self._b.size
+
+
+# -- unary + raw bit streams -------------------------------------------------------------
+def bit_length(v: np.ndarray) -> np.ndarray:
+    """Bit length of each uint64 (0 -> 0), int64 result."""
+    v = v.astype(np.uint64)
+    out = np.zeros(v.shape, dtype=np.int64)
+    hi = (v >> _U64(32)).astype(np.uint64)
+    big = hi != 0
+    lo32 = np.where(big, hi, v & _U64(0xFFFFFFFF))
+    # float64 holds 32-bit integers exactly: frexp gives the bit length
+    _, exp = np.frexp(lo32.astype(np.float64))
+    out = exp.astype(np.int64) + np.where(big, 32, 0)
+    return np.where(v == 0, 0, out)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one integer sequence is coded: ``kind`` (RICE, EG, FIXED) and parameter ``k``."""
+
+    kind: int
+    k: int
+
+    def code(self) -> int:
+        return self.k * 4 + self.kind
+
+    @staticmethod
+    def parse(code: int) -> Kind:
+        kind, k = code % 4, code // 4
+        if kind > FIXED or k > MAX_WIDTH:
+            raise CorruptObjectError(f"bad sequence kind code {code}")
+        return Kind(kind, k)
+
+
+def best_kind(v: np.ndarray) -> tuple[Kind, int]:
+    """The cheapest RICE/EG kind for ``v`` (uint64) and its exact cost in bits."""
+    if v.size == 0:
+        return Kind(RICE, 0), 0
+    v = v.astype(np.uint64)
+    n = v.size
+    maxbits = int(bit_length(np.array([v.max()]))[0])
+    best: tuple[Kind, int | None] = (Kind(EG, 0), None)
+    for k in range(0, min(maxbits, 63) + 1):
+        q = v >> _U64(k)
+        if float(q.astype(np.float64).sum()) > 2.0**40:
+            continue  # absurd unary length: never the cheapest, and must not be materialised
+        cost = int(q.sum(dtype=np.uint64)) + n * (k + 1)
+        if best[1] is None or cost < best[1]:
+            best = (Kind(RICE, k), cost)
+    if maxbits >= 62:
+        return best  # type: ignore[return-value]
+    for k in range(0, min(maxbits, 40) + 1):
+        L = bit_length(v + _U64(1 << k)) - 1
+        if int(L.max()) > MAX_WIDTH:
+            continue
+        cost = int((2 * L - k + 1).sum())
+        if best[1] is None or cost < best[1]:
+            best = (Kind(EG, k), cost)
+    assert best[1] is not None
+    return best
+
+
+def split(v: np.ndarray, kind: Kind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unary quotients, raw widths, raw values) of ``v`` under ``kind``; quotients -1 = no unary part."""
+    v = v.astype(np.uint64)
+    if kind.kind == RICE:
+        return ((v >> _U64(kind.k)).astype(np.int64), np.full(v.size, kind.k, np.int64),
+                v & _U64((1 << kind.k) - 1))
+    if kind.kind == EG:
+        u = v + _U64(1 << kind.k)
+        L = bit_length(u) - 1
+        return L - kind.k, L, u - (_U64(1) << L.astype(np.uint64))
+    return np.full(v.size, -1, np.int64), np.full(v.size, kind.k, np.int64), v
+
+
+def join(q: np.ndarray, r: np.ndarray, kind: Kind) -> np.ndarray:
+    """Inverse of :func:`split` (uint64)."""
+    if kind.kind == RICE:
+        return (q.astype(np.uint64) << _U64(kind.k)) | r
+    if kind.kind == EG:
+        L = (q + kind.k).astype(np.uint64)
+        return ((_U64(1) << L) + r) - _U64(1 << kind.k)
+    return r
+
+
+def widths(q: np.ndarray, kind: Kind) -> np.ndarray:
+    """Raw widths of a sequence given its decoded quotients."""
+    if kind.kind == EG:
+        return q + kind.k
+    return np.full(q.size, kind.k, np.int64)
+
+
+def pack_unary(q: np.ndarray) -> bytes:
+    """U stream: each q as q zero bits then a one bit, MSB first."""
+    if q.size == 0:
+        return b""
+    ones = np.cumsum(q + 1) - 1
+    bits = np.zeros(int(ones[-1]) + 1, dtype=np.uint8)
+    bits[ones] = 1
+    return np.packbits(bits).tobytes()
+
+
+def unpack_unary(data: bytes, count: int) -> np.ndarray:
+    """First ``count`` quotients of a U stream (int64)."""
+    if count == 0:
+        return np.zeros(0, np.int64)
+    ones = np.flatnonzero(np.unpackbits(np.frombuffer(data, np.uint8)))
+    if ones.size < count:
+        raise CorruptObjectError(f"unary stream holds {ones.size} codes, {count} expected")
+    ones = ones[:count]
+    return np.diff(ones, prepend=-1) - 1
+
+
+def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
+    """R stream: each r as w bits, MSB first (w <= 64)."""
+    w = w.astype(np.int64)
+    total = int(w.sum())
+    if total == 0:
+        return b""
+    keep = w > 0
+    w, r = w[keep], r[keep].astype(np.uint64)
+    starts = np.cumsum(w) - w
+    owner = np.repeat(np.arange(w.size), w)
+    j = np.arange(total) - starts[owner]
+    shift = (w[owner] - 1 - j).astype(np.uint64)
+    bits = ((r[owner] >> shift) & _U64(1)).astype(np.uint8)
+    return np.packbits(bits).tobytes()
+
+
+def _read32(buf: np.ndarray, off: np.ndarray, w: np.ndarray) -> np.ndarray:
+    # Read w <= 32 bits at bit offsets off from a zero-padded byte buffer.
+    idx = (off >> 3)[:, None] + np.arange(8)
+    win = np.ascontiguousarray(buf[idx]).view(">u8").ravel().astype(np.uint64)
+    sh = (off & 7).astype(np.uint64)
+    x = win << sh
+    ww = np.maximum(w, 1).astype(np.uint64)
+    x = x >> (_U64(64) - ww)
+    return np.where(w == 0, _U64(0), x)
+
+
+def unpack_raw(data: bytes, w: np.ndarray) -> np.ndarray:
+    """Values of widths ``w`` read in order from an R stream (uint64)."""
+    w = w.astype(np.int64)
+    if w.size == 0:
+        return np.zeros(0, np.uint64)
+    if int(w.min()) < 0 or int(w.max()) > MAX_WIDTH:
+        raise CorruptObjectError("raw field width out of range")
+    off = np.cumsum(w) - w
+    total = int(off[-1] + w[-1])
+    if total > len(data) * 8:
+        raise CorruptObjectError(f"raw stream holds {len(data) * 8} bits, {total} needed")
+    buf = np.zeros(len(data) + 16, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    hiw = np.maximum(w - 32, 0)
+    low = np.minimum(w, 32)
+    hi = _read32(buf, off, hiw)
+    lo = _read32(buf, off + hiw, low)
+    return (hi << _U64(32)) | lo if int(hiw.max()) else lo

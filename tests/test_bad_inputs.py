@@ -1,0 +1,322 @@
+"""Every bad input gets a typed error, leaves the target at its last good version, loses no stored data."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import deltastore as ds
+from conftest import bits_equal
+from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
+                               ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
+                               UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
+                               VersionNotFoundError)
+from deltastore.manifest import sha256_digest
+from deltastore.store import object_key, version_key
+
+
+def _states(n, shape=(64, 48), frac=0.02, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {"a": torch.randn(*shape, generator=g).bfloat16(), "b": torch.randn(shape[1], generator=g).bfloat16()}
+    out = [s]
+    for _ in range(1, n):
+        nxt = {}
+        for k, v in out[-1].items():
+            bits = v.view(torch.int16).clone()
+            bits[torch.rand(bits.shape, generator=g) < frac] += 1
+            nxt[k] = bits.view(torch.bfloat16)
+        out.append(nxt)
+    return out
+
+
+@pytest.fixture
+def published(store_uri):
+    """A local store with versions 0..4 (anchor at 0) and a follower at version 3."""
+    states = _states(5)
+    with ds.Publisher(store_uri, anchor_every=100) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, step=i)
+    sub = ds.Subscriber(store_uri)
+    target = sub.pull(step=0).state
+    sub.pull(target, step=3)
+    assert bits_equal(target, states[3])
+    return store_uri, states, sub, target
+
+
+def _path(uri, key):
+    return os.path.join(uri, *key.split("/"))
+
+
+def _delta_object_path(uri, sub, step):
+    m = sub.manifest(step)
+    return _path(uri, object_key(m.objects[min(m.delta_objects)].digest))
+
+
+def _snapshot(uri):
+    out = {}
+    for root, _, files in os.walk(uri):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, uri)] = fh.read()
+    return out
+
+
+def _assert_nothing_lost(uri, before):
+    after = _snapshot(uri)
+    for key in before:
+        assert key in after, f"{key} was deleted"
+
+
+def _expect(sub, target, want, exc, **kw):
+    version = sub.version_of(target)
+    with pytest.raises(exc) as e:
+        sub.pull(target, **kw)
+    assert isinstance(e.value, DeltaStoreError)
+    assert bits_equal(target, want), "target changed after a failed pull"
+    assert sub.version_of(target) == version
+    return e.value
+
+
+def test_flipped_byte_in_object(published):
+    uri, states, sub, target = published
+    path = _delta_object_path(uri, sub, 4)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    before = _snapshot(uri)
+    err = _expect(sub, target, states[3], CorruptObjectError, step=4)
+    assert "sha256" in str(err) and isinstance(err, ValueError)
+    _assert_nothing_lost(uri, before)
+    assert bits_equal(sub.pull(step=3).state, states[3])  # the rest of the store still serves
+
+
+def test_truncated_object(published):
+    uri, states, sub, target = published
+    path = _delta_object_path(uri, sub, 4)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 3])
+    err = _expect(sub, target, states[3], CorruptObjectError, step=4)
+    assert "truncated" in str(err)
+
+
+def test_manifest_naming_a_missing_object(published):
+    uri, states, sub, target = published
+    os.unlink(_delta_object_path(uri, sub, 4))
+    err = _expect(sub, target, states[3], ObjectNotFoundError, step=4)
+    assert isinstance(err, FileNotFoundError)
+
+
+def _rewrite_manifest(uri, step, edit):
+    """Replace a committed manifest (a hostile or buggy writer); returns the new bytes."""
+    path = _path(uri, version_key(step))
+    doc = json.loads(open(path, "rb").read())
+    edit(doc)
+    data = json.dumps(doc).encode()
+    open(path, "wb").write(data)
+    return data
+
+
+def test_unknown_codec_id(published):
+    uri, states, sub, target = published
+
+    def edit(doc):
+        for o in doc["objects"]:
+            o["codec"]["id"] = "no-such-codec"
+
+    _rewrite_manifest(uri, 4, edit)
+    sub = ds.Subscriber(uri)  # no cached manifest
+    err = _expect(sub, target, states[3], UnknownCodecError, step=4)
+    assert "no-such-codec" in str(err) and isinstance(err, LookupError)
+
+
+def test_unknown_codec_major_version(published):
+    uri, states, sub, target = published
+
+    def edit(doc):
+        for o in doc["objects"]:
+            o["codec"]["version"] = "9.0"
+
+    _rewrite_manifest(uri, 4, edit)
+    _expect(ds.Subscriber(uri), target, states[3], UnsupportedFormatError, step=4)
+
+
+def test_delta_whose_parent_is_not_the_target_version(published, tmp_path):
+    uri, states, sub, target = published
+    # Another run (another store) whose step 4 has a different parent chain.
+    other = str(tmp_path / "other")
+    with ds.Publisher(other) as pub:
+        for i, s in enumerate(_states(5, seed=1)):
+            pub.publish(s, step=i)
+    other_sub = ds.Subscriber(other)
+    err = _expect(other_sub, target, states[3], ParentMismatchError, step=4, allow_anchor=False)
+    assert "version 3" in str(err)
+    # allowed to start from an anchor, the same pull is correct
+    other_sub.pull(target, step=4)
+    assert bits_equal(target, _states(5, seed=1)[4])
+
+
+def test_target_changed_behind_our_back_is_detected(published):
+    uri, states, sub, target = published
+    m = sub.manifest(4)
+    delta = sub.fetch_updates(m, "delta", None)[0]
+    name, upd = next(iter(delta.items()))
+    # Corrupt one element the next delta touches: the O(changed) checksum must catch it.
+    flat = target[name].view(torch.int16).reshape(-1)
+    flat[upd.positions[0]] ^= 0x10
+    tampered = {k: v.clone() for k, v in target.items()}
+    _expect(sub, target, tampered, ChecksumMismatchError, step=4)
+
+
+@pytest.mark.parametrize("mutate", ["shape", "dtype", "missing", "noncontiguous"])
+def test_target_with_wrong_layout(published, mutate):
+    uri, states, sub, _ = published
+    target = {k: v.clone() for k, v in states[3].items()}
+    if mutate == "shape":
+        target["a"] = target["a"][:-1].clone()
+    elif mutate == "dtype":
+        target["a"] = target["a"].half()
+    elif mutate == "missing":
+        del target["b"]
+    else:
+        target["a"] = target["a"].t()
+    before = {k: v.clone() for k, v in target.items()}
+    err = _expect(sub, target, before, TargetMismatchError, step=4)
+    assert isinstance(err, ValueError) and ("'a'" in str(err) or "'b'" in str(err))
+
+
+class _WriteFails(torch.Tensor):
+    """A tensor whose in-place writes fail (a device error in the middle of an apply)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.index_put_):
+            raise RuntimeError("injected write failure")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_interrupted_write_restores_the_target(published):
+    uri, states, sub, _ = published
+    target = sub.pull(step=0).state
+    sub.pull(target, step=3)
+    # "a" is written first, then writing "b" fails: "a" must be restored.
+    target["b"] = target["b"].as_subclass(_WriteFails)
+    assert list(target) == ["a", "b"]
+    with pytest.raises(ApplyError) as e:
+        sub.pull(target, step=4)
+    assert isinstance(e.value, RuntimeError) and "injected" in str(e.value)
+    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[3])
+    # "b" refused its restore as it refused the write, so its state is not provable: unknown version
+    assert e.value.restored is False and sub.version_of(target) is None
+    # the anchor path restores too
+    fresh = {k: torch.zeros_like(v) for k, v in states[3].items()}
+    fresh["b"] = fresh["b"].as_subclass(_WriteFails)
+    with pytest.raises(ApplyError):
+        sub.pull(fresh, step=4)
+    assert not any(bool(v.as_subclass(torch.Tensor).view(torch.int16).any()) for v in fresh.values())
+
+
+class _WriteFailsOnce(torch.Tensor):
+    """Fails the first in-place write only (the restore then succeeds)."""
+
+    armed = True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.armed and func in (torch.Tensor.__setitem__, torch.Tensor.copy_):
+            cls.armed = False
+            raise RuntimeError("injected transient failure")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_interrupted_write_with_successful_restore_keeps_the_version(published):
+    uri, states, sub, _ = published
+    target = sub.pull(step=0).state
+    sub.pull(target, step=3)
+    target["b"] = target["b"].as_subclass(_WriteFailsOnce)
+    _WriteFailsOnce.armed = True
+    with pytest.raises(ApplyError) as e:
+        sub.pull(target, step=4)
+    assert e.value.restored is True and sub.version_of(target).step == 3
+    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[3])
+    res = sub.pull(target, step=4)  # and the retry goes through the delta
+    assert res.path == "delta"
+    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[4])
+
+
+def test_hostile_object_header(published):
+    uri, states, sub, target = published
+    # A well-hashed object whose safetensors header claims an absurd length.
+    evil = struct.pack("<Q", 1 << 60) + b"{}"
+    digest = sub.store.put_object(evil)
+
+    def edit(doc):
+        doc["objects"][0].update(digest=digest, size=len(evil))
+
+    _rewrite_manifest(uri, 4, edit)
+    _expect(ds.Subscriber(uri), target, states[3], CorruptObjectError, step=4)
+
+
+@pytest.mark.parametrize("payload, exc", [
+    (b"{not json", ManifestError),
+    (b'{"format": "deltastore.manifest", "format_version": "1.0", "step": 4, "step": 5}', ManifestError),
+    (b"[]", ManifestError),
+    (b'{"format": "deltastore.manifest", "format_version": "7.0"}', UnsupportedFormatError),
+    (b"\xff\xfe garbage", ManifestError),
+    (b"[" * 100000 + b"]" * 100000, ManifestError),
+])
+def test_hostile_manifest_bytes(published, payload, exc):
+    uri, states, sub, target = published
+    open(_path(uri, version_key(4)), "wb").write(payload)
+    _expect(ds.Subscriber(uri), target, states[3], exc, step=4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step", 10**30), ("step", -1), ("kind", "weird"), ("created", 1e999),
+    ("tensors.name", "../../etc/passwd"), ("tensors.name", "a/b"), ("tensors.shape", [-1, 4]),
+    ("tensors.shape", [2**40, 2**40]), ("tensors.dtype", "complex64"), ("tensors.delta", 99),
+    ("tensors.checksum", "zz"), ("objects.digest", "sha256:../../x"), ("parent.step", 9),
+    ("tensors.changed", 10**9),
+])
+def test_hostile_manifest_fields(published, field, value):
+    uri, states, sub, target = published
+
+    def edit(doc):
+        if "." in field:
+            head, key = field.split(".")
+            entry = doc[head][0] if isinstance(doc[head], list) else doc[head]
+            entry[key] = value
+        else:
+            doc[field] = value
+
+    _rewrite_manifest(uri, 4, edit)
+    with pytest.raises((ManifestError, VersionNotFoundError)):
+        ds.Subscriber(uri).pull(target, step=4)
+    assert bits_equal(target, states[3])
+
+
+def test_missing_version_and_empty_store(published, tmp_path):
+    uri, states, sub, target = published
+    _expect(sub, target, states[3], VersionNotFoundError, step=77)
+    with pytest.raises(VersionNotFoundError):
+        ds.Subscriber(str(tmp_path / "empty")).pull()
+
+
+def test_unknown_scheme_and_codec_names(tmp_path):
+    with pytest.raises(UnknownBackendError) as e:
+        ds.open_store("nosuch://bucket/x")
+    assert "nosuch" in str(e.value)
+    with pytest.raises(UnknownCodecError):
+        ds.Publisher(str(tmp_path / "s"), codec="nope")
+
+
+def test_digest_helper_matches_store_layout(published):
+    uri, states, sub, target = published
+    m = sub.manifest(4)
+    o = m.objects[0]
+    data = open(_path(uri, object_key(o.digest)), "rb").read()
+    assert sha256_digest(data) == o.digest and len(data) == o.size
