@@ -1,0 +1,182 @@
+"""Unit tests of the building blocks: diff, checksum, manifest, local/memory backends, registry."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltastore.backends import open_backend
+from deltastore.backends.local import LocalBackend
+from deltastore.backends.memory import MemoryBackend
+from deltastore.checksum import full_checksum, updated_checksum
+from deltastore.diff import find_changes
+from deltastore.errors import (InvalidKeyError, KeyExistsError, KeyNotFoundError, ManifestError,
+                               MissingDependencyError, PluginConflictError, UnknownPluginError)
+from deltastore.manifest import Manifest, ObjectRecord, TensorRecord, VersionRef
+from deltastore.registry import Registry
+from deltastore.tensors import bits_view
+
+WIDTH = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_diff_finds_exactly_the_bit_changes(dtype, chunk):
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(1000, generator=g).to(dtype)
+    old[:6] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1e-40, -1.0]).to(dtype)
+    new = old.clone()
+    nb = new.view(WIDTH[dtype])
+    nb[0] ^= torch.tensor(1, dtype=nb.dtype) << (nb.element_size() * 8 - 1)  # +0 -> -0
+    nb[2] ^= 1  # another NaN payload
+    nb[[10, 500, 999]] += 1
+    ch = find_changes(bits_view(old), new, chunk_elems=chunk)
+    assert ch.positions.tolist() == [0, 2, 10, 500, 999]
+    assert torch.equal(ch.new_bits, nb[ch.positions]) and torch.equal(ch.old_bits, bits_view(old)[ch.positions])
+    assert find_changes(bits_view(old), old.clone(), chunk_elems=chunk).count == 0
+
+
+def test_diff_with_cast_matches_diff_of_cast():
+    master = torch.randn(4096)
+    old = bits_view(master.bfloat16())
+    master += 1e-3 * torch.randn(4096)
+    a = find_changes(old, master, dtype=torch.bfloat16, chunk_elems=100)
+    b = find_changes(old, master.bfloat16())
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.new_bits, b.new_bits)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3000), st.integers(0, 2**32), st.floats(0, 1))
+def test_incremental_checksum_equals_full(n, seed, frac):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g).bfloat16()
+    before = full_checksum("w", t)
+    new = t.clone()
+    mask = torch.rand(n, generator=g) < frac
+    new.view(torch.int16)[mask] ^= 0x5A
+    ch = find_changes(bits_view(t), new)
+    assert updated_checksum("w", before, ch.positions, ch.old_bits, ch.new_bits) == full_checksum("w", new)
+    if ch.count:
+        assert full_checksum("w", new) != before
+    assert full_checksum("w", t) != full_checksum("v", t)  # keyed by name
+
+
+def _manifest(**kw):
+    base = dict(step=3, kind="delta", parent=VersionRef(2, "sha256:" + "a" * 64),
+                tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, 0, None),),
+                objects=(ObjectRecord("sha256:" + "b" * 64, 10, {"id": "raw", "version": "1.0", "config": {}}),),
+                created=1.5, producer={"writer": "x"}, metadata={"lr": 1e-6})
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_manifest_roundtrip_is_canonical():
+    m = _manifest()
+    data = m.to_json()
+    again = Manifest.from_json(data)
+    assert again == m and again.to_json() == data
+    assert m.changed == 1 and m.total == 8 and m.has_delta and m.delta_objects == {0}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(objects=()),  # tensor references a missing object
+    dict(kind="anchor"),  # anchor tensors need a full object
+    dict(parent=None),  # a delta needs a parent
+    dict(parent=VersionRef(3, "sha256:" + "a" * 64)),  # parent must be below
+    dict(tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, 0, None),) * 2),  # duplicate names
+])
+def test_manifest_rejects_inconsistent_content(kw):
+    with pytest.raises(ManifestError):
+        Manifest.from_json(_manifest(**kw).to_json())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_manifest_parser_fuzz_raises_only_typed_errors(data):
+    try:
+        Manifest.from_json(data)
+    except (ManifestError, ValueError):
+        pass
+
+
+@pytest.fixture(params=["local", "memory"])
+def backend(request, tmp_path):
+    if request.param == "local":
+        return LocalBackend(tmp_path / "b")
+    return MemoryBackend(str(tmp_path))
+
+
+def test_backend_contract(backend):
+    assert not backend.exists("a/b")
+    with pytest.raises(KeyNotFoundError):
+        backend.get("a/b")
+    backend.put("a/b", b"one")
+    backend.put("a/c", b"")
+    assert backend.get("a/b") == b"one" and backend.get("a/c") == b""
+    assert backend.get_range("a/b", 1, 3) == b"ne"
+    with pytest.raises(KeyExistsError):
+        backend.put("a/b", b"two", mode="create")
+    assert backend.get("a/b") == b"one"
+    backend.put("a/b", b"two")
+    assert backend.get("a/b") == b"two"
+    assert sorted(backend.list("a/")) == ["a/b", "a/c"] and list(backend.list("zzz")) == []
+    backend.delete("a/b")
+    backend.delete("a/b")
+    assert not backend.exists("a/b")
+    for bad in ["", "/abs", "a/../b", "a//b", "..", "a\\b", "a/./b"]:
+        with pytest.raises(InvalidKeyError):
+            backend.put(bad, b"x")
+
+
+def test_create_only_race_has_exactly_one_winner(backend):
+    wins, losses = [], []
+    barrier = threading.Barrier(8)
+
+    def writer(i):
+        barrier.wait()
+        try:
+            backend.put("race", str(i).encode(), mode="create")
+            wins.append(i)
+        except KeyExistsError:
+            losses.append(i)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and len(losses) == 7 and backend.get("race") == str(wins[0]).encode()
+
+
+def test_local_backend_never_exposes_temp_files(tmp_path):
+    b = LocalBackend(tmp_path)
+    b.put("x/y", b"1" * 1000)
+    assert os.listdir(tmp_path / "x") == ["y"] and list(b.list("")) == ["x/y"]
+    assert isinstance(open_backend(str(tmp_path)), LocalBackend)
+    assert isinstance(open_backend(f"file://{tmp_path}"), LocalBackend)
+    assert open_backend(f"file://{tmp_path}").get("x/y") == b"1" * 1000
+
+
+def test_registry_rules():
+    class A: ...
+
+    class B: ...
+
+    reg = Registry("widget", "deltastore.test_widgets")
+    reg.register("a", A)
+    reg.register("a", A)  # same class again: fine
+    with pytest.raises(PluginConflictError):
+        reg.register("a", B)
+    reg.register("a", B, clobber=True)
+    assert reg.get("a") is B
+    reg.register("lazy", "no_such_module_xyz:Thing", install_hint="pip install no-such-thing")
+    with pytest.raises(MissingDependencyError) as e:
+        reg.get("lazy")
+    assert "pip install no-such-thing" in str(e.value) and isinstance(e.value, ImportError)
+    with pytest.raises(UnknownPluginError):
+        reg.get("nope")
