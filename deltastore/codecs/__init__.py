@@ -44,7 +44,7 @@ def get_codec(config: str | dict[str, Any] | Codec) -> Codec:
         raise ManifestError(f"codec record must be a dict with a string 'id', got {config!r}")
     cls = _registry.get(config["id"])
     version = config.get("version", cls.format_version)
-    if not isinstance(version, str) or version.split(".")[0] != cls.format_version.split(".")[0]:
+    if not isinstance(version, str) or not cls.reads_major(version.split(".")[0]):
         raise UnsupportedFormatError(
             f"codec {config['id']!r} object format {version!r} is not readable by the installed codec "
             f"(format {cls.format_version}); upgrade deltastore or the codec's package")

@@ -12,9 +12,12 @@ Two shapes of update exist:
 * sparse: the changed elements only, ``positions`` strictly increasing.
 
 A codec declares which it handles (``dense``) and what the decoder needs from
-the receiver (``receiver_needs``): ``"nothing"``, or ``"old_bits"`` (the
+the receiver (``receiver_needs``): ``"nothing"``, ``"old_bits"`` (the
 receiver's current bits at the decoded positions, for codecs that store
-differences). The library validates every decoded update against the manifest
+differences) or ``"old_tensor"`` (the receiver's whole current tensor, for
+codecs that model *where* changes happen from the current values; the
+decoder calls ``old(name, None)``). An encoder of an ``"old_tensor"`` codec
+reads the sender's copy of the previous bits from ``Update.old_tensor``. The library validates every decoded update against the manifest
 (names, counts, position order and range, dtype) before anything is applied,
 so a codec only has to encode and decode.
 """
@@ -24,14 +27,20 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 
 from ..tensors import bits_dtype
 
-OldBits = Callable[[str, torch.Tensor], torch.Tensor]
-"""``old(name, positions) -> raw bits`` the receiver holds at those flat positions."""
+OldBits = Callable[[str, Optional[torch.Tensor]], torch.Tensor]
+"""``old(name, positions) -> raw bits`` the receiver holds at those flat positions.
+
+``positions`` is an int64 CPU tensor; ``None`` means the whole tensor (a flat
+CPU tensor of the bits dtype, ``numel`` elements, which the decoder must not
+modify). Only codecs with ``receiver_needs == "old_tensor"`` pass ``None``."""
+
+RECEIVER_NEEDS = ("nothing", "old_bits", "old_tensor")
 
 
 @dataclass(frozen=True)
@@ -62,12 +71,15 @@ class Update:
         ``positions`` is None, else the new bits at ``positions``.
     positions: int64 strictly increasing flat positions, or None (dense).
     old_bits: for encoders only, the previous bits at ``positions``.
+    old_tensor: for encoders only, the whole previous tensor as flat raw bits
+        (what the receiver holds); required by ``"old_tensor"`` codecs.
     """
 
     spec: TensorSpec
     bits: torch.Tensor
     positions: torch.Tensor | None = None
     old_bits: torch.Tensor | None = field(default=None, repr=False)
+    old_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -80,7 +92,14 @@ class Codec(abc.ABC):
     codec_id: ClassVar[str]
     format_version: ClassVar[str] = "1.0"
     dense: ClassVar[bool] = False
-    receiver_needs: ClassVar[Literal["nothing", "old_bits"]] = "nothing"
+    receiver_needs: ClassVar[Literal["nothing", "old_bits", "old_tensor"]] = "nothing"
+    #: format majors this class can decode (default: only its own ``format_version``'s major)
+    readable_majors: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def reads_major(cls, major: str) -> bool:
+        """Whether objects written with format major ``major`` are decodable by this class."""
+        return major == cls.format_version.split(".")[0] or major in cls.readable_majors
 
     def get_config(self) -> dict[str, Any]:
         """JSON-serialisable constructor arguments (stored in the manifest)."""

@@ -1,0 +1,476 @@
+"""``ctx``: positions and values coded in the context of the receiver's current tensor.
+
+An element's chance to change between two RL steps depends strongly on its
+current magnitude (its ulp is proportional to it). Both sides see the old
+tensor, so the encoder splits it into up to ``buckets`` contiguous magnitude
+ranges (exponent ranges chosen per tensor to minimise the coded size) and
+codes, per bucket, *which* of the bucket's elements changed (their ranks in
+the bucket, gap-coded with the cheapest Rice / Exp-Golomb parameter, or the
+complement, or a bitmap), then the ulp step of each changed element (is
+``|step| > 1``, the sign, and ``|step| - 2``), all with vectorised numpy. A
+bucket in which nothing changed costs nothing, which is the common case for
+large weights. The full byte layout is in ``docs/codecs.md``.
+
+Decoding needs the whole old tensor: ``receiver_needs = "old_tensor"``; the
+decoder calls ``old(name, None)``. The encoder reads ``Update.old_tensor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptObjectError
+from . import _bits as B
+from ._common import (MANTISSA_BITS, as_bytes, check_object, names_digest, np_bits, np_bits_dtype, pack_meta,
+                      parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta)
+from .base import Codec, OldBits, TensorSpec, Update
+
+_BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
+
+
+# -- bucket choice (encoder only) -------------------------------------------------------
+def _entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
+        h = -(p * np.log2(np.where(p > 0, p, 1)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1)))
+    return n * h
+
+
+def choose_thresholds(cls_counts: np.ndarray, cls_hits: np.ndarray, max_buckets: int, shift: int) -> list[int]:
+    """Magnitude thresholds splitting the exponent classes into <= ``max_buckets`` contiguous groups.
+
+    Minimises sum over groups of ``n * H(k / n)`` (the iid cost of the group's
+    positions) plus a small per-group penalty, by dynamic programming.
+    """
+    nz = np.flatnonzero(cls_counts)
+    m = nz.size
+    if m <= 1 or max_buckets <= 1 or cls_hits.sum() == 0:
+        return []
+    C = np.concatenate(([0], np.cumsum(cls_counts[nz].astype(np.float64))))
+    K = np.concatenate(([0], np.cumsum(cls_hits[nz].astype(np.float64))))
+    n_ij = C[None, :] - C[:, None]
+    k_ij = K[None, :] - K[:, None]
+    cost = _entropy_bits(n_ij, k_ij) + _BUCKET_PENALTY_BITS
+    cost[np.tril_indices(m + 1)] = np.inf  # need i < j
+    best = np.full((max_buckets + 1, m + 1), np.inf)
+    arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for g in range(1, max_buckets + 1):
+        tot = best[g - 1][:, None] + cost
+        arg[g] = np.argmin(tot, axis=0)
+        best[g] = tot[arg[g], np.arange(m + 1)]
+    g = int(np.argmin(best[1:, m])) + 1
+    cuts, j = [], m
+    while g > 0:
+        i = int(arg[g, j])
+        if i > 0:
+            cuts.append(i)
+        j, g = i, g - 1
+    return sorted(int(nz[i]) << shift for i in cuts)
+
+
+# -- subsets of [0, N) -------------------------------------------------------------------
+NONE, DIRECT, COMPLEMENT, BITMAP = 0, 1, 2, 3
+
+
+@dataclass
+class _Seq:
+    """One coded integer sequence: its length and kind (and values when encoding)."""
+
+    length: int
+    kind: B.Kind
+    values: np.ndarray | None = None
+
+
+@dataclass
+class _SubsetDesc:
+    count: int
+    mode: int = NONE
+    kind: B.Kind = field(default_factory=lambda: B.Kind(B.RICE, 0))
+
+
+def _gaps(s: np.ndarray) -> np.ndarray:
+    return (np.diff(s, prepend=-1) - 1).astype(np.uint64)
+
+
+def encode_subset(s: np.ndarray, n: int, header: list[int], seqs: list[_Seq]) -> None:
+    """Append the description of the sorted subset ``s`` of ``[0, n)`` to ``header`` and ``seqs``."""
+    c = int(s.size)
+    header.append(c)
+    if c == 0:
+        return
+    if c == n:
+        header.append(NONE)
+        return
+    g = _gaps(s)
+    kind, cost = B.best_kind(g)
+    mode, values = DIRECT, g
+    if 2 * c > n:
+        mask = np.ones(n, dtype=bool)
+        mask[s] = False
+        gc = _gaps(np.flatnonzero(mask))
+        kc, cc = B.best_kind(gc)
+        if cc < cost:
+            mode, kind, cost, values = COMPLEMENT, kc, cc, gc
+    if n < cost:
+        mask = np.zeros(n, dtype=np.uint64)
+        mask[s] = 1
+        mode, kind, values = BITMAP, B.Kind(B.FIXED, 1), mask
+    header.append(mode)
+    if mode in (DIRECT, COMPLEMENT):
+        header.append(kind.code())
+    seqs.append(_Seq(values.size, kind, values))
+
+
+def parse_subset(h: _Reader) -> _SubsetDesc:
+    c = h.next()
+    if c == 0:
+        return _SubsetDesc(0)
+    mode = h.next()
+    if mode > BITMAP:
+        raise CorruptObjectError(f"ctx: bad subset mode {mode}")
+    kind = B.Kind.parse(h.next()) if mode in (DIRECT, COMPLEMENT) else B.Kind(B.FIXED, 1)
+    if mode in (DIRECT, COMPLEMENT) and kind.kind == B.FIXED:
+        raise CorruptObjectError("ctx: fixed-width kind in a gap sequence")
+    return _SubsetDesc(c, mode, kind)
+
+
+def subset_seq(d: _SubsetDesc, n: int) -> _Seq | None:
+    """The coded sequence a subset description implies over a universe of ``n``."""
+    if d.count > n:
+        raise CorruptObjectError(f"ctx: subset of {d.count} in a universe of {n}")
+    if d.count == 0:
+        return None
+    if d.mode == NONE:
+        if d.count != n:
+            raise CorruptObjectError("ctx: implicit subset that is not the whole universe")
+        return None
+    length = {DIRECT: d.count, COMPLEMENT: n - d.count, BITMAP: n}[d.mode]
+    return _Seq(length, d.kind)
+
+
+def decode_subset(d: _SubsetDesc, n: int, values: np.ndarray | None) -> np.ndarray:
+    """Sorted int64 members of the subset."""
+    if d.count == 0:
+        return np.zeros(0, np.int64)
+    if d.mode == NONE:
+        return np.arange(n, dtype=np.int64)
+    assert values is not None
+    if d.mode == BITMAP:
+        if values.size and int(values.max()) > 1:
+            raise CorruptObjectError("ctx: bitmap value above 1")
+        s = np.flatnonzero(values)
+    else:
+        if values.size and int(values.max()) >= n:
+            raise CorruptObjectError("ctx: gap beyond the universe")
+        s = np.cumsum(values.astype(np.int64) + 1) - 1
+        if s.size and int(s[-1]) >= n:
+            raise CorruptObjectError("ctx: subset member beyond the universe")
+        if d.mode == COMPLEMENT:
+            mask = np.ones(n, dtype=bool)
+            mask[s] = False
+            s = np.flatnonzero(mask)
+    if s.size != d.count:
+        raise CorruptObjectError(f"ctx: subset decoded {s.size} members, header says {d.count}")
+    return s.astype(np.int64, copy=False)
+
+
+class _Reader:
+    """Walks the object's header integers."""
+
+    def __init__(self, ints: list[int]):
+        self.ints, self.i = ints, 0
+
+    def next(self) -> int:
+        if self.i >= len(self.ints):
+            raise CorruptObjectError("ctx: header is truncated")
+        self.i += 1
+        return self.ints[self.i - 1]
+
+
+# -- one tensor --------------------------------------------------------------------------
+@dataclass
+class _Bucket:
+    pos: _SubsetDesc
+    big: _SubsetDesc | None = None
+    neg: _SubsetDesc | None = None
+    mag: B.Kind | None = None
+
+
+@dataclass
+class _TensorHeader:
+    thresholds: list[int]
+    buckets: list[_Bucket]
+    len_u: int
+    len_r: int
+
+
+def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    if spec.dtype not in MANTISSA_BITS:
+        return bits
+    width = bits.dtype.itemsize * 8
+    return bits & bits.dtype.type((1 << (width - 1)) - 1)
+
+
+def _members(mag: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
+    if lo is None and hi is None:
+        return np.arange(mag.size, dtype=np.int64)
+    if lo is None:
+        return np.flatnonzero(mag < hi)
+    if hi is None:
+        return np.flatnonzero(mag >= lo)
+    return np.flatnonzero((mag >= lo) & (mag < hi))
+
+
+def _bounds(thresholds: list[int], b: int) -> tuple[int | None, int | None]:
+    return (thresholds[b - 1] if b > 0 else None, thresholds[b] if b < len(thresholds) else None)
+
+
+def _abs_steps(d: np.ndarray) -> np.ndarray:
+    return np.where(d < 0, -d, d).view(np.uint64)
+
+
+class CtxCodec(Codec):
+    """Context-modelled sparse codec (see module docstring). Config: ``buckets`` (1..16, default 4)."""
+
+    codec_id = "ctx"
+    format_version = "1.0"
+    receiver_needs = "old_tensor"
+
+    def __init__(self, buckets: int = 4):
+        if not isinstance(buckets, int) or isinstance(buckets, bool) or not 1 <= buckets <= 16:
+            raise ValueError(f"buckets must be an integer in [1, 16], got {buckets!r}")
+        self.buckets = buckets
+
+    def get_config(self) -> dict[str, Any]:
+        return {"buckets": self.buckets}
+
+    # -- encode --------------------------------------------------------------------------
+    def encode(self, updates: Sequence[Update]) -> bytes:
+        ups = sorted_updates(updates)
+        for u in ups:
+            if u.positions is None:
+                raise ValueError("ctx encodes sparse updates only")
+            if u.old_tensor is None or u.old_tensor.numel() != u.spec.numel:
+                raise ValueError(f"ctx needs the whole old tensor of {u.spec.name!r} (Update.old_tensor)")
+        parts = parallel_map(self._encode_one, ups)
+        header: list[int] = []
+        streams = []
+        for h, s in parts:
+            header.extend(h)
+            streams.append(s)
+        meta = {"deltastore.names": names_digest([u.spec.name for u in ups])}
+        return pack_meta({"header": u8(B.uvarint_encode(np.array(header, dtype=np.uint64))),
+                          "streams": u8(b"".join(streams))}, self.codec_id, self.format_version, meta)
+
+    def encode_tensor(self, u: Update) -> tuple[list[int], bytes]:
+        """Header integers and stream bytes of one tensor (public for ``auto``)."""
+        return self._encode_one(u)
+
+    def _encode_one(self, u: Update) -> tuple[list[int], bytes]:
+        spec = u.spec
+        assert u.positions is not None and u.old_tensor is not None
+        old = np_bits(u.old_tensor).reshape(-1)
+        pos = u.positions.numpy().astype(np.int64, copy=False)
+        new = np_bits(u.bits).reshape(-1)
+        is_float = spec.dtype in MANTISSA_BITS
+        mag = _magnitude(old, spec)
+        old_at = old[pos]
+        mag_at = mag[pos]
+        thresholds: list[int] = []
+        if is_float and self.buckets > 1 and pos.size:
+            shift = MANTISSA_BITS[spec.dtype]
+            cls = torch.from_numpy((mag >> shift).astype(np.int32 if old.itemsize <= 4 else np.int64))
+            counts = torch.bincount(cls).numpy()
+            hits = np.bincount((mag_at >> shift).astype(np.int64), minlength=counts.size)
+            thresholds = choose_thresholds(counts, hits, self.buckets, shift)
+        d = B.ordered(new, is_float) - B.ordered(old_at, is_float)  # wraps for 64-bit: still a bijection
+        bucket_of = np.searchsorted(np.array(thresholds, dtype=np.int64), mag_at.astype(np.int64), side="right")
+        header: list[int] = [len(thresholds) + 1, *thresholds]
+        seqs: list[_Seq] = []
+        for b in range(len(thresholds) + 1):
+            sel = np.flatnonzero(bucket_of == b)
+            if sel.size == 0:
+                header.append(0)
+                continue
+            members = _members(mag, *_bounds(thresholds, b))
+            ranks = np.searchsorted(members, pos[sel])
+            encode_subset(ranks, members.size, header, seqs)
+            db = d[sel]
+            a = _abs_steps(db)
+            big = np.flatnonzero(a >= np.uint64(2))
+            encode_subset(big, sel.size, header, seqs)
+            encode_subset(np.flatnonzero(db < 0), sel.size, header, seqs)
+            if big.size:
+                kind, _ = B.best_kind(a[big] - np.uint64(2))
+                header.append(kind.code())
+                seqs.append(_Seq(big.size, kind, a[big] - np.uint64(2)))
+        qs, ws, rs = [], [], []
+        for s in seqs:
+            assert s.values is not None
+            q, w, r = B.split(s.values, s.kind)
+            qs.append(q)
+            ws.append(w)
+            rs.append(r)
+        q = np.concatenate(qs) if qs else np.zeros(0, np.int64)
+        ustream = B.pack_unary(q[q >= 0])
+        rstream = B.pack_raw(np.concatenate(ws) if ws else np.zeros(0, np.int64),
+                             np.concatenate(rs) if rs else np.zeros(0, np.uint64))
+        header += [len(ustream), len(rstream)]
+        return header, ustream + rstream
+
+    # -- decode --------------------------------------------------------------------------
+    def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
+        if old is None:
+            raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
+        raw, meta = unpack_meta(data, self.codec_id)
+        check_object(meta, specs, self.codec_id)
+        hdr = as_bytes(raw.get("header", torch.zeros(0, dtype=torch.int16)), self.codec_id, "header") \
+            if "header" in raw else None
+        streams = as_bytes(raw["streams"], self.codec_id, "streams") if "streams" in raw else None
+        if hdr is None or streams is None:
+            raise CorruptObjectError("ctx: object lacks its header or streams")
+        ordered_specs = sorted_specs(specs)
+        ints = self._header_ints(hdr)
+        r = _Reader(ints)
+        jobs = []
+        offset = 0
+        for spec in ordered_specs:
+            th = self._parse_tensor(r, spec)
+            end = offset + th.len_u + th.len_r
+            if end > len(streams):
+                raise CorruptObjectError(f"ctx: streams truncated at tensor {spec.name!r}")
+            jobs.append((spec, th, streams[offset:offset + th.len_u], streams[offset + th.len_u:end]))
+            offset = end
+        if r.i != len(ints) or offset != len(streams):
+            raise CorruptObjectError("ctx: trailing data after the last tensor")
+
+        def run(job: tuple[TensorSpec, _TensorHeader, bytes, bytes]) -> Update:
+            spec = job[0]
+            o = old(spec.name, None)
+            if o.numel() != spec.numel:
+                raise CorruptObjectError(f"ctx: old tensor {spec.name!r} has {o.numel()} elements, "
+                                         f"expected {spec.numel}")
+            return self.decode_tensor(spec, job[1], job[2], job[3], np_bits(o).reshape(-1))
+
+        return {u.spec.name: u for u in parallel_map(run, jobs)}
+
+    @staticmethod
+    def _header_ints(hdr: bytes) -> list[int]:
+        b = np.frombuffer(hdr, np.uint8)
+        n = int(np.count_nonzero(b < 0x80))
+        vals, used = B.uvarint_decode(b, n)
+        if used != b.size:
+            raise CorruptObjectError("ctx: header ends inside a varint")
+        return vals.tolist()
+
+    def _parse_tensor(self, r: _Reader, spec: TensorSpec) -> _TensorHeader:
+        nb = r.next()
+        if not 1 <= nb <= 16 or (nb > 1 and spec.dtype not in MANTISSA_BITS):
+            raise CorruptObjectError(f"ctx: {spec.name!r} has {nb} buckets")
+        thresholds = [r.next() for _ in range(nb - 1)]
+        if any(b <= a for a, b in zip(thresholds, thresholds[1:])):
+            raise CorruptObjectError("ctx: thresholds are not increasing")
+        buckets = []
+        for _ in range(nb):
+            bk = _Bucket(parse_subset(r))
+            if bk.pos.count:
+                bk.big = parse_subset(r)
+                bk.neg = parse_subset(r)
+                if bk.big.count:
+                    bk.mag = B.Kind.parse(r.next())
+            buckets.append(bk)
+        return _TensorHeader(thresholds, buckets, r.next(), r.next())
+
+    def decode_tensor(self, spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes,
+                      old: np.ndarray) -> Update:
+        """Decode one tensor given its parsed header, its two streams and the old flat bits."""
+        is_float = spec.dtype in MANTISSA_BITS
+        mag = _magnitude(old, spec) if len(th.buckets) > 1 else old
+        seqs: list[_Seq] = []
+        plan = []  # per bucket: members, and the seq index of each part (or None)
+        for b, bk in enumerate(th.buckets):
+            if not bk.pos.count:
+                plan.append(None)
+                continue
+            members = _members(mag, *_bounds(th.thresholds, b)) if len(th.buckets) > 1 else None
+            n_b = members.size if members is not None else spec.numel
+            parts = []
+            m = bk.pos.count
+            assert bk.big is not None and bk.neg is not None
+            for desc, n in ((bk.pos, n_b), (bk.big, m), (bk.neg, m)):
+                s = subset_seq(desc, n)
+                parts.append(len(seqs) if s is not None else None)
+                if s is not None:
+                    seqs.append(s)
+            if bk.mag is not None:
+                parts.append(len(seqs))
+                seqs.append(_Seq(bk.big.count, bk.mag))
+            else:
+                parts.append(None)
+            plan.append((members, n_b, parts))
+        values = self._read_streams(seqs, ustream, rstream)
+        out_pos, out_bits = [], []
+        for bk, p in zip(th.buckets, plan):
+            if p is None:
+                continue
+            members, n_b, parts = p
+            assert bk.big is not None and bk.neg is not None
+            ranks = decode_subset(bk.pos, n_b, values[parts[0]] if parts[0] is not None else None)
+            positions = members[ranks] if members is not None else ranks
+            m = ranks.size
+            big = decode_subset(bk.big, m, values[parts[1]] if parts[1] is not None else None)
+            neg = decode_subset(bk.neg, m, values[parts[2]] if parts[2] is not None else None)
+            a = np.ones(m, dtype=np.uint64)
+            if parts[3] is not None:
+                a[big] = values[parts[3]] + np.uint64(2)
+            d = a.view(np.int64).copy()
+            d[neg] = -d[neg]
+            o = B.ordered(old[positions], is_float) + d
+            out_pos.append(positions)
+            out_bits.append(B.unordered(o, old.dtype, is_float))
+        if out_pos:
+            pos = np.concatenate(out_pos)
+            bits = np.concatenate(out_bits)
+            if len(out_pos) > 1:
+                order = np.argsort(pos, kind="stable")
+                pos, bits = pos[order], bits[order]
+        else:
+            pos, bits = np.zeros(0, np.int64), np.zeros(0, np_bits_dtype(spec))
+        return Update(spec, to_torch_bits(bits, spec), torch.from_numpy(pos.astype(np.int64, copy=False)))
+
+    @staticmethod
+    def _read_streams(seqs: list[_Seq], ustream: bytes, rstream: bytes) -> list[np.ndarray]:
+        unary = [s for s in seqs if s.kind.kind != B.FIXED]
+        n_unary = sum(s.length for s in unary)
+        q_all = B.unpack_unary(ustream, n_unary)
+        used_u = int(q_all.sum()) + n_unary
+        if (used_u + 7) // 8 != len(ustream):
+            raise CorruptObjectError(f"ctx: unary stream has {len(ustream)} bytes, {(used_u + 7) // 8} expected")
+        qs, ws = [], []
+        i = 0
+        for s in seqs:
+            if s.kind.kind == B.FIXED:
+                q = np.full(s.length, -1, np.int64)
+            else:
+                q = q_all[i:i + s.length]
+                i += s.length
+            qs.append(q)
+            ws.append(B.widths(q, s.kind))
+        w = np.concatenate(ws) if ws else np.zeros(0, np.int64)
+        if w.size and int(w.max()) > B.MAX_WIDTH:
+            raise CorruptObjectError("ctx: field wider than 64 bits")
+        total = int(w.sum())
+        if (total + 7) // 8 != len(rstream):
+            raise CorruptObjectError(f"ctx: raw stream has {len(rstream)} bytes, {(total + 7) // 8} expected")
+        r = B.unpack_raw(rstream, w)
+        out, j = [], 0
+        for s, q in zip(seqs, qs):
+            out.append(B.join(q, r[j:j + s.length], s.kind))
+            j += s.length
+        return out
