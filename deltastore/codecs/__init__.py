@@ -1,7 +1,9 @@
 """Codec plugins, chosen by name.
 
-Built-ins: ``raw`` (sparse: positions + new values) and ``dense`` (whole
-tensors, for anchors). Register your own with :func:`register_codec` or an
+Built-ins: ``raw`` (sparse: positions + new values), ``zstd`` (gap-coded
+positions + zstd, raw values), ``ulp`` (plus ulp-step values), ``ctx``
+(context-modelled on the receiver's tensor), ``auto`` (per tensor the
+smallest) and ``dense`` (whole tensors, for anchors). See ``docs/codecs.md``. Register your own with :func:`register_codec` or an
 entry point in the group ``deltastore.codecs``.
 """
 
@@ -17,6 +19,10 @@ __all__ = ["Codec", "OldBits", "TensorSpec", "Update", "get_codec", "register_co
 
 _registry.register("raw", "deltastore.codecs.raw:RawCodec")
 _registry.register("dense", "deltastore.codecs.dense:DenseCodec")
+_registry.register("zstd", "deltastore.codecs.zstd:ZstdCodec")
+_registry.register("ulp", "deltastore.codecs.ulp:UlpCodec")
+_registry.register("ctx", "deltastore.codecs.ctx:CtxCodec")
+_registry.register("auto", "deltastore.codecs.auto:AutoCodec")
 
 
 def register_codec(name: str, cls: type[Codec] | str, *, clobber: bool = False,

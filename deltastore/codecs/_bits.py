@@ -287,12 +287,9 @@ def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
     return np.packbits(bits).tobytes()
 
 
-def _read32(buf: np.ndarray, off: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # Read w <= 32 bits at bit offsets off from a zero-padded byte buffer.
-    idx = (off >> 3)[:, None] + np.arange(8)
-    win = np.ascontiguousarray(buf[idx]).view(">u8").ravel().astype(np.uint64)
-    sh = (off & 7).astype(np.uint64)
-    x = win << sh
+def _read32(windows: np.ndarray, off: np.ndarray, w: np.ndarray) -> np.ndarray:
+    # Read w <= 32 bits at bit offsets off; windows[i] = big-endian 8 bytes starting at byte i.
+    x = windows[off >> 3].astype(np.uint64) << (off & 7).astype(np.uint64)
     ww = np.maximum(w, 1).astype(np.uint64)
     x = x >> (_U64(64) - ww)
     return np.where(w == 0, _U64(0), x)
@@ -311,8 +308,52 @@ def unpack_raw(data: bytes, w: np.ndarray) -> np.ndarray:
         raise CorruptObjectError(f"raw stream holds {len(data) * 8} bits, {total} needed")
     buf = np.zeros(len(data) + 16, np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
+    windows = np.ndarray(shape=(len(data) + 8,), dtype=">u8", buffer=buf, offset=0, strides=(1,))
     hiw = np.maximum(w - 32, 0)
     low = np.minimum(w, 32)
-    hi = _read32(buf, off, hiw)
-    lo = _read32(buf, off + hiw, low)
+    hi = _read32(windows, off, hiw)
+    lo = _read32(windows, off + hiw, low)
     return (hi << _U64(32)) | lo if int(hiw.max()) else lo
+
+
+# -- rank/select on boolean masks ----------------------------------------------------------
+_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+_SEL8 = np.zeros((256, 8), dtype=np.int64)  # _SEL8[b, j]: index (0 = MSB) of the j-th set bit of b
+for _b in range(256):
+    _ones = [i for i in range(8) if _b & (0x80 >> i)]
+    _SEL8[_b, :len(_ones)] = _ones
+
+
+def _popcount64(words: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words).astype(np.int64)
+    return _POP8[words.view(np.uint8)].reshape(-1, 8).sum(axis=1)
+
+
+def select(mask: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Positions of the ``ranks``-th True elements of ``mask`` (ranks sorted, int64 result).
+
+    Equivalent to ``np.flatnonzero(mask)[ranks]`` but touches the mask once,
+    packed to bits, instead of materialising every member's position.
+    Raises :class:`CorruptObjectError` if a rank is not below the number of True elements.
+    """
+    if ranks.size == 0:
+        return np.zeros(0, np.int64)
+    packed = np.packbits(mask)
+    pad = (-packed.size) % 8
+    if pad:
+        packed = np.concatenate((packed, np.zeros(pad, np.uint8)))
+    words = packed.view(np.uint64)
+    pc = _popcount64(words)
+    cum = np.cumsum(pc)
+    if int(ranks[-1]) >= int(cum[-1]) or int(ranks[0]) < 0:
+        raise CorruptObjectError(f"rank {int(ranks[-1])} beyond a set of {int(cum[-1])}")
+    w = np.searchsorted(cum, ranks, side="right")
+    j = ranks - (cum[w] - pc[w])
+    wb = packed.reshape(-1, 8)[w]
+    bpc = _POP8[wb]
+    bc = np.cumsum(bpc, axis=1)
+    byte_idx = (bc <= j[:, None]).sum(axis=1)
+    rows = np.arange(ranks.size)
+    jj = j - (bc[rows, byte_idx] - bpc[rows, byte_idx])
+    return w * 64 + byte_idx * 8 + _SEL8[wb[rows, byte_idx], jj]

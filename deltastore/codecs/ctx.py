@@ -227,6 +227,14 @@ def _members(mag: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
     return np.flatnonzero((mag >= lo) & (mag < hi))
 
 
+def _mask(mag: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
+    if lo is None:
+        return mag < hi
+    if hi is None:
+        return mag >= lo
+    return (mag >= lo) & (mag < hi)
+
+
 def _bounds(thresholds: list[int], b: int) -> tuple[int | None, int | None]:
     return (thresholds[b - 1] if b > 0 else None, thresholds[b] if b < len(thresholds) else None)
 
@@ -398,8 +406,8 @@ class CtxCodec(Codec):
             if not bk.pos.count:
                 plan.append(None)
                 continue
-            members = _members(mag, *_bounds(th.thresholds, b)) if len(th.buckets) > 1 else None
-            n_b = members.size if members is not None else spec.numel
+            members = _mask(mag, *_bounds(th.thresholds, b)) if len(th.buckets) > 1 else None
+            n_b = int(np.count_nonzero(members)) if members is not None else spec.numel
             parts = []
             m = bk.pos.count
             assert bk.big is not None and bk.neg is not None
@@ -422,7 +430,7 @@ class CtxCodec(Codec):
             members, n_b, parts = p
             assert bk.big is not None and bk.neg is not None
             ranks = decode_subset(bk.pos, n_b, values[parts[0]] if parts[0] is not None else None)
-            positions = members[ranks] if members is not None else ranks
+            positions = B.select(members, ranks) if members is not None else ranks
             m = ranks.size
             big = decode_subset(bk.big, m, values[parts[1]] if parts[1] is not None else None)
             neg = decode_subset(bk.neg, m, values[parts[2]] if parts[2] is not None else None)
