@@ -15,8 +15,9 @@ tensors already written are restored from the saved bits and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,21 +28,33 @@ from .manifest import Manifest, TensorRecord
 from .tensors import bits_view, dtype_name
 
 
-def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict[str, list[str]]:
     """Every manifest tensor must exist in ``target`` with the same dtype and shape, contiguous.
 
+    Returns ``primary name -> [alias names]`` for the manifest's aliases that
+    the target holds as separate tensors (they receive the same writes).
     Raises :class:`TargetMismatchError` naming the first offending tensor.
-    Extra target tensors are allowed and left alone.
+    Other extra target tensors are allowed and left alone.
     """
+    records = manifest.tensor_map()
     for rec in manifest.tensors:
-        t = target.get(rec.name)
-        if t is None:
-            raise TargetMismatchError(f"target has no tensor {rec.name!r} (version {manifest.step} has it)")
-        if dtype_name(t.dtype) != rec.dtype or tuple(t.shape) != rec.shape:
-            raise TargetMismatchError(f"target tensor {rec.name!r} is {t.dtype}{tuple(t.shape)}, "
-                                      f"version {manifest.step} has {rec.dtype}{list(rec.shape)}")
-        if not t.is_contiguous():
-            raise TargetMismatchError(f"target tensor {rec.name!r} is not contiguous")
+        _check_tensor(target.get(rec.name), rec, rec.name, manifest.step)
+    copies: dict[str, list[str]] = {}
+    for alias, primary in manifest.aliases.items():
+        if alias in target:
+            _check_tensor(target[alias], records[primary], alias, manifest.step)
+            copies.setdefault(primary, []).append(alias)
+    return copies
+
+
+def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: int) -> None:
+    if t is None:
+        raise TargetMismatchError(f"target has no tensor {name!r} (version {step} has it)")
+    if dtype_name(t.dtype) != rec.dtype or tuple(t.shape) != rec.shape:
+        raise TargetMismatchError(f"target tensor {name!r} is {t.dtype}{tuple(t.shape)}, "
+                                  f"version {step} has {rec.dtype}{list(rec.shape)}")
+    if not t.is_contiguous():
+        raise TargetMismatchError(f"target tensor {name!r} is not contiguous")
 
 
 def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int) -> None:
@@ -156,15 +169,15 @@ class SparseOverlay:
             old = self.old_bits(rec.name, positions)
             cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
             _expect(rec, cs, manifest.step, "applying the delta to the target")
-            staged.append((rec.name, positions, u.bits, cs))
-        for name, positions, bits, cs in staged:
-            self._merge(name, positions, bits)
+            staged.append((rec.name, positions, u.bits, old, cs))
+        for name, positions, bits, old, cs in staged:
+            self._merge(name, positions, bits, old)
             self.checksums[name] = cs
 
-    def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor) -> None:
+    def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
-        if p is None:
-            self.pending[name] = _Pending(positions, bits.clone(), self._target_bits(name, positions))
+        if p is None:  # first touch: the bits before this delta are the target's own
+            self.pending[name] = _Pending(positions, bits.clone(), old)
             return
         union, inverse = torch.unique(torch.cat([p.positions, positions]), sorted=True, return_inverse=True)
         merged = torch.empty(union.numel(), dtype=bits.dtype)
@@ -181,13 +194,17 @@ class SparseOverlay:
         self.pending[name] = _Pending(union, merged, original)
 
 
-def write_full(target: Mapping[str, torch.Tensor], state: FullState) -> None:
-    """Copy whole tensors into ``target`` in place; restore everything on failure (see :func:`_rollback`)."""
+def write_full(target: Mapping[str, torch.Tensor], state: FullState,
+               copies: Mapping[str, list[str]] | None = None) -> None:
+    """Copy whole tensors into ``target`` in place; restore everything on failure (see :func:`_rollback`).
+
+    ``copies`` names further target tensors that receive the same content (aliases).
+    """
     undo: list[Callable[[], object]] = []
     try:
         with torch.no_grad():
-            for name, bits in state.bits.items():
-                flat = bits_view(target[name])
+            for name, bits, dest in _destinations(state.bits, copies):
+                flat = bits_view(target[dest])
                 backup = flat.to("cpu", copy=True)
                 undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
                 flat.copy_(bits.to(flat.device))
@@ -195,18 +212,28 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState) -> None:
         _rollback(undo, e)
 
 
-def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay) -> None:
+def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
+                 copies: Mapping[str, list[str]] | None = None) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure."""
     undo: list[Callable[[], object]] = []
     try:
         with torch.no_grad():
-            for name, p in overlay.pending.items():
-                flat = bits_view(target[name])
+            for name, p, dest in _destinations(overlay.pending, copies):
+                flat = bits_view(target[dest])
                 pos = p.positions.to(flat.device)
-                undo.append(lambda flat=flat, pos=pos, orig=p.original: flat.index_put_((pos,), orig.to(flat.device)))
+                orig = p.original if dest == name else flat[pos].cpu()
+                undo.append(lambda flat=flat, pos=pos, orig=orig: flat.index_put_((pos,), orig.to(flat.device)))
                 flat[pos] = p.bits.to(flat.device)
     except Exception as e:
         _rollback(undo, e)
+
+
+def _destinations(items: Mapping[str, Any], copies: Mapping[str, list[str]] | None
+                  ) -> Iterator[tuple[str, Any, str]]:
+    for name, item in items.items():
+        yield name, item, name
+        for alias in (copies or {}).get(name, ()):
+            yield name, item, alias
 
 
 def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:

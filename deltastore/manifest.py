@@ -95,7 +95,12 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A committed version. ``kind == "anchor"`` means every tensor has a ``full`` object."""
+    """A committed version. ``kind == "anchor"`` means every tensor has a ``full`` object.
+
+    ``aliases`` maps names that share storage with a listed tensor on the
+    publisher (tied weights) to that tensor's name; a target holding a separate
+    tensor under an alias name gets the same writes.
+    """
 
     step: int
     kind: Kind
@@ -105,6 +110,7 @@ class Manifest:
     created: float = 0.0
     producer: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
 
     # -- derived figures -----------------------------------------------------
@@ -154,6 +160,7 @@ class Manifest:
             "created": self.created,
             "producer": self.producer,
             "metadata": self.metadata,
+            "aliases": self.aliases,
             "stats": {"changed": self.changed, "total": self.total, "object_bytes": self.object_bytes()},
             "objects": [{"digest": o.digest, "size": o.size, "codec": o.codec} for o in self.objects],
             "tensors": [
@@ -301,9 +308,15 @@ def _parse(doc: Any) -> Manifest:
         if changed > 0 and delta is None and full is None:
             raise ManifestError(f"tensor {name!r} changed but names no object")
         tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full))
+    aliases = _get(doc, "aliases", dict)
+    for alias, primary in aliases.items():
+        check_tensor_name(alias)
+        if primary not in names or alias in names:
+            raise ManifestError(f"alias {alias!r} -> {primary!r} must name a listed tensor and not be one")
     used = {t.delta for t in tensors} | {t.full for t in tensors}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
     return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
-                    created=float(created), producer=producer, metadata=metadata, format_version=version)
+                    created=float(created), producer=producer, metadata=metadata, aliases=aliases,
+                    format_version=version)

@@ -111,6 +111,7 @@ class Publisher:
         self.writer_id = uuid.uuid4().hex
         self._mirror: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] = {}
+        self._aliases: dict[str, str] = {}
         self._checksums: dict[str, int] = {}
         self._last: VersionRef | None = None
         self._last_step: int | None = None
@@ -139,7 +140,8 @@ class Publisher:
         if self._closed:
             raise RuntimeError("Publisher is closed")
         self._check_step(step)
-        tensors = named_tensors(state)
+        aliases: dict[str, str] = {}
+        tensors = named_tensors(state, aliases)
         specs = {}
         for name, t in tensors.items():
             try:
@@ -148,7 +150,12 @@ class Publisher:
                 raise TargetMismatchError(str(e)) from None
             specs[name] = TensorSpec(name, self._dtype_of(t), tuple(t.shape))
             dtype_name(specs[name].dtype)
-        same_layout = self._mirror is not None and specs == self._specs
+        for alias in aliases:
+            try:
+                check_tensor_name(alias)
+            except ManifestError as e:
+                raise TargetMismatchError(str(e)) from None
+        same_layout = self._mirror is not None and specs == self._specs and aliases == self._aliases
         is_anchor = not same_layout or self.policy.should_anchor(self._chain)
         parent = self._last if same_layout else None
 
@@ -178,7 +185,7 @@ class Publisher:
         created = time.time()
         manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta", parent=parent,
                             tensors=tuple(records), objects=tuple(objects), created=created,
-                            producer=self._producer(), metadata=self.metadata)
+                            producer=self._producer(), metadata=self.metadata, aliases=aliases)
         data, digest = self.store.commit(manifest)
 
         # Committed: now (and only now) move the mirror and the chain state forward.
@@ -190,6 +197,7 @@ class Publisher:
         else:
             self._mirror = fresh
             self._specs = specs
+            self._aliases = aliases
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._last_step = step
@@ -295,6 +303,7 @@ class Publisher:
         manifest = self.store.manifest(latest)
         self._mirror = {name: bits_view(t) for name, t in result.state.items()}
         self._specs = {t.name: t.spec for t in manifest.tensors}
+        self._aliases = dict(manifest.aliases)
         self._checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
         self._last = self.store.ref(latest)
         # Rebuild the chain state back to the last anchor for the policy.

@@ -151,8 +151,7 @@ class Subscriber:
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         tensors = named_tensors(target) if target is not None else None
-        if tensors is not None:
-            check_layout(tensors, manifest)
+        copies = check_layout(tensors, manifest) if tensors is not None else {}
         current = tracking.get_version(target) if target is not None else None
         if current == ref:
             return PullResult(step, target, path="none", digest=digest)
@@ -180,7 +179,7 @@ class Subscriber:
                 return PullResult(step, state.as_tensors(), fetched, applied, "anchor", digest)
             tracking.set_version(target, None)  # unknown while writing; restored below
             try:
-                write_full(tensors, state)
+                write_full(tensors, state, copies)
             except ApplyError as e:
                 tracking.set_version(target, current if e.restored else None)
                 raise
@@ -198,7 +197,7 @@ class Subscriber:
             applied.append(s)
         tracking.set_version(target, None)
         try:
-            write_sparse(tensors, overlay)
+            write_sparse(tensors, overlay, copies)
         except ApplyError as e:
             tracking.set_version(target, current if e.restored else None)
             raise
@@ -232,8 +231,9 @@ class Subscriber:
             step = ref.step
         manifest = self.store.manifest(step)
         tensors = named_tensors(target)
-        check_layout(tensors, manifest)
-        bad = [r.name for r in manifest.tensors if full_checksum(r.name, tensors[r.name]) != int(r.checksum, 16)]
+        copies = check_layout(tensors, manifest)
+        bad = [dest for r in manifest.tensors for dest in [r.name, *copies.get(r.name, [])]
+               if full_checksum(r.name, tensors[dest]) != int(r.checksum, 16)]
         if bad:
             raise ChecksumMismatchError(f"{len(bad)} tensor(s) differ from version {step}: {bad[:5]}")
 

@@ -50,13 +50,13 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(bits_dtype(t.dtype))
 
 
-def named_tensors(state: StateLike) -> dict[str, torch.Tensor]:
+def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Normalise a Module, a mapping or an iterable of ``(name, tensor)`` to an ordered dict.
 
     For a Module this is its ``state_dict`` (parameters and persistent buffers)
     as live tensors. Entries that alias an earlier entry (same storage, offset,
     shape and dtype: tied weights) are dropped, so each storage is published and
-    written once; both roles apply the same rule so their names agree.
+    written once; when ``aliases`` is given it receives ``dropped -> kept`` names.
     """
     if isinstance(state, torch.nn.Module):
         items: Iterable[tuple[str, Any]] = state.state_dict(keep_vars=True).items()
@@ -65,7 +65,7 @@ def named_tensors(state: StateLike) -> dict[str, torch.Tensor]:
     else:
         items = state
     out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[Any, ...]] = set()
+    seen: dict[tuple[Any, ...], str] = {}
     for name, t in items:
         if not isinstance(name, str):
             raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
@@ -75,7 +75,9 @@ def named_tensors(state: StateLike) -> dict[str, torch.Tensor]:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
         alias = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() > 0 and alias in seen:
+            if aliases is not None:
+                aliases[name] = seen[alias]
             continue
-        seen.add(alias)
+        seen[alias] = name
         out[name] = t
     return out

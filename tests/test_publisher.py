@@ -172,3 +172,23 @@ def test_all_float_dtypes_and_special_values_roundtrip(memory_uri):
         assert bits_equal(sub.pull(step=i).state, s)
         sub.pull(target, step=i)
         assert bits_equal(target, s)
+
+
+def test_aliased_names_reach_a_target_that_holds_them_separately(memory_uri):
+    w = torch.randn(8, 4).bfloat16()
+    sub = ds.Subscriber(memory_uri)
+    pub = ds.Publisher(memory_uri)
+    pub.publish({"emb": w, "head": w}, step=0)  # one storage under two names
+    m = sub.manifest(0)
+    assert [t.name for t in m.tensors] == ["emb"] and m.aliases == {"head": "emb"}
+    target = {"emb": torch.zeros(8, 4, dtype=torch.bfloat16), "head": torch.zeros(8, 4, dtype=torch.bfloat16)}
+    sub.pull(target)
+    w2 = w.clone()
+    w2.view(torch.int16)[0, :2] += 1
+    pub.publish({"emb": w2, "head": w2}, step=1)
+    assert sub.pull(target).path == "delta"
+    assert bits_equal(target, {"emb": w2, "head": w2})
+    sub.verify(target)
+    target["head"].view(torch.int16)[3, 3] += 1
+    with pytest.raises(ds.errors.ChecksumMismatchError, match="head"):
+        sub.verify(target)
