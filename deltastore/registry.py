@@ -94,6 +94,9 @@ class Registry(Generic[T]):
             if isinstance(entry.target, str):
                 try:
                     entry.target = _import_dotted(entry.target)
+                except AttributeError as e:
+                    raise MissingDependencyError(
+                        f"{self.kind} {name!r} points at {entry.target!r}, which does not exist ({e})") from e
                 except ImportError as e:
                     hint = f"; install it with: {entry.install_hint}" if entry.install_hint else ""
                     raise MissingDependencyError(
@@ -112,13 +115,20 @@ class Registry(Generic[T]):
                 self._load_entry_points()
             return name in self._entries
 
+    def refresh(self) -> None:
+        """Scan the entry points again on the next lookup (after installing a plugin package)."""
+        with self._lock:
+            self._entry_points_loaded = False
+
     def _load_entry_points(self) -> None:
         if self._entry_points_loaded:
             return
         self._entry_points_loaded = True
         for ep in metadata.entry_points(group=self.group):
             if ep.name not in self._entries:  # explicit registrations win
-                self._entries[ep.name] = _Entry(ep.value)
+                dist = getattr(ep, "dist", None)
+                hint = f"pip install {dist.name}" if dist is not None and getattr(dist, "name", None) else None
+                self._entries[ep.name] = _Entry(ep.value, hint)
 
 
 def _same_target(a: Any, b: Any) -> bool:

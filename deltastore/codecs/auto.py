@@ -46,7 +46,7 @@ class AutoCodec(Codec):
             raise ValueError(f"dense_above must be in [0, 1], got {dense_above!r}")
         self.dense_above = float(dense_above)
         self._codecs: dict[str, Codec] = {"ctx": CtxCodec(), "ulp": UlpCodec(), "zstd": ZstdCodec(),
-                                          "dense": DenseCodec()}
+                                          "dense": DenseCodec(planes=True)}
 
     def get_config(self) -> dict[str, Any]:
         return {"dense_above": self.dense_above}

@@ -1,6 +1,6 @@
 """``dense``: whole tensors (anchors), byte planes compressed with zstd.
 
-Format 2.0 (written now): for every tensor ``<name>`` one uint8 tensor
+Format 2.0 (written with ``planes=True``): for every tensor ``<name>`` one uint8 tensor
 ``<name>`` holding zstd frames, and the header metadata key
 ``deltastore.dense`` = JSON ``{name: [[plane, elem_start, elem_count, nbytes, stored], ...]}``
 listing, in order, the frames concatenated in that tensor. A frame holds byte
@@ -13,7 +13,7 @@ and mantissa, as ZipNN does); integer tensors are not rotated. Elements are cut 
 decode in parallel. For bf16 plane 1 (the exponent) compresses to about a third; plane 0
 (sign and mantissa) is stored raw: ≈ 66-68 % of the raw size.
 
-Format 1.x (still read): one tensor per name in its own dtype and shape, a
+Format 1.0 (the default, and always read): one tensor per name in its own dtype and shape, a
 plain safetensors checkpoint.
 """
 
@@ -102,14 +102,23 @@ def join_planes(spec: TensorSpec, index: Any, payload: bytes | memoryview, rotat
 
 
 class DenseCodec(Codec):
-    """Whole tensors as zstd-compressed byte planes. Config: ``level`` (1), ``chunk`` (elements per frame)."""
+    """Whole tensors; with ``planes=True`` as zstd-compressed byte planes (format 2), else plain (format 1).
+
+    Config: ``planes`` (default False, so objects stay readable by older
+    readers and plain safetensors tools), ``level`` (zstd level, 1),
+    ``chunk`` (elements per frame). :meth:`describe` records the format
+    actually written.
+    """
 
     codec_id = "dense"
     format_version = "2.0"
     readable_majors = ("1",)
     dense = True
 
-    def __init__(self, level: int = 1, chunk: int = 1 << 22):
+    def __init__(self, planes: bool = False, level: int = 1, chunk: int = 1 << 22):
+        if not isinstance(planes, bool):
+            raise ValueError(f"planes must be a bool, got {planes!r}")
+        self.planes = planes
         if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
             raise ValueError(f"level must be an integer in [-7, 22], got {level!r}")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
@@ -117,14 +126,22 @@ class DenseCodec(Codec):
         self.level, self.chunk = level, chunk
 
     def get_config(self) -> dict[str, Any]:
-        return {"level": self.level, "chunk": self.chunk}
+        if not self.planes:
+            return {}
+        return {"planes": True, "level": self.level, "chunk": self.chunk}
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.codec_id, "version": "2.0" if self.planes else "1.0", "config": self.get_config()}
 
     def encode(self, updates: Sequence[Update]) -> bytes:
+        if any(u.positions is not None for u in updates):
+            raise ValueError("dense encodes whole tensors only")
+        if not self.planes:
+            plain = {u.spec.name: u.bits.view(u.spec.dtype).reshape(u.spec.shape) for u in updates}
+            return pack_meta(plain, self.codec_id, "1.0", {})
         out: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
         for u in updates:
-            if u.positions is not None:
-                raise ValueError("dense encodes whole tensors only")
             entries, payload = split_planes(np_bits(u.bits).reshape(-1), self.chunk, self.level,
                                             rotate=u.spec.dtype in MANTISSA_BITS)
             out[u.spec.name] = u8(payload)
