@@ -308,7 +308,7 @@ def _parse(doc: Any) -> Manifest:
         if changed > 0 and delta is None and full is None:
             raise ManifestError(f"tensor {name!r} changed but names no object")
         tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full))
-    aliases = _get(doc, "aliases", dict)
+    aliases = _get(doc, "aliases", dict) if "aliases" in doc else {}
     for alias, primary in aliases.items():
         check_tensor_name(alias)
         if primary not in names or alias in names:
