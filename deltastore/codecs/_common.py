@@ -67,7 +67,10 @@ def np_bits_dtype(spec: TensorSpec) -> np.dtype:
 
 def to_torch_bits(a: np.ndarray, spec: TensorSpec) -> torch.Tensor:
     """A torch tensor of ``spec.bits_dtype`` holding ``a``'s bits."""
-    return torch.from_numpy(np.ascontiguousarray(a).astype(np_bits_dtype(spec), copy=False))
+    a = np.ascontiguousarray(a).astype(np_bits_dtype(spec), copy=False)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
 
 
 def zstd_compress(data: bytes, level: int = 1) -> bytes:
