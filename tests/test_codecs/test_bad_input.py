@@ -1,0 +1,121 @@
+"""Truncated, garbage, oversized and future-format objects raise typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from deltastore.codecs import get_codec
+from deltastore.codecs._common import pack_meta, u8, unpack_meta
+from deltastore.errors import CorruptObjectError, UnsupportedFormatError
+
+from .helpers import SPARSE, make_update, roundtrip
+
+CODECS = SPARSE + ["dense-planes"]
+
+
+def _sample():
+    rng = np.random.default_rng(3)
+    old = (torch.from_numpy(rng.standard_normal(5000)) * 0.02).to(torch.bfloat16).view(torch.int16)
+    new = old.clone()
+    idx = torch.from_numpy(np.sort(rng.choice(5000, 200, replace=False)))
+    new[idx] += 1
+    return [make_update("w", torch.bfloat16, (5000,), old, new)]
+
+
+def _codec(cid):
+    return get_codec({"id": "dense", "version": "2.0", "config": {"planes": True}}) if cid == "dense-planes" \
+        else get_codec(cid)
+
+
+def _decode(codec, data, ups):
+    olds = {u.spec.name: u.old_tensor for u in ups}
+    specs = [u.spec for u in ups]
+    return codec.decode(data, specs, lambda n, p: olds[n] if p is None else olds[n][p])
+
+
+def _encode(cid, ups):
+    codec = _codec(cid)
+    if codec.dense:
+        from deltastore.codecs import Update
+        ups = [Update(u.spec, u.old_tensor) for u in ups]
+    return codec, ups, codec.encode(ups)
+
+
+@pytest.mark.parametrize("cid", CODECS)
+def test_truncated(cid):
+    codec, ups, data = _encode(cid, _sample())
+    for cut in (0, 8, len(data) // 2, len(data) - 1):
+        with pytest.raises(CorruptObjectError):
+            _decode(codec, data[:cut], ups)
+
+
+@pytest.mark.parametrize("cid", CODECS)
+def test_garbage_and_trailing_bytes(cid):
+    codec, ups, data = _encode(cid, _sample())
+    with pytest.raises(CorruptObjectError):
+        _decode(codec, b"\x00" * 64, ups)
+    with pytest.raises(CorruptObjectError):
+        _decode(codec, np.random.default_rng(0).bytes(len(data)), ups)
+
+
+@pytest.mark.parametrize("cid", ["zstd", "ulp", "ctx", "dense-planes"])
+def test_stream_tampering(cid):
+    """Flip bytes inside each stored stream, and append bytes to each: typed error or a detectably different result."""
+    codec, ups, data = _encode(cid, _sample())
+    tensors, meta = unpack_meta(data, cid.split("-")[0])
+    for key, t in tensors.items():
+        b = t.numpy().tobytes()
+        for variant in (b + b"\x01", b[:-1]):
+            tt = dict(tensors)
+            tt[key] = u8(variant)
+            bad = pack_meta(tt, codec.codec_id, meta["deltastore.codec_version"],
+                            {k: v for k, v in meta.items() if not k.startswith("deltastore.codec")})
+            with pytest.raises(CorruptObjectError):
+                _decode(codec, bad, ups)
+
+
+@pytest.mark.parametrize("cid", ["zstd", "ulp"])
+def test_zstd_bomb_is_refused(cid):
+    codec, ups, data = _encode(cid, _sample())
+    tensors, meta = unpack_meta(data, cid)
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\x00" * (64 << 20))  # 64 MiB of zeros in a few KB
+    tensors["positions"] = u8(bomb)
+    bad = pack_meta(tensors, codec.codec_id, "1.0", {"deltastore.names": meta["deltastore.names"]})
+    with pytest.raises(CorruptObjectError):
+        _decode(codec, bad, ups)
+
+
+def test_unknown_major_version_is_refused():
+    for cid in ("raw", "zstd", "ulp", "ctx", "auto", "dense"):
+        with pytest.raises(UnsupportedFormatError):
+            get_codec({"id": cid, "version": "9.0", "config": {}})
+    get_codec({"id": "dense", "version": "1.0", "config": {}})  # the old dense layout stays readable
+    get_codec({"id": "ctx", "version": "1.7", "config": {"buckets": 3}})  # a newer minor is fine
+
+
+def test_wrong_tensor_set_is_refused():
+    ups = _sample()
+    for cid in ("zstd", "ulp", "ctx"):
+        codec = get_codec(cid)
+        data = codec.encode(ups)
+        from deltastore.codecs import TensorSpec
+        with pytest.raises(CorruptObjectError):
+            codec.decode(data, [TensorSpec("other", torch.bfloat16, (5000,))], lambda n, p: ups[0].old_tensor)
+
+
+def test_ctx_wrong_old_tensor_size():
+    ups = _sample()
+    codec = get_codec("ctx")
+    data = codec.encode(ups)
+    with pytest.raises(CorruptObjectError):
+        codec.decode(data, [ups[0].spec], lambda n, p: torch.zeros(10, dtype=torch.int16))
+
+
+def test_roundtrip_still_fine():
+    ups = _sample()
+    for cid in SPARSE:
+        d = roundtrip(get_codec(cid), ups)
+        assert torch.equal(d["w"].bits, ups[0].bits)
