@@ -59,7 +59,7 @@ def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int 
     for start in range(0, old_bits.numel(), chunk_elems):
         o = old_bits[start:start + chunk_elems]
         n = bits_view(new_flat[start:start + chunk_elems].to(dtype)).to(o.device)
-        idx = torch.ne(o, n).nonzero().squeeze(1)
+        idx = _changed(o, n)
         if idx.numel():
             positions.append((idx + start).cpu())
             new_parts.append(n[idx].cpu())
@@ -68,3 +68,30 @@ def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int 
         empty = torch.empty(0, dtype=old_bits.dtype)
         return Change(torch.empty(0, dtype=torch.int64), empty, empty.clone())
     return Change(torch.cat(positions), torch.cat(new_parts), torch.cat(old_parts))
+
+
+def _changed(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Sorted positions where the 1-D integer tensors ``o`` and ``n`` differ.
+
+    Narrow elements are compared 8 bytes at a time first: scanning a quarter as
+    many words makes ``nonzero`` (the dominant cost at RL densities) about 4x
+    cheaper for bf16; only the differing words are then refined per element.
+    """
+    k = 8 // o.element_size()
+    m = o.numel() - o.numel() % k
+    if k == 1 or m == 0:
+        return torch.ne(o, n).nonzero().squeeze(1)
+    try:
+        ow, nw = o[:m].view(torch.int64), n[:m].view(torch.int64)
+    except RuntimeError:  # storage not 8-byte aligned: compare element-wise
+        return torch.ne(o, n).nonzero().squeeze(1)
+    words = torch.ne(ow, nw).nonzero().squeeze(1)
+    parts = []
+    if words.numel():
+        idx = (words.unsqueeze(1) * k + torch.arange(k, device=o.device)).reshape(-1)
+        parts.append(idx[o[idx] != n[idx]])
+    if m < o.numel():
+        parts.append(torch.ne(o[m:], n[m:]).nonzero().squeeze(1) + m)
+    if not parts:
+        return words  # empty int64
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

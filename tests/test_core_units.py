@@ -180,3 +180,11 @@ def test_registry_rules():
     assert "pip install no-such-thing" in str(e.value) and isinstance(e.value, ImportError)
     with pytest.raises(UnknownPluginError):
         reg.get("nope")
+
+
+def test_diff_on_unaligned_storage_falls_back_to_elementwise():
+    big = torch.randn(1001).bfloat16()
+    new = big[1:]  # storage offset 1: cannot be viewed as 8-byte words
+    old = bits_view(new.clone())
+    new.view(torch.int16)[[0, 3, 998, 999]] += 1
+    assert find_changes(old, new).positions.tolist() == [0, 3, 998, 999]

@@ -25,6 +25,7 @@ so a codec only has to encode and decode.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
@@ -53,10 +54,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def bits_dtype(self) -> torch.dtype:
