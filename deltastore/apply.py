@@ -101,8 +101,9 @@ class FullState:
             self.checksums[rec.name] = int(rec.checksum, 16)
             self.bits[rec.name] = b
 
-    def old_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
-        return self.bits[name][positions]
+    def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        """Bits at ``positions``; ``None``: the whole flat tensor (read-only for the caller)."""
+        return self.bits[name] if positions is None else self.bits[name][positions]
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         """Apply one delta version, checking every touched tensor's checksum first."""
@@ -149,8 +150,14 @@ class SparseOverlay:
         flat = bits_view(self.target[name])
         return flat[positions.to(flat.device)].cpu()
 
-    def old_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
-        """Bits at ``positions`` as of the deltas applied so far."""
+    def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        """Bits at ``positions`` (``None``: the whole flat tensor, a CPU copy) as of the deltas applied so far."""
+        if positions is None:
+            whole = bits_view(self.target[name]).to("cpu", copy=True)
+            p = self.pending.get(name)
+            if p is not None and p.positions.numel():
+                whole[p.positions] = p.bits
+            return whole
         old = self._target_bits(name, positions)
         p = self.pending.get(name)
         if p is not None and p.positions.numel():

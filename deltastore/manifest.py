@@ -30,9 +30,11 @@ MAX_DIMS = 16
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,511}$")
 
 Kind = Literal["anchor", "delta"]
+Role = Literal["delta", "full", "diff"]
 
 
 def sha256_digest(data: bytes) -> str:
@@ -74,6 +76,10 @@ class TensorRecord:
     delta: index into ``objects`` of the object that turns the parent's tensor
         into this one (None when unchanged or when there is no parent).
     full: index of the object holding the whole tensor (anchors only).
+    diff: index of the differential object: the changes from the manifest's
+        ``differential`` anchor to this version (None when unchanged since it
+        or when the version has no differential).
+    diff_changed: elements that differ from that anchor.
     """
 
     name: str
@@ -83,6 +89,8 @@ class TensorRecord:
     checksum: str
     delta: int | None = None
     full: int | None = None
+    diff: int | None = None
+    diff_changed: int = 0
 
     @property
     def spec(self) -> TensorSpec:
@@ -111,6 +119,8 @@ class Manifest:
     producer: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    differential: VersionRef | None = None
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
 
     # -- derived figures -----------------------------------------------------
@@ -135,6 +145,10 @@ class Manifest:
         return {t.full for t in self.tensors if t.full is not None}
 
     @property
+    def diff_objects(self) -> set[int]:
+        return {t.diff for t in self.tensors if t.diff is not None}
+
+    @property
     def has_delta(self) -> bool:
         """Whether a holder of the parent version can reach this one without the full objects."""
         return self.parent is not None and all(t.delta is not None or t.changed == 0 for t in self.tensors)
@@ -142,7 +156,11 @@ class Manifest:
     def tensor_map(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
 
-    def object_tensors(self, index: int, role: Literal["delta", "full"]) -> list[TensorRecord]:
+    def objects_for(self, role: Role) -> set[int]:
+        """Indices of the objects a reader fetches for ``role``."""
+        return {"delta": self.delta_objects, "full": self.full_objects, "diff": self.diff_objects}[role]
+
+    def object_tensors(self, index: int, role: Role) -> list[TensorRecord]:
         """Tensors whose ``role`` object is ``index``, in manifest order."""
         return [t for t in self.tensors if getattr(t, role) == index]
 
@@ -161,11 +179,15 @@ class Manifest:
             "producer": self.producer,
             "metadata": self.metadata,
             "aliases": self.aliases,
+            "differential": None if self.differential is None else {"step": self.differential.step,
+                                                                     "digest": self.differential.digest},
+            "files": self.files,
             "stats": {"changed": self.changed, "total": self.total, "object_bytes": self.object_bytes()},
             "objects": [{"digest": o.digest, "size": o.size, "codec": o.codec} for o in self.objects],
             "tensors": [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "changed": t.changed,
-                 "checksum": t.checksum, "delta": t.delta, "full": t.full}
+                 "checksum": t.checksum, "delta": t.delta, "full": t.full, "diff": t.diff,
+                 "diff_changed": t.diff_changed}
                 for t in self.tensors
             ],
         }
@@ -261,6 +283,19 @@ def _parse(doc: Any) -> Manifest:
                             _digest(parent_doc.get("digest"), "parent"))
         if parent.step >= step:
             raise ManifestError(f"parent step {parent.step} is not below step {step}")
+    diff_doc = _get(doc, "differential", (dict, type(None))) if "differential" in doc else None
+    differential = None
+    if diff_doc is not None:
+        differential = VersionRef(_int(diff_doc, "step", 0, MAX_STEP, "differential"),
+                                  _digest(diff_doc.get("digest"), "differential"))
+        if differential.step >= step:
+            raise ManifestError(f"differential base step {differential.step} is not below step {step}")
+    files = _get(doc, "files", dict) if "files" in doc else {}
+    for fname, frec in files.items():
+        if not isinstance(fname, str) or not _FILE.match(fname):
+            raise ManifestError(f"invalid recorded file name {fname!r}")
+        _digest(frec.get("digest") if isinstance(frec, dict) else None, f"files[{fname!r}]")
+        _int(frec, "size", 0, MAX_NUMEL, f"files[{fname!r}]")
     created = _get(doc, "created", (int, float))
     if not math.isfinite(created):
         raise ManifestError(f"created time {created!r} is not finite")
@@ -301,22 +336,28 @@ def _parse(doc: Any) -> Manifest:
             raise ManifestError(f"{where} ({name}): invalid checksum {checksum!r}")
         delta = _index(t.get("delta"), len(objects), where)
         full = _index(t.get("full"), len(objects), where)
+        diff = _index(t.get("diff"), len(objects), where)
+        diff_changed = _int(t, "diff_changed", 0, numel, where) if "diff_changed" in t else 0
+        if (diff is not None or diff_changed) and differential is None:
+            raise ManifestError(f"tensor {name!r} has a differential but the version names no base anchor")
+        if diff_changed > 0 and diff is None:
+            raise ManifestError(f"tensor {name!r} differs from its differential base but names no diff object")
         if kind == "anchor" and full is None:
             raise ManifestError(f"anchor tensor {name!r} has no full object")
         if kind == "delta" and (full is not None or parent is None):
             raise ManifestError(f"delta tensor {name!r} must have a parent and no full object")
         if changed > 0 and delta is None and full is None:
             raise ManifestError(f"tensor {name!r} changed but names no object")
-        tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full))
+        tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full, diff, diff_changed))
     aliases = _get(doc, "aliases", dict) if "aliases" in doc else {}
     for alias, primary in aliases.items():
         check_tensor_name(alias)
         if primary not in names or alias in names:
             raise ManifestError(f"alias {alias!r} -> {primary!r} must name a listed tensor and not be one")
-    used = {t.delta for t in tensors} | {t.full for t in tensors}
+    used = {t.delta for t in tensors} | {t.full for t in tensors} | {t.diff for t in tensors}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
     return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                     created=float(created), producer=producer, metadata=metadata, aliases=aliases,
-                    format_version=version)
+                    differential=differential, files=files, format_version=version)

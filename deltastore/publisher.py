@@ -3,12 +3,15 @@
 Lifecycle of :meth:`Publisher.publish` (data first, metadata last):
 
 1. check the step (above the last one, not yet committed);
-2. diff every tensor against the CPU mirror of the last published bits;
-3. encode and store the objects (content-addressed, idempotent);
-4. commit the manifest create-only;
-5. only then update the mirror, checksums and chain state.
+2. diff every tensor against the host mirror of the last published bits;
+3. ask the anchor policy whether this version also gets full objects
+   (an anchor) or a differential (anchor -> now);
+4. encode and store the objects (content-addressed, in parallel);
+5. commit the manifest create-only;
+6. only then move the mirror, checksums and chain state forward, and apply
+   retention.
 
-A failure before step 4 leaves the store without the version (stray objects
+A failure before step 5 leaves the store without the version (stray objects
 are garbage, never half a version) and the Publisher unchanged, so the same
 step can be retried.
 """
@@ -20,7 +23,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +35,20 @@ from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum, full_checksum, updated_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
+from .drift import DriftTracker
 from .errors import ManifestError, StepOrderError, TargetMismatchError, VersionExistsError
+from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
 from .manifest import MAX_STEP, Manifest, ObjectRecord, TensorRecord, VersionRef, check_tensor_name
 from .store import DeltaStore, open_store
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
+#: anchors: exponent and mantissa byte planes, zstd-compressed (~68 % of raw bf16)
+DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True}}
+#: files copied from ``source_dir`` so that ``materialize`` writes a loadable model folder.
+SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                "chat_template.jinja", "preprocessor_config.json")
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class VersionInfo:
     changed / total: elements whose bits changed since the previous version / all elements.
     nbytes: bytes stored for this version (its objects and its manifest).
     digest: sha256 of the manifest bytes, the version's identity.
+    differential: whether the version also carries a differential (anchor -> this version).
     """
 
     step: int
@@ -56,6 +69,7 @@ class VersionInfo:
     nbytes: int
     digest: str
     created: float
+    differential: bool = False
 
     @property
     def fraction(self) -> float:
@@ -67,32 +81,41 @@ class Publisher:
 
     Args:
         uri: where to publish (path, ``file://``, ``memory://``, or any registered scheme).
-        codec: codec for delta objects (a name, a codec record dict or a Codec).
-        anchor_every: anchor interval in versions (used when ``anchor`` is None).
+        codec: codec for delta objects (a name, a codec record dict or a Codec);
+            ``auto`` picks the smallest encoding per tensor (see ``docs/codecs.md``).
+        anchor_every: a fixed anchor interval in versions (``every(n)``);
+            ignored when ``anchor`` is given. Without either, ``adaptive``.
         storage_options: passed to the backend (credentials, endpoint, ...).
         metadata: JSON-serialisable dict recorded in every manifest (run id, lr, ...).
         resume: on a store that already has versions, rebuild the mirror from
             the latest one so the chain continues; with False the first publish
             starts a new chain with an anchor.
-        anchor: an anchor policy (object, registered name or config dict);
-            overrides ``anchor_every``.
+        anchor: an anchor policy (object, registered name or config dict).
         anchor_codec: codec for whole tensors (anchors, and delta tensors whose
             sparse encoding would be larger than a dense one).
-        max_object_bytes: objects are split so none is much larger than this.
+        max_object_bytes: objects are split so none is much larger than this
+            (large anchors become several objects, written in parallel).
         chunk_elems: elements compared per chunk when diffing.
         dtype: publish every floating-point tensor in this dtype (e.g.
             ``torch.bfloat16`` for an fp32 master); cast chunk by chunk.
+        retention: keep the store bounded (see :class:`deltastore.gc.Retention`);
+            applied after every commit.
+        gc_grace: seconds between deleting a manifest and deleting its objects.
+        source_dir: a model folder whose ``config.json`` and tokenizer files are
+            recorded, so ``deltastore materialize`` writes a loadable model.
+        max_workers: parallel encode/upload workers.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
     """
 
-    def __init__(self, uri: Any, *, codec: str | dict[str, Any] | Codec = "raw", anchor_every: int = 10,
+    def __init__(self, uri: Any, *, codec: str | dict[str, Any] | Codec = "auto", anchor_every: int | None = None,
                  storage_options: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
                  resume: bool = True, anchor: AnchorPolicy | str | dict[str, Any] | None = None,
-                 anchor_codec: str | dict[str, Any] | Codec = "dense",
+                 anchor_codec: str | dict[str, Any] | Codec = DEFAULT_ANCHOR_CODEC,
                  max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
+                 source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -100,7 +123,12 @@ class Publisher:
             raise ValueError(f"codec {self.codec.codec_id!r} stores whole tensors; pass it as anchor_codec")
         if not self.anchor_codec.dense:
             raise ValueError(f"anchor_codec {self.anchor_codec.codec_id!r} does not store whole tensors")
-        self.policy = get_anchor_policy(anchor) if anchor is not None else Every(anchor_every)
+        if anchor is not None:
+            self.policy = get_anchor_policy(anchor)
+        elif anchor_every is not None:
+            self.policy = Every(anchor_every)
+        else:
+            self.policy = get_anchor_policy("adaptive")
         self.metadata = dict(metadata or {})
         json.dumps(self.metadata, allow_nan=False)  # fail now, not at the first commit
         self.max_object_bytes = max_object_bytes
@@ -108,19 +136,26 @@ class Publisher:
         self.dtype = dtype
         if dtype is not None:
             dtype_name(dtype)
+        self.retention = retention
+        self.gc_grace = gc_grace
         self.writer_id = uuid.uuid4().hex
+        self._pool = ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="deltastore-put")
         self._mirror: dict[str, torch.Tensor] | None = None
         self._specs: dict[str, TensorSpec] = {}
         self._aliases: dict[str, str] = {}
         self._checksums: dict[str, int] = {}
         self._last: VersionRef | None = None
-        self._last_step: int | None = None
-        self._chain = ChainState(0, 0, 0)
+        self._anchor: VersionRef | None = None
+        self._chain = ChainState()
+        self._drift = DriftTracker()
+        self._files: dict[str, dict[str, Any]] = {}
+        self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
-        latest = self.store.latest()
-        self._last_step = latest
-        if resume and latest is not None:
-            self._resume(latest)
+        self._last_step = self.store.latest()
+        if resume and self._last_step is not None:
+            self._resume(self._last_step)
+        if source_dir is not None:
+            self._files = self._record_files(source_dir)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -128,64 +163,75 @@ class Publisher:
         """The last version this Publisher committed or resumed from."""
         return self._last
 
+    @property
+    def chain(self) -> ChainState:
+        """The measured chain state since the last anchor (what the anchor policy sees)."""
+        return self._chain
+
     def publish(self, state: StateLike, *, step: int) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
         ``(name, tensor)``, on any device. Raises :class:`VersionExistsError`
-        if ``step`` is already committed, :class:`StepOrderError` if it is not
-        above the last step, :class:`TargetMismatchError` for an unsupported
-        tensor. On any error nothing is committed and the Publisher is unchanged.
+        if ``step`` is already committed (by this or another writer),
+        :class:`StepOrderError` if it is not above the last step,
+        :class:`TargetMismatchError` for an unsupported tensor. On any error
+        nothing is committed and the Publisher is unchanged.
         """
         if self._closed:
             raise RuntimeError("Publisher is closed")
         self._check_step(step)
-        aliases: dict[str, str] = {}
-        tensors = named_tensors(state, aliases)
-        specs = {}
-        for name, t in tensors.items():
-            try:
-                check_tensor_name(name)
-            except ManifestError as e:
-                raise TargetMismatchError(str(e)) from None
-            specs[name] = TensorSpec(name, self._dtype_of(t), tuple(t.shape))
-            dtype_name(specs[name].dtype)
-        for alias in aliases:
-            try:
-                check_tensor_name(alias)
-            except ManifestError as e:
-                raise TargetMismatchError(str(e)) from None
+        tensors, specs, aliases = self._normalise(state)
         same_layout = self._mirror is not None and specs == self._specs and aliases == self._aliases
-        is_anchor = not same_layout or self.policy.should_anchor(self._chain)
-        parent = self._last if same_layout else None
-
         changes: dict[str, Change] = {}
-        # A new chain needs a private host copy of every tensor anyway (the next mirror).
-        fresh = None if same_layout else {name: self._host_bits(t, specs[name]) for name, t in tensors.items()}
+        fresh = None  # a new chain needs a private host copy of every tensor anyway (the next mirror)
         if same_layout:
             assert self._mirror is not None
             for name, t in tensors.items():
                 changes[name] = find_changes(self._mirror[name], t, chunk_elems=self.chunk_elems,
                                              dtype=specs[name].dtype)
+        else:
+            fresh = {name: self._host_bits(t, specs[name]) for name, t in tensors.items()}
+
+        total = sum(s.numel for s in specs.values())
+        proposed = self._drift.propose(changes) if same_layout and self.policy.tracks_drift else None
+        drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
+        chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
+                                  "drift_elements": drift_elements})
+        is_anchor = not same_layout or self.policy.should_anchor(chain_now)
+        with_diff = (proposed is not None and not is_anchor and self._anchor is not None
+                     and self.policy.should_differential(chain_now))
 
         objects: list[ObjectRecord] = []
         delta_of: dict[str, int] = {}
         full_of: dict[str, int] = {}
-        if parent is not None:
-            self._write_delta_objects(specs, changes, objects, delta_of)
+        diff_of: dict[str, int] = {}
+        diff_changes: dict[str, Change] = {}
+        jobs: list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]] = []
+        if same_layout:
+            jobs += self._sparse_jobs(specs, changes, delta_of, base=None)
+        if with_diff:
+            assert proposed is not None
+            diff_changes = DriftTracker.differential(proposed)
+            jobs += self._sparse_jobs(specs, diff_changes, diff_of, base=proposed)
         if is_anchor:
-            self._write_full_objects(specs, tensors, fresh, objects, full_of)
+            jobs += self._full_jobs(specs, tensors, fresh, full_of)
+        objects = self._store_objects(jobs)
 
         checksums = self._new_checksums(changes, fresh)
         records = []
         for name, spec in specs.items():
             changed = changes[name].count if same_layout else spec.numel
+            dc = diff_changes[name].count if name in diff_changes else 0
             records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
-                                        format_checksum(checksums[name]), delta_of.get(name), full_of.get(name)))
+                                        format_checksum(checksums[name]), delta_of.get(name), full_of.get(name),
+                                        diff_of.get(name), dc))
         created = time.time()
-        manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta", parent=parent,
-                            tensors=tuple(records), objects=tuple(objects), created=created,
-                            producer=self._producer(), metadata=self.metadata, aliases=aliases)
+        manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
+                            parent=self._last if same_layout else None, tensors=tuple(records),
+                            objects=tuple(objects), created=created, producer=self._producer(),
+                            metadata=self.metadata, aliases=aliases,
+                            differential=self._anchor if with_diff else None, files=self._files)
         data, digest = self.store.commit(manifest)
 
         # Committed: now (and only now) move the mirror and the chain state forward.
@@ -195,26 +241,23 @@ class Publisher:
                 if ch.count:
                     self._mirror[name][ch.positions] = ch.new_bits
         else:
-            self._mirror = fresh
-            self._specs = specs
-            self._aliases = aliases
+            self._mirror, self._specs, self._aliases = fresh, specs, aliases
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._last_step = step
-        delta_bytes = manifest.object_bytes(manifest.delta_objects)
-        if is_anchor:
-            self._chain = ChainState(0, 0, manifest.object_bytes(manifest.full_objects))
-        else:
-            c = self._chain
-            self._chain = ChainState(c.versions_since_anchor + 1, c.delta_bytes_since_anchor + delta_bytes,
-                                     c.anchor_bytes)
+        self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
+        if self.retention is not None:
+            self._apply_retention()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
-                           nbytes=manifest.object_bytes() + len(data), digest=digest, created=created)
+                           nbytes=manifest.object_bytes() + len(data), digest=digest, created=created,
+                           differential=with_diff)
 
     def close(self) -> None:
-        """Release the mirror and the store connection; further publishes raise."""
+        """Finish deferred deletions whose grace has passed, release the mirror and the store."""
         if not self._closed:
             self._closed = True
+            self._collect_pending()
+            self._pool.shutdown(wait=True)
             self._mirror = None
             self.store.close()
 
@@ -224,7 +267,7 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- steps -------------------------------------------------------------------
+    # -- inputs ------------------------------------------------------------------
     def _check_step(self, step: int) -> None:
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
             raise StepOrderError(f"step must be an integer in [0, {MAX_STEP}], got {step!r}")
@@ -233,37 +276,88 @@ class Publisher:
         if self._last_step is not None and step <= self._last_step:
             raise StepOrderError(f"step {step} is not above the last published step {self._last_step}")
 
+    def _normalise(self, state: StateLike
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
+        aliases: dict[str, str] = {}
+        tensors = named_tensors(state, aliases)
+        specs = {}
+        for name in [*tensors, *aliases]:
+            try:
+                check_tensor_name(name)
+            except ManifestError as e:
+                raise TargetMismatchError(str(e)) from None
+        for name, t in tensors.items():
+            specs[name] = TensorSpec(name, self._dtype_of(t), tuple(t.shape))
+            dtype_name(specs[name].dtype)
+        return tensors, specs, aliases
+
+    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
+    @staticmethod
+    def _host_bits(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """A private CPU copy of ``t``'s bits in the published dtype."""
+        if t.dtype == spec.dtype:
+            return bits_view(t).to("cpu", copy=True)
+        return bits_view(t.detach().to("cpu", spec.dtype).contiguous())
+
     # -- objects -----------------------------------------------------------------
-    def _write_delta_objects(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
-                             objects: list[ObjectRecord], delta_of: dict[str, int]) -> None:
-        sparse: list[tuple[int, Update]] = []
-        dense: list[tuple[int, Update]] = []
+    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
+                     index_of: dict[str, int], base: Any) -> list[tuple[Codec, Callable[[], list[Update]],
+                                                                      dict[str, int]]]:
+        """Jobs that encode ``changes`` against the mirror (``base`` None) or against the anchor.
+
+        A tensor whose sparse form would be larger than the whole tensor is
+        stored whole with the anchor codec.
+        """
+        sparse: list[tuple[int, str]] = []
+        dense: list[tuple[int, str]] = []
         for name, ch in changes.items():
             if not ch.count:
                 continue
             spec = specs[name]
-            item_bytes = spec.bits_dtype.itemsize
-            sparse_bytes = ch.count * (item_bytes + (4 if spec.numel < 2**31 else 8))
-            if sparse_bytes < spec.numel * item_bytes:
-                sparse.append((sparse_bytes, Update(spec, ch.new_bits, ch.positions, ch.old_bits)))
-            else:  # dense is smaller: store the whole new tensor, from the mirror plus the change
-                assert self._mirror is not None
-                bits = self._mirror[name].clone()
-                bits[ch.positions] = ch.new_bits
-                dense.append((spec.numel * item_bytes, Update(spec, bits)))
-        for codec, items in ((self.codec, sparse), (self.anchor_codec, dense)):
-            for group in self._groups(items):
-                self._store_object(codec, group, objects, delta_of)
+            item = spec.bits_dtype.itemsize
+            sparse_bytes = ch.count * (item + (4 if spec.numel < 2**31 else 8))
+            (sparse if sparse_bytes < spec.numel * item else dense).append((sparse_bytes, name))
 
-    def _write_full_objects(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
-                            host: Mapping[str, torch.Tensor] | None, objects: list[ObjectRecord],
-                            full_of: dict[str, int]) -> None:
-        # Without ready host copies, copy one group at a time: host memory holds one object's worth.
+        def old_tensor(name: str) -> torch.Tensor:
+            assert self._mirror is not None
+            if base is None:
+                return self._mirror[name]
+            # the anchor's tensor: the mirror with the anchor's bits where it changed since
+            t = self._mirror[name].clone()
+            since = base.get(name)
+            if since is not None:
+                t[since.positions] = since.anchor_bits
+            return t
+
+        def new_tensor(name: str) -> torch.Tensor:
+            t = old_tensor(name).clone()
+            t[changes[name].positions] = changes[name].new_bits
+            return t
+
+        needs_old = self.codec.receiver_needs == "old_tensor"
+        jobs = []
+        for group in self._groups(sparse):
+            def make(group: list[str] = group) -> list[Update]:
+                return [Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
+                               old_tensor(n) if needs_old else None) for n in group]
+            jobs.append((self.codec, make, index_of))
+        for group in self._groups([(specs[n].numel * specs[n].bits_dtype.itemsize, n) for _, n in dense]):
+            jobs.append((self.anchor_codec, lambda group=group: [Update(specs[n], new_tensor(n)) for n in group],
+                         index_of))
+        return jobs
+
+    def _full_jobs(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
+                   host: Mapping[str, torch.Tensor] | None, index_of: dict[str, int]
+                   ) -> list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]]:
+        # Without ready host copies each job copies its own group: host memory holds
+        # about max_workers objects' worth at once.
         sized = [(s.numel * s.bits_dtype.itemsize, name) for name, s in specs.items()]
-        for group in self._groups(sized):
-            updates = [Update(specs[n], host[n] if host is not None else self._host_bits(tensors[n], specs[n]))
-                       for n in group]
-            self._store_object(self.anchor_codec, updates, objects, full_of)
+        return [(self.anchor_codec,
+                 lambda group=group: [Update(specs[n], host[n] if host is not None
+                                             else self._host_bits(tensors[n], specs[n])) for n in group],
+                 index_of) for group in self._groups(sized)]
 
     def _groups(self, items: list[tuple[int, Any]]) -> Iterator[list[Any]]:
         group: list[Any] = []
@@ -277,15 +371,24 @@ class Publisher:
         if group:
             yield group
 
-    def _store_object(self, codec: Codec, updates: list[Update], objects: list[ObjectRecord],
-                      index_of: dict[str, int]) -> None:
-        data = codec.encode(updates)
-        digest = self.store.put_object(data)
-        objects.append(ObjectRecord(digest, len(data), codec.describe()))
-        for u in updates:
-            index_of[u.spec.name] = len(objects) - 1
+    def _store_objects(self, jobs: list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]]
+                       ) -> list[ObjectRecord]:
+        """Encode and upload every job in parallel; records come back in job order."""
 
-    # -- checksums and resume ------------------------------------------------------
+        def run(job: tuple[Codec, Callable[[], list[Update]], dict[str, int]]) -> tuple[ObjectRecord, list[str]]:
+            codec, make, _ = job
+            updates = make()
+            data = codec.encode(updates)
+            return ObjectRecord(self.store.put_object(data), len(data), codec.describe()), [u.spec.name for u in updates]
+
+        objects = []
+        for (_, _, index_of), (record, names) in zip(jobs, self._pool.map(run, jobs)):
+            objects.append(record)
+            for n in names:
+                index_of[n] = len(objects) - 1
+        return objects
+
+    # -- chain state -----------------------------------------------------------------
     def _new_checksums(self, changes: Mapping[str, Change], fresh: Mapping[str, torch.Tensor] | None
                        ) -> dict[str, int]:
         if fresh is not None:
@@ -296,33 +399,93 @@ class Publisher:
             out[name] = updated_checksum(name, before, ch.positions, ch.old_bits, ch.new_bits) if ch.count else before
         return out
 
+    def _advance_chain(self, manifest: Manifest, is_anchor: bool, with_diff: bool, proposed: Any,
+                       drift_elements: int, total: int) -> None:
+        delta_bytes = manifest.object_bytes(manifest.delta_objects)
+        c = self._chain
+        per_element = delta_bytes / manifest.changed if manifest.parent is not None and manifest.changed \
+            else c.bytes_per_element
+        if is_anchor:
+            self._anchor = self._last
+            self._drift.reset()
+            self._chain = ChainState(anchor_bytes=manifest.object_bytes(manifest.full_objects),
+                                     bytes_per_element=per_element)
+            return
+        if proposed is not None:
+            self._drift.commit(proposed)
+        self._chain = ChainState(
+            versions_since_anchor=c.versions_since_anchor + 1,
+            delta_bytes_since_anchor=c.delta_bytes_since_anchor + delta_bytes,
+            anchor_bytes=c.anchor_bytes, drift=drift_elements / max(total, 1), drift_elements=drift_elements,
+            delta_bytes_since_differential=0 if with_diff else c.delta_bytes_since_differential + delta_bytes,
+            bytes_per_element=per_element)
+
     def _resume(self, latest: int) -> None:
         from .subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
 
-        result = Subscriber(self.store).pull(step=latest)
+        sub = Subscriber(self.store)
+        result = sub.pull(step=latest)
         manifest = self.store.manifest(latest)
         self._mirror = {name: bits_view(t) for name, t in result.state.items()}
         self._specs = {t.name: t.spec for t in manifest.tensors}
         self._aliases = dict(manifest.aliases)
         self._checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
+        self._files = dict(manifest.files)
         self._last = self.store.ref(latest)
-        # Rebuild the chain state back to the last anchor for the policy.
-        since, delta_bytes, m = 0, 0, manifest
+        # Walk back to the last anchor to rebuild what the policy measures.
+        since, delta_bytes, changed, since_diff, m = 0, 0, 0, None, manifest
         while m.kind != "anchor" and m.parent is not None:
             since += 1
+            if since_diff is None and m.differential is not None:
+                since_diff = delta_bytes
             delta_bytes += m.object_bytes(m.delta_objects)
+            changed += m.changed
             m = self.store.manifest(m.parent.step)
-        self._chain = ChainState(since, delta_bytes, m.object_bytes(m.full_objects))
+        if m.kind != "anchor":
+            return  # no anchor on the chain: the policy will ask for one
+        self._anchor = self.store.ref(m.step)
+        drift_elements = 0
+        if self.policy.tracks_drift and since:
+            anchor_state = sub.pull(step=m.step).state
+            changes = {n: find_changes(bits_view(anchor_state[n]), self._mirror[n]) for n in self._mirror}
+            proposed = self._drift.propose(changes)
+            self._drift.commit(proposed)
+            drift_elements = DriftTracker.count(proposed)
+        total = sum(s.numel for s in self._specs.values())
+        self._chain = ChainState(
+            versions_since_anchor=since, delta_bytes_since_anchor=delta_bytes,
+            anchor_bytes=m.object_bytes(m.full_objects), drift=drift_elements / max(total, 1),
+            drift_elements=drift_elements,
+            delta_bytes_since_differential=delta_bytes if since_diff is None else since_diff,
+            bytes_per_element=delta_bytes / changed if changed else 0.0)
 
-    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
-        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+    def _record_files(self, source_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+        files = {}
+        for fname in SOURCE_FILES:
+            path = os.path.join(source_dir, fname)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    data = f.read()
+                files[fname] = {"digest": self.store.put_object(data), "size": len(data)}
+        if not files:
+            raise FileNotFoundError(f"source_dir {source_dir} holds none of {', '.join(SOURCE_FILES[:3])}, ...")
+        return files
 
-    @staticmethod
-    def _host_bits(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-        """A private CPU copy of ``t``'s bits in the published dtype."""
-        if t.dtype == spec.dtype:
-            return bits_view(t).to("cpu", copy=True)
-        return bits_view(t.detach().to("cpu", spec.dtype).contiguous())
+    # -- retention -------------------------------------------------------------------
+    def _apply_retention(self) -> None:
+        assert self.retention is not None
+        plan = plan_gc(self.store, self.retention)
+        delete_versions(self.store, plan.delete_versions)
+        if plan.delete_objects:
+            self._gc_pending.append((time.monotonic(), plan.delete_objects))
+        self._collect_pending()
+
+    def _collect_pending(self) -> None:
+        now = time.monotonic()
+        due = [d for t, ds in self._gc_pending if now - t >= self.gc_grace for d in ds]
+        self._gc_pending = [(t, ds) for t, ds in self._gc_pending if now - t < self.gc_grace]
+        if due:
+            delete_unreferenced(self.store, due)
 
     def _producer(self) -> dict[str, Any]:
         return {"library": "deltastore", "version": __version__, "writer": self.writer_id,

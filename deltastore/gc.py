@@ -1,0 +1,148 @@
+"""Retention and garbage collection.
+
+:class:`Retention` says what must stay restorable: the last ``keep_last``
+versions and the last ``keep_anchors`` anchors, plus every version their
+chains need (down to an anchor). Everything else can go.
+
+:func:`collect_garbage` deletes in an order that never exposes a wrong
+version:
+
+1. manifests first (oldest first): a reader can no longer plan through them;
+2. wait ``grace`` seconds, so readers that already hold those manifests can
+   finish downloading;
+3. list the manifests again and delete only candidate objects that no
+   manifest references now (a version committed meanwhile keeps its objects).
+
+A reader that loses a race gets :class:`VersionNotFoundError` or
+:class:`ObjectNotFoundError`, never a wrong tensor, and its retry plans a path
+through newer versions. Objects no manifest ever referenced (left by a
+crashed publish) are removed only with ``orphans=True``, because an object
+uploaded by a publish still in progress looks exactly like one: run it when no
+Publisher is writing to the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import DeltaStoreError, VersionNotFoundError
+from .manifest import Manifest
+from .store import DeltaStore, object_key, version_key
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What GC keeps: the last ``keep_last`` versions and the last ``keep_anchors`` anchors (and their chains)."""
+
+    keep_last: int = 20
+    keep_anchors: int = 2
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1 or self.keep_anchors < 1:
+            raise ValueError("Retention keeps at least the last version and the last anchor")
+
+
+@dataclass
+class GCPlan:
+    """What a collection deletes (or, for a dry run, would delete)."""
+
+    keep: list[int] = field(default_factory=list)
+    delete_versions: list[int] = field(default_factory=list)
+    delete_objects: list[str] = field(default_factory=list)
+    reclaimed_bytes: int = 0
+
+
+def _references(m: Manifest) -> dict[str, int]:
+    refs = {o.digest: o.size for o in m.objects}
+    refs.update({f["digest"]: f["size"] for f in m.files.values()})
+    return refs
+
+
+def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
+    """Decide what to delete under ``retention``; nothing is modified.
+
+    A version whose manifest cannot be read is kept (never delete what is not
+    understood), and so is everything below it on its chain.
+    """
+    steps = store.versions()
+    manifests: dict[int, Manifest] = {}
+    unreadable: list[int] = []
+    for s in steps:
+        try:
+            manifests[s] = store.manifest(s)
+        except DeltaStoreError:
+            unreadable.append(s)
+    anchors = [s for s, m in manifests.items() if m.kind == "anchor"]
+    keep = set(steps[-retention.keep_last:]) | set(anchors[-retention.keep_anchors:]) | set(unreadable)
+    for s in sorted(keep, reverse=True):  # each kept version keeps its chain down to an anchor
+        m = manifests.get(s)
+        while m is not None and m.kind != "anchor" and m.parent is not None:
+            keep.add(m.parent.step)
+            m = manifests.get(m.parent.step)
+        if s in unreadable:  # cannot see its chain: keep everything below it
+            keep.update(x for x in steps if x < s)
+    plan = GCPlan(keep=sorted(keep), delete_versions=[s for s in steps if s not in keep])
+    kept_refs: set[str] = set()
+    for s in keep:
+        if s in manifests:
+            kept_refs.update(_references(manifests[s]))
+    candidates: dict[str, int] = {}
+    for s in plan.delete_versions:
+        candidates.update(_references(manifests[s]))
+    plan.delete_objects = sorted(d for d in candidates if d not in kept_refs)
+    plan.reclaimed_bytes = sum(candidates[d] for d in plan.delete_objects)
+    return plan
+
+
+def delete_versions(store: DeltaStore, steps: list[int]) -> None:
+    """Delete manifests, oldest first (phase 1)."""
+    for s in sorted(steps):
+        store.backend.delete(version_key(s))
+        store.forget(s)
+
+
+def delete_unreferenced(store: DeltaStore, digests: list[str]) -> list[str]:
+    """Delete the ``digests`` that no manifest in the store references now (phase 3); returns those deleted."""
+    referenced: set[str] = set()
+    for s in store.versions():
+        try:
+            referenced.update(_references(store.manifest(s)))
+        except VersionNotFoundError:
+            continue  # deleted meanwhile
+        except DeltaStoreError:
+            return []  # an unreadable manifest might reference anything: delete nothing
+    deleted = [d for d in digests if d not in referenced]
+    for d in deleted:
+        store.backend.delete(object_key(d))
+    return deleted
+
+
+def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = False, grace: float = 30.0,
+                    orphans: bool = False, sleep: Callable[[float], None] = time.sleep) -> GCPlan:
+    """Apply ``retention`` to ``store`` (see the module docstring for the order and guarantees).
+
+    With ``orphans=True`` objects that no manifest references are deleted too
+    (only safe while no Publisher writes). Returns the :class:`GCPlan`; with
+    ``dry_run`` nothing is deleted.
+    """
+    plan = plan_gc(store, retention)
+    if orphans:
+        listed = set(store.list_objects())
+        referenced = set()
+        for s in plan.keep:
+            try:
+                referenced.update(_references(store.manifest(s)))
+            except DeltaStoreError:
+                return plan  # cannot prove anything is an orphan
+        extra = sorted(listed - referenced - set(plan.delete_objects))
+        plan.delete_objects.extend(extra)
+    if dry_run:
+        return plan
+    delete_versions(store, plan.delete_versions)
+    if plan.delete_objects:
+        if grace > 0:
+            sleep(grace)
+        plan.delete_objects = delete_unreferenced(store, plan.delete_objects)
+    return plan
