@@ -57,7 +57,7 @@ def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: in
         raise TargetMismatchError(f"target tensor {name!r} is not contiguous")
 
 
-def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int) -> None:
+def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int, expected: int) -> None:
     """Validate a decoded update against its manifest record; :class:`CorruptObjectError` if off."""
     spec = rec.spec
     where = f"version {step}, tensor {rec.name!r}"
@@ -70,8 +70,8 @@ def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int) -> Non
     p = u.positions
     if p.dtype != torch.int64 or p.dim() != 1 or p.numel() != u.count:
         raise CorruptObjectError(f"{where}: positions and bits disagree ({p.numel()} vs {u.count})")
-    if u.count != rec.changed:
-        raise CorruptObjectError(f"{where}: {u.count} changed elements decoded, manifest says {rec.changed}")
+    if u.count != expected:
+        raise CorruptObjectError(f"{where}: {u.count} changed elements decoded, manifest says {expected}")
     if u.count:
         if int(p[0]) < 0 or int(p[-1]) >= spec.numel:
             raise CorruptObjectError(f"{where}: position out of range [0, {spec.numel})")

@@ -64,6 +64,10 @@ class StepOrderError(DeltaStoreError, ValueError):
     """A step is not an integer above the last published step."""
 
 
+class StaleVersionError(DeltaStoreError, ValueError):
+    """The requested version is more versions behind the latest than the Subscriber's ``max_lag`` allows."""
+
+
 class InvalidKeyError(DeltaStoreError, ValueError):
     """A backend key is empty, absolute, or escapes the store root."""
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .backends import Backend, open_backend
-from .errors import (CorruptObjectError, KeyExistsError, KeyNotFoundError, ManifestError, ObjectNotFoundError,
+from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
+                     ObjectNotFoundError,
                      VersionExistsError, VersionNotFoundError)
 from .manifest import MAX_STEP, Manifest, VersionRef, sha256_digest
 
@@ -51,6 +54,8 @@ class DeltaStore:
         self.backend = backend
         self.uri = uri or repr(backend)
         self._manifests: dict[int, tuple[Manifest, str]] = {}
+        self._verified: dict[str, bytes] = {}  # filled by prefetch, consumed by get_object
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -82,6 +87,10 @@ class DeltaStore:
         Raises :class:`ObjectNotFoundError` when absent and
         :class:`CorruptObjectError` when the bytes (or their size) do not match.
         """
+        with self._lock:
+            cached = self._verified.pop(digest, None)
+        if cached is not None and (size is None or len(cached) == size):
+            return cached
         try:
             data = self.backend.get(object_key(digest))
         except KeyNotFoundError:
@@ -91,6 +100,29 @@ class DeltaStore:
         if sha256_digest(data) != digest:
             raise CorruptObjectError(f"object {digest} fails its sha256 check (corrupted in storage or transit)")
         return data
+
+    def prefetch(self, wanted: list[tuple[str, int]], *, max_workers: int = 4) -> None:
+        """Download and verify ``(digest, size)`` objects in parallel for the next :meth:`get_object` calls.
+
+        Failures are not raised here: the later ``get_object`` of that object
+        fetches it again and raises the typed error. Replaces any earlier
+        prefetch that was not consumed.
+        """
+        with self._lock:
+            self._verified.clear()
+        if len(wanted) < 2 or max_workers < 2:
+            return
+
+        def fetch(item: tuple[str, int]) -> None:
+            try:
+                data = self.get_object(*item)
+            except (DeltaStoreError, OSError):
+                return
+            with self._lock:
+                self._verified[item[0]] = data
+
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(wanted))) as pool:
+            list(pool.map(fetch, wanted))
 
     def has_object(self, digest: str) -> bool:
         return self.backend.exists(object_key(digest))
@@ -172,6 +204,12 @@ class DeltaStore:
         except OSError:
             pass  # only a hint
         return data, digest
+
+    def forget_all(self) -> None:
+        """Drop every cached manifest and prefetched object (after a GC race)."""
+        self._manifests.clear()
+        with self._lock:
+            self._verified.clear()
 
     def forget(self, step: int) -> None:
         """Drop a cached manifest (after it was deleted by GC)."""

@@ -14,8 +14,9 @@ from . import tracking
 from .apply import FullState, SparseOverlay, check_layout, check_update, write_full, write_sparse
 from .checksum import full_checksum
 from .codecs import OldBits, Update, get_codec
-from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, ParentMismatchError, VersionNotFoundError
-from .manifest import Manifest, VersionRef
+from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, ParentMismatchError,
+                     StaleVersionError, VersionNotFoundError)
+from .manifest import Manifest, Role, VersionRef
 from .store import DeltaStore, open_store
 from .tensors import named_tensors
 
@@ -34,6 +35,7 @@ class PullResult:
     digest: sha256 of the version's manifest.
     written: tensor name -> elements written into the target (every element of
         every tensor after an anchor; the net changed elements after deltas).
+    lag: committed versions newer than ``step`` when the pull started.
     """
 
     step: int
@@ -43,15 +45,29 @@ class PullResult:
     path: Literal["anchor", "delta", "none"] = "none"
     digest: str = ""
     written: dict[str, int] = field(default_factory=dict)
+    lag: int = 0
 
 
 @dataclass
 class Plan:
-    """Which objects a pull will fetch: an optional anchor, then deltas in order."""
+    """What a pull fetches, in order.
+
+    anchor: step whose full objects start the path (None: start from the target's own version).
+    differential: step whose differential (its anchor -> itself) is applied next, or None.
+    deltas: steps whose deltas follow, ascending.
+    nbytes: object bytes the path downloads.
+    """
 
     anchor: int | None
     deltas: list[int]
     nbytes: int
+    differential: int | None = None
+
+    @property
+    def steps(self) -> list[int]:
+        """Every step whose objects the plan reads."""
+        head = [s for s in (self.anchor, self.differential) if s is not None]
+        return head + self.deltas
 
 
 class Subscriber:
@@ -62,11 +78,20 @@ class Subscriber:
         storage_options: passed to the backend.
         verify_anchors: re-hash every tensor decoded from an anchor against its
             manifest checksum (O(model); deltas are always checked in O(changed)).
+        max_lag: refuse (:class:`StaleVersionError`) to pull a version more than
+            this many versions behind the latest; :meth:`sync` pulls only when
+            the target is more than this far behind.
+        max_workers: objects downloaded in parallel.
     """
 
-    def __init__(self, uri: Any, *, storage_options: dict[str, Any] | None = None, verify_anchors: bool = True):
+    def __init__(self, uri: Any, *, storage_options: dict[str, Any] | None = None, verify_anchors: bool = True,
+                 max_lag: int | None = None, max_workers: int = 4):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.verify_anchors = verify_anchors
+        if max_lag is not None and (not isinstance(max_lag, int) or max_lag < 0):
+            raise ValueError(f"max_lag must be a non-negative integer, got {max_lag!r}")
+        self.max_lag = max_lag
+        self.max_workers = max(1, max_workers)
 
     # -- discovery ---------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -85,17 +110,32 @@ class Subscriber:
         """The version ``target`` holds as far as deltastore knows, or None."""
         return tracking.get_version(target)
 
+    def lag(self, target: Target) -> int | None:
+        """How many committed versions are newer than the one ``target`` holds (None: unknown version)."""
+        ref = tracking.get_version(target)
+        if ref is None:
+            return None
+        return sum(1 for s in self.versions() if s > ref.step)
+
     # -- planning ------------------------------------------------------------------
     def plan(self, step: int, current: VersionRef | None = None) -> Plan:
         """The cheapest path (in object bytes) from ``current`` to ``step``.
 
-        Candidates: the delta chain from ``current`` if ``step``'s parent chain
-        reaches it, and every anchor on that chain followed by its deltas.
+        Walking parents down from ``step``, the candidates are: the delta chain
+        from ``current``; every anchor met, followed by its deltas; and every
+        differential met (its anchor's full objects, or ``current`` when it is
+        that anchor, then the differential, then the deltas above it).
         Raises :class:`VersionNotFoundError` when no path exists (for example
         a broken chain with no anchor below the step).
         """
         best: Plan | None = None
-        chain: list[int] = []  # steps above the current walk position, newest first
+
+        def offer(candidate: Plan) -> None:
+            nonlocal best
+            if best is None or candidate.nbytes < best.nbytes:
+                best = candidate
+
+        chain: list[int] = []  # steps above the walk position, newest first
         delta_bytes = 0
         m, digest = self.store.manifest_with_digest(step)
         while True:
@@ -104,13 +144,13 @@ class Subscriber:
                     best = Plan(None, chain[::-1], delta_bytes)
                 break
             if m.kind == "anchor":
-                cost = m.object_bytes(m.full_objects) + delta_bytes
-                if best is None or cost < best.nbytes:
-                    best = Plan(m.step, chain[::-1], cost)
+                offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
+            if m.differential is not None:
+                self._offer_differential(m, chain, delta_bytes, current, offer)
             if not m.has_delta or m.parent is None:
                 break
-            if current is None and best is not None:
-                break  # without a current version only anchors are starts; deeper ones cost more
+            if current is None and m.kind == "anchor":
+                break  # without a current version only anchors start a path; deeper ones cost more
             if current is not None and m.parent.step < current.step and best is not None:
                 break
             delta_bytes += m.object_bytes(m.delta_objects)
@@ -128,6 +168,21 @@ class Subscriber:
             raise VersionNotFoundError(f"no anchor and no delta chain reaches version {step} in {self.store.uri}")
         return best
 
+    def _offer_differential(self, m: Manifest, chain: list[int], delta_bytes: int, current: VersionRef | None,
+                            offer: Any) -> None:
+        base = m.differential
+        assert base is not None
+        diff_bytes = m.object_bytes(m.diff_objects)
+        if current is not None and current == base:
+            offer(Plan(None, chain[::-1], diff_bytes + delta_bytes, differential=m.step))
+        try:
+            bm, bdigest = self.store.manifest_with_digest(base.step)
+        except VersionNotFoundError:
+            return
+        if bdigest == base.digest and bm.kind == "anchor":
+            offer(Plan(base.step, chain[::-1], bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes,
+                       differential=m.step))
+
     # -- pulling -------------------------------------------------------------------
     def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
@@ -135,75 +190,103 @@ class Subscriber:
         ``target`` is an ``nn.Module`` or a mutable mapping of tensors (any
         device), updated in place with storage kept; with None a new dict of
         CPU tensors is returned in ``.state``. With ``allow_anchor=False`` only
-        a delta chain from the target's current version is accepted.
+        a path from the target's current version is accepted.
 
-        Raises :class:`VersionNotFoundError` (no such version), :class:`ParentMismatchError`
+        If a version or object on the planned path disappears meanwhile
+        (garbage collection), the pull plans once more through newer versions.
+
+        Raises :class:`VersionNotFoundError` (no such version), :class:`StaleVersionError`
+        (more than ``max_lag`` behind), :class:`ParentMismatchError`
         (``allow_anchor=False`` and the target is not on the chain),
         :class:`TargetMismatchError`, :class:`CorruptObjectError`,
         :class:`ChecksumMismatchError`, :class:`ObjectNotFoundError`,
         :class:`UnknownCodecError`, :class:`ApplyError`. On any error the target
         keeps its previous version.
         """
+        versions = self.versions()
         if step is None:
-            step = self.latest()
-            if step is None:
+            if not versions:
                 raise VersionNotFoundError(f"{self.store.uri} holds no versions yet")
+            step = versions[-1]
+        lag = sum(1 for s in versions if s > step)
+        if self.max_lag is not None and lag > self.max_lag:
+            raise StaleVersionError(f"version {step} is {lag} versions behind the latest ({versions[-1]}), "
+                                    f"over max_lag={self.max_lag}")
+        try:
+            return self._pull(target, step, allow_anchor, lag)
+        except (ObjectNotFoundError, VersionNotFoundError):
+            self.store.forget_all()  # something was collected under us: re-read and re-plan once
+            return self._pull(target, step, allow_anchor, lag)
+
+    def sync(self, target: Target) -> PullResult | None:
+        """Pull the latest version if ``target`` is more than ``max_lag`` (default 0) versions behind.
+
+        Returns the :class:`PullResult`, or None when the target was fresh enough.
+        """
+        lag = self.lag(target)
+        if lag is not None and lag <= (self.max_lag or 0):
+            return None
+        return self.pull(target)
+
+    def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int) -> PullResult:
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         tensors = named_tensors(target) if target is not None else None
         copies = check_layout(tensors, manifest) if tensors is not None else {}
         current = tracking.get_version(target) if target is not None else None
         if current == ref:
-            return PullResult(step, target, path="none", digest=digest)
+            return PullResult(step, target, path="none", digest=digest, lag=lag)
         plan = self.plan(step, current if tensors is not None else None)
         if plan.anchor is not None and not allow_anchor:
             raise ParentMismatchError(
                 f"target holds {_describe(current)}, which is not on the delta chain of version {step}; "
                 "pull with allow_anchor=True to start from an anchor")
+        self._prefetch(plan)
 
         fetched = 0
-        applied: list[int] = []
+        stage: FullState | SparseOverlay
         if plan.anchor is not None:
             am = self.store.manifest(plan.anchor)
-            updates, n = self.fetch_updates(am, "full", None)
+            updates, fetched = self.fetch_updates(am, "full", None)
+            stage = FullState(am, updates, verify=self.verify_anchors)
+        else:
+            assert tensors is not None and current is not None
+            stage = SparseOverlay(tensors, self.store.manifest(current.step))
+        steps: list[tuple[int, Role]] = [(plan.differential, "diff")] if plan.differential is not None else []
+        steps += [(s, "delta") for s in plan.deltas]
+        for s, role in steps:
+            m = self.store.manifest(s)
+            updates, n = self.fetch_updates(m, role, stage.old_bits)
             fetched += n
-            state = FullState(am, updates, verify=self.verify_anchors)
-            applied.append(am.step)
-            for s in plan.deltas:
-                dm = self.store.manifest(s)
-                updates, n = self.fetch_updates(dm, "delta", state.old_bits)
-                fetched += n
-                state.apply(dm, updates)
-                applied.append(s)
-            if tensors is None:
-                return PullResult(step, state.as_tensors(), fetched, applied, "anchor", digest)
-            tracking.set_version(target, None)  # unknown while writing; restored below
-            try:
-                write_full(tensors, state, copies)
-            except ApplyError as e:
-                tracking.set_version(target, current if e.restored else None)
-                raise
-            tracking.set_version(target, ref)
-            return PullResult(step, target, fetched, applied, "anchor", digest,
-                              {n: b.numel() for n, b in state.bits.items()})
+            stage.apply(m, updates)
+        applied = plan.steps
+        path: Literal["anchor", "delta"] = "anchor" if plan.anchor is not None else "delta"
 
-        assert tensors is not None and current is not None
-        overlay = SparseOverlay(tensors, self.store.manifest(current.step))
-        for s in plan.deltas:
-            dm = self.store.manifest(s)
-            updates, n = self.fetch_updates(dm, "delta", overlay.old_bits)
-            fetched += n
-            overlay.apply(dm, updates)
-            applied.append(s)
-        tracking.set_version(target, None)
+        if isinstance(stage, FullState):
+            if tensors is None:
+                return PullResult(step, stage.as_tensors(), fetched, applied, path, digest, lag=lag)
+            written = {n: b.numel() for n, b in stage.bits.items()}
+            write = lambda: write_full(tensors, stage, copies)  # noqa: E731
+        else:
+            written = {n: p.positions.numel() for n, p in stage.pending.items()}
+            write = lambda: write_sparse(tensors, stage, copies)  # noqa: E731
+        tracking.set_version(target, None)  # unknown while writing
         try:
-            write_sparse(tensors, overlay, copies)
+            write()
         except ApplyError as e:
             tracking.set_version(target, current if e.restored else None)
             raise
         tracking.set_version(target, ref)
-        return PullResult(step, target, fetched, applied, "delta", digest,
-                          {n: p.positions.numel() for n, p in overlay.pending.items()})
+        return PullResult(step, target, fetched, applied, path, digest, written, lag)
+
+    def _prefetch(self, plan: Plan) -> None:
+        """Download every object of the plan in parallel into the store's read cache."""
+        wanted = []
+        for s in plan.steps:
+            m = self.store.manifest(s)
+            role: Role = "full" if s == plan.anchor else "diff" if s == plan.differential else "delta"
+            wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(m.objects_for(role))]
+        self.store.prefetch(wanted, max_workers=self.max_workers)
 
     def identify(self, target: Target, step: int) -> VersionRef:
         """Declare that ``target`` holds version ``step`` after checking every tensor's checksum.
@@ -247,10 +330,10 @@ class Subscriber:
         self.close()
 
     # -- decoding --------------------------------------------------------------------
-    def fetch_updates(self, manifest: Manifest, role: Literal["delta", "full"],
+    def fetch_updates(self, manifest: Manifest, role: Role,
                 old: OldBits | None) -> tuple[dict[str, Update], int]:
         """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read."""
-        indices = manifest.full_objects if role == "full" else manifest.delta_objects
+        indices = manifest.objects_for(role)
         updates: dict[str, Update] = {}
         fetched = 0
         for i in sorted(indices):
@@ -271,7 +354,8 @@ class Subscriber:
                                          f"{sorted(decoded)[:5]}, manifest expects {[t.name for t in tensors][:5]}")
             for t in tensors:
                 u = decoded[t.name]
-                check_update(u, t, dense=role == "full" or codec.dense, step=manifest.step)
+                check_update(u, t, dense=role == "full" or codec.dense, step=manifest.step,
+                             expected=t.diff_changed if role == "diff" else t.changed)
                 updates[t.name] = u
         return updates, fetched
 
