@@ -1,4 +1,4 @@
-"""``deltastore`` command line: ls, inspect, verify, materialize, demo."""
+"""``deltastore`` command line: ls, inspect, verify, materialize, gc, demo."""
 
 from __future__ import annotations
 
@@ -73,6 +73,19 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import Retention, collect_garbage
+
+    plan = collect_garbage(open_store(args.uri), Retention(keep_last=args.keep_last, keep_anchors=args.keep_anchors),
+                           dry_run=args.dry_run, grace=args.grace, orphans=args.orphans)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"kept {len(plan.keep)} versions; {verb} {len(plan.delete_versions)} versions and "
+          f"{len(plan.delete_objects)} objects ({plan.reclaimed_bytes:,} B)")
+    if plan.delete_versions:
+        print("versions:", " ".join(map(str, plan.delete_versions)))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -99,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("step", type=int)
     s.add_argument("out_dir")
     s.set_defaults(func=_cmd_materialize)
+    s = sub.add_parser("gc", help="delete versions and objects outside the retention")
+    s.add_argument("uri")
+    s.add_argument("--keep-last", type=int, default=20, help="most recent versions to keep restorable")
+    s.add_argument("--keep-anchors", type=int, default=2, help="most recent anchors to keep")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds between deleting manifests and objects")
+    s.add_argument("--orphans", action="store_true",
+                   help="also delete objects no manifest references (only while no publisher writes)")
+    s.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    s.set_defaults(func=_cmd_gc)
     s = sub.add_parser("demo", help="train a small model, publish every step, keep a replica in sync")
     s.add_argument("--store", help="store to publish to (default: a temporary folder)")
     s.add_argument("--steps", type=int, default=30)

@@ -22,11 +22,18 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     One ``model.safetensors`` when the model fits in ``shard_bytes``, else
     ``model-0000i-of-0000n.safetensors`` shards plus
     ``model.safetensors.index.json`` (the layout ``transformers`` and vLLM
-    load). Returns the file names written. Raises what
-    :meth:`Subscriber.pull` raises.
+    load). Files the Publisher recorded from its ``source_dir``
+    (``config.json``, tokenizer files) are written beside them, so the folder
+    loads with ``transformers`` and vLLM. Returns the file names written.
+    Raises what :meth:`Subscriber.pull` raises.
     """
     state = Subscriber(store).pull(step=step).state
     os.makedirs(out_dir, exist_ok=True)
+    extra = []
+    for fname, rec in store.manifest(step).files.items():
+        with open(os.path.join(out_dir, fname), "wb") as f:
+            f.write(store.get_object(rec["digest"], rec["size"]))
+        extra.append(fname)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -39,7 +46,7 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     meta = {"format": "pt", "deltastore_step": str(step)}
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
-        return ["model.safetensors"]
+        return ["model.safetensors", *extra]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, Any] = {}
     for fname, shard in zip(names, shards):
@@ -48,4 +55,4 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     total = sum(t.numel() * t.element_size() for t in state.values())
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return names + ["model.safetensors.index.json"]
+    return names + ["model.safetensors.index.json", *extra]

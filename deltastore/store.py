@@ -22,8 +22,7 @@ from typing import Any
 
 from .backends import Backend, open_backend
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
-                     ObjectNotFoundError,
-                     VersionExistsError, VersionNotFoundError)
+                     ObjectNotFoundError, VersionExistsError, VersionNotFoundError)
 from .manifest import MAX_STEP, Manifest, VersionRef, sha256_digest
 
 STORE_MARKER = "deltastore.json"

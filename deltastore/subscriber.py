@@ -92,6 +92,7 @@ class Subscriber:
             raise ValueError(f"max_lag must be a non-negative integer, got {max_lag!r}")
         self.max_lag = max_lag
         self.max_workers = max(1, max_workers)
+        self.replans = 0  # pulls that had to plan again because GC removed part of their path
 
     # -- discovery ---------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -216,6 +217,7 @@ class Subscriber:
             return self._pull(target, step, allow_anchor, lag)
         except (ObjectNotFoundError, VersionNotFoundError):
             self.store.forget_all()  # something was collected under us: re-read and re-plan once
+            self.replans += 1
             return self._pull(target, step, allow_anchor, lag)
 
     def sync(self, target: Target) -> PullResult | None:
