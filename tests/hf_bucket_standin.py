@@ -108,13 +108,21 @@ class HFBucketStandin:
         with self.lock:
             if xet_hash in self._sizes:
                 return self._sizes[xet_hash]
-            if self._xet is None:
-                self._xet = hf_xet.XetSession().new_download_stream_group(endpoint=f"local://{self.cas_dir}")
             group = self._xet
+        if group is None:
+            group = self._session().new_download_stream_group(endpoint=f"local://{self.cas_dir}")
+            with self.lock:
+                self._xet = group
         size = sum(len(chunk) for chunk in group.download_stream(hf_xet.XetFileInfo(xet_hash)))
         with self.lock:
             self._sizes[xet_hash] = size
         return size
+
+    @staticmethod
+    def _session() -> Any:
+        import hf_xet
+
+        return hf_xet.XetSession()
 
     def _take_fault(self, route: str) -> int | None:
         with self.lock:
@@ -273,6 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         ops = [json.loads(line) for line in self._body().splitlines() if line.strip()]
         failed = []
         now = time.time() * 1000
+        sizes = {op["xetHash"]: self._xet_size(op["xetHash"]) for op in ops
+                 if op.get("type") in ("addFile", "copyFile") and isinstance(op.get("xetHash"), str)}
         with self.standin.lock:
             files = self.standin.buckets[bucket_id]
             for op in ops:
@@ -280,9 +290,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not isinstance(path, str) or not path or path.startswith("/"):
                     failed.append({"path": path, "error": "invalid path"})
                 elif kind in ("addFile", "copyFile"):
-                    size = op.get("size")
-                    if size is None:
-                        size = self._xet_size(op["xetHash"])
+                    size = sizes[op["xetHash"]]
                     files[path] = {"xetHash": op["xetHash"], "size": size, "mtime": op.get("mtime") or now,
                                    "uploaded": now}
                 elif kind == "deleteFile":

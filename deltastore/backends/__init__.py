@@ -42,3 +42,10 @@ def open_backend(uri: str | Any, **storage_options: Any) -> Backend:
     uri = os.fspath(uri) if not isinstance(uri, str) else uri
     cls = _registry.get(uri_scheme(uri))
     return cls.from_uri(uri, **storage_options)
+
+# Network backends (issue 5): fsspec protocols and Hugging Face Buckets, imported on first use.
+_registry.register("s3", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[s3]'")
+_registry.register("s3a", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[s3]'")
+_registry.register("gs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
+_registry.register("gcs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
+_registry.register("hf", "deltastore.backends.hf:HfBucketBackend", install_hint="pip install 'deltastore[hf]'")

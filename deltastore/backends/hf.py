@@ -1,0 +1,272 @@
+"""Hugging Face Buckets through ``huggingface_hub``'s bucket API: ``hf://buckets/<ns>/<bucket>[/<prefix>]``.
+
+Calls used: ``bucket_info`` / ``create_bucket`` (open), ``batch_bucket_files``
+(put, put_many, delete), ``download_bucket_files`` (get, get_many),
+``get_bucket_paths_info`` (exists, create checks), ``list_bucket_tree`` (list).
+File contents travel through ``hf_xet``; the token comes from the usual HF
+places (``token=`` option, ``HF_TOKEN``, the saved login), the endpoint from
+``endpoint=`` or ``HF_ENDPOINT``.
+
+Options: ``token``, ``endpoint``, ``create_bucket`` (create it when missing,
+default False), ``private`` (for a created bucket), ``retry``,
+``max_workers`` (unused: hf_xet parallelises a batch itself), ``progress``,
+``verify_delay`` (seconds between a create-only write and its read-back,
+default 0.5), ``verify_keys`` (a predicate: which create-only keys are read
+back; default: all but content-addressed ``objects/...`` keys, whose bytes
+are identical whoever writes them), ``check_bucket`` (default True).
+
+**Guarantees.** The native bucket API has no conditional write, so
+``capabilities.atomic_create`` is False. ``put(mode="create")`` does the
+strongest thing available without one:
+
+1. check: the key must be absent (``get_bucket_paths_info``), else
+   :class:`KeyExistsError`;
+2. write;
+3. wait ``verify_delay`` seconds, read the value back and compare bytes:
+   another writer's value there means this writer lost, and it gets
+   :class:`KeyExistsError`.
+
+What this guarantees: a writer that finds the key present never writes; a
+writer whose read-back shows another value reports the conflict; a reader
+never sees a half-written value (a file appears in the bucket index whole).
+What it does not: two writers whose check-write-verify windows interleave
+exactly (both checks before either write, the second write landing after the
+first writer's read-back) can both believe they won, and the later write
+replaces the earlier one. deltastore's objects are content-addressed (a
+replaced object has identical bytes), so only manifests are exposed, and a
+manifest carries its writer's identity and digest, so the overwritten
+writer's next publish or any subscriber detects the mismatch. Deployments
+that need atomic manifest creation use the HF S3 gateway through ``s3://``
+(``If-None-Match`` is honoured there), see docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..errors import BackendError, KeyExistsError, KeyNotFoundError
+from .base import Backend, Capabilities, PutMode, check_key
+from .retry import AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status
+
+_URI_PREFIX = "hf://buckets/"
+
+
+def _not_content_addressed(key: str) -> bool:
+    return not key.startswith("objects/")
+
+
+def parse_bucket_uri(uri: str) -> tuple[str, str]:
+    """``hf://buckets/NS/NAME[/PREFIX]`` -> (``"NS/NAME"``, ``"PREFIX"``); ValueError for anything else."""
+    if not uri.startswith(_URI_PREFIX):
+        raise ValueError(f"not an HF bucket URI (hf://buckets/<namespace>/<bucket>[/<prefix>]): {uri!r}")
+    parts = uri[len(_URI_PREFIX):].strip("/").split("/", 2)
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ValueError(f"HF bucket URI needs a namespace and a bucket name: {uri!r}")
+    prefix = parts[2].strip("/") if len(parts) > 2 else ""
+    if prefix:
+        check_key(prefix)
+    return f"{parts[0]}/{parts[1]}", prefix
+
+
+class HfBucketBackend(Backend):
+    """Keys under ``prefix`` of the HF bucket ``bucket_id`` (``"namespace/name"``).
+
+    Raises :class:`KeyNotFoundError`, :class:`KeyExistsError`,
+    :class:`BucketNotFoundError`, :class:`AccessDeniedError`, and
+    :class:`BackendError` for a transport failure that outlives the retries.
+    """
+
+    capabilities = Capabilities(atomic_create=False, listing=True, ranged_reads=False)
+
+    def __init__(self, bucket_id: str, prefix: str = "", *, token: str | bool | None = None,
+                 endpoint: str | None = None, retry: Any = None, progress: ProgressCallback | None = None,
+                 verify_delay: float = 0.5, verify_keys: Callable[[str], bool] | None = None,
+                 max_workers: int | None = None, uri: str = ""):
+        from huggingface_hub import HfApi
+
+        self.bucket_id = bucket_id
+        self.prefix = prefix.strip("/")
+        self.uri = uri or f"{_URI_PREFIX}{bucket_id}" + (f"/{self.prefix}" if self.prefix else "")
+        self.api = HfApi(endpoint=endpoint, token=token)
+        self.retry = RetryPolicy.coerce(retry)
+        self.progress = Progress(progress)
+        self.verify_delay = float(verify_delay)
+        self.verify_keys = verify_keys or _not_content_addressed
+        self._tmp = tempfile.mkdtemp(prefix="deltastore-hf-")
+
+    def __repr__(self) -> str:
+        return f"HfBucketBackend({self.uri!r})"
+
+    @classmethod
+    def from_uri(cls, uri: str, **options: Any) -> HfBucketBackend:
+        """Open ``hf://buckets/NS/NAME[/PREFIX]`` (options: see the module docstring).
+
+        Raises :class:`BucketNotFoundError` (missing bucket, unless
+        ``create_bucket=True``) and :class:`AccessDeniedError` (token refused).
+        """
+        bucket_id, prefix = parse_bucket_uri(uri)
+        create = bool(options.pop("create_bucket", False))
+        private = options.pop("private", None)
+        check = bool(options.pop("check_bucket", True))
+        backend = cls(bucket_id, prefix, uri=uri, **options)
+        if create:
+            backend._call("create bucket", "", lambda a: backend.api.create_bucket(
+                bucket_id, private=private, exist_ok=True))
+        elif check:
+            backend._call("open bucket", "", lambda a: backend.api.bucket_info(bucket_id))
+        return backend
+
+    # -- helpers -------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, key: str, fn: Any) -> Any:
+        from huggingface_hub.errors import BucketNotFoundError as HfBucketNotFound, EntryNotFoundError
+
+        try:
+            return self.retry.call(fn)
+        except (KeyExistsError, KeyNotFoundError):
+            raise
+        except HfBucketNotFound as e:
+            raise BucketNotFoundError(f"HF bucket {self.bucket_id!r} does not exist or is not visible "
+                                      f"with this token ({self.uri})") from e
+        except EntryNotFoundError:
+            raise KeyNotFoundError(f"{key!r} not found in {self.uri}") from None
+        except OSError as e:
+            if http_status(e) in (401, 403) or isinstance(e, PermissionError):
+                raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
+            raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
+
+    def _download(self, paths: list[str]) -> dict[str, bytes]:
+        """Fetch ``paths`` in one batch; raises EntryNotFoundError when any is missing."""
+        folder = tempfile.mkdtemp(dir=self._tmp)
+        try:
+            files = [(p, os.path.join(folder, str(i))) for i, p in enumerate(paths)]
+            self.api.download_bucket_files(self.bucket_id, files, raise_on_missing_files=True)
+            out = {}
+            for p, local in files:
+                with open(local, "rb") as f:
+                    out[p] = f.read()
+            return out
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _present(self, paths: list[str]) -> set[str]:
+        return {info.path for info in self.api.get_bucket_paths_info(self.bucket_id, paths)}
+
+    # -- Backend -------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        data = self._call("get", key, lambda a: self._download([path]))[path]
+        self.progress("get", key, len(data))
+        return data
+
+    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+        path = self._path(key)
+        data = bytes(data)
+        if mode == "create" and self._call("exists", key, lambda a: self._present([path])):
+            raise KeyExistsError(f"{key!r} already exists in {self.uri}")
+        self._call("put", key, lambda a: self.api.batch_bucket_files(self.bucket_id, add=[(data, path)]))
+        if mode == "create" and self.verify_keys(key):
+            self._verify(key, path, data)
+        self.progress("put", key, len(data))
+
+    def _verify(self, key: str, path: str, data: bytes) -> None:
+        """Read a create-only write back after ``verify_delay``; another value there means we lost."""
+        if self.verify_delay > 0:
+            time.sleep(self.verify_delay)
+        try:
+            stored = self._call("verify", key, lambda a: self._download([path]))[path]
+        except KeyNotFoundError:
+            raise KeyExistsError(f"{key!r} in {self.uri} vanished right after a create-only write "
+                                 "(a concurrent writer or GC deleted it)") from None
+        if stored != data:
+            raise KeyExistsError(f"{key!r} in {self.uri} was written concurrently by another writer; "
+                                 "its value is kept, this write lost")
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return bool(self._call("exists", key, lambda a: self._present([path])))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        self._call("delete", key, lambda a: self.api.batch_bucket_files(self.bucket_id, delete=[path]))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        folder = prefix.rpartition("/")[0]
+        if folder:
+            check_key(folder)
+        tree_prefix = "/".join(p for p in (self.prefix, folder) if p)
+        cut = len(self.prefix) + 1 if self.prefix else 0
+
+        def tree(attempt: int) -> list[str]:
+            return [item.path for item in self.api.list_bucket_tree(self.bucket_id, prefix=tree_prefix or None,
+                                                                    recursive=True)
+                    if getattr(item, "type", "file") == "file"]
+
+        for path in self._call("list", prefix or "/", tree):
+            if self.prefix and not path.startswith(self.prefix + "/"):
+                continue
+            key = path[cut:]
+            if key.startswith(prefix):
+                yield key
+
+    def close(self) -> None:
+        """Remove this backend's temporary download folder."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- batch transfers -------------------------------------------------------------
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """``{key: value}`` for every key in one ``download_bucket_files`` batch (hf_xet parallelises it).
+
+        Raises :class:`KeyNotFoundError` when any key is missing.
+        """
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return {}
+        paths = {self._path(k): k for k in keys}
+        got = self._call("get", keys[0] if len(keys) == 1 else f"{len(keys)} keys",
+                         lambda a: self._download(list(paths)))
+        out = {paths[p]: v for p, v in got.items()}
+        for k in keys:
+            self.progress("get", k, len(out[k]))
+        return out
+
+    def put_many(self, items: Mapping[str, bytes], *, mode: PutMode = "overwrite") -> None:
+        """Store every ``key -> value`` in one ``batch_bucket_files`` call.
+
+        With ``mode="create"`` keys already present are left alone and
+        :class:`KeyExistsError` is raised after the others are written; each
+        created key is verified as in :meth:`put`.
+        """
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+        paths = {self._path(k): (k, bytes(v)) for k, v in items.items()}
+        if not paths:
+            return
+        present: set[str] = set()
+        if mode == "create":
+            present = self._call("exists", f"{len(paths)} keys", lambda a: self._present(list(paths)))
+        add = [(v, p) for p, (k, v) in paths.items() if p not in present]
+        if add:
+            self._call("put", f"{len(add)} keys", lambda a: self.api.batch_bucket_files(self.bucket_id, add=add))
+        check = [p for _, p in add if self.verify_keys(paths[p][0])] if mode == "create" else []
+        if check:
+            if self.verify_delay > 0:
+                time.sleep(self.verify_delay)
+            stored = self._call("verify", f"{len(check)} keys", lambda a: self._download(check))
+            present |= {p for p in check if stored[p] != paths[p][1]}
+        for p, (k, v) in paths.items():
+            if p not in present:
+                self.progress("put", k, len(v))
+        if present:
+            names = sorted(paths[p][0] for p in present)
+            raise KeyExistsError(f"{len(names)} key(s) already exist in {self.uri}: {names[:5]}")

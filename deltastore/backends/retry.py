@@ -1,0 +1,189 @@
+"""Transport helpers: retries with exponential backoff and jitter, parallel transfers,
+progress hooks, and the typed errors of network backends.
+
+Shared by the network backends (:mod:`.fsspec`, :mod:`.hf`). Nothing here
+knows about a particular service: :func:`is_transient` classifies an
+exception by its type, errno and HTTP status, and :class:`RetryPolicy` runs a
+call until it succeeds, fails for good, or runs out of attempts or time.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import BackendError, DeltaStoreError
+
+
+
+class BucketNotFoundError(BackendError, FileNotFoundError):
+    """The bucket (or container, or HF bucket) a URI names does not exist."""
+
+
+class AccessDeniedError(BackendError, PermissionError):
+    """The service refused the credentials (wrong, expired, or without the needed permission)."""
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+ProgressCallback = Callable[[str, str, int], None]
+"""``progress(op, key, nbytes)``: called once per finished transfer, ``op`` is ``"get"`` or ``"put"``.
+
+Called from worker threads; it must be thread-safe and fast (a CLI adds
+``nbytes`` to a progress bar under a lock).
+"""
+
+_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE, errno.ETIMEDOUT,
+                     errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETRESET, errno.EIO}
+_TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# Exception class names (from aiohttp, botocore, httpx, urllib3, requests, ...) that mean a
+# dropped or timed-out connection; matched by name so that no client library is imported here.
+_TRANSIENT_NAMES = {
+    "ClientConnectionError", "ClientOSError", "ServerDisconnectedError", "ClientPayloadError",
+    "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError", "IncompleteRead",
+    "TransportError", "NetworkError", "TimeoutException", "RemoteProtocolError", "ProtocolError",
+    "ChunkedEncodingError", "FSTimeoutError",
+}
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+              ValueError, TypeError, KeyError, NotImplementedError)
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status code an exception carries (``.response.status_code`` or botocore's metadata), if any."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None) or getattr(response, "status", None)
+    if isinstance(status, int):
+        return status
+    if isinstance(response, Mapping):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the call that raised ``exc`` may succeed.
+
+    True for dropped connections, timeouts and HTTP 408/425/429/5xx (anywhere
+    in the exception's cause chain); False for deltastore's own errors,
+    missing keys or buckets, conflicts, permission and argument errors.
+    """
+    if isinstance(exc, DeltaStoreError):
+        return False
+    status = http_status(exc)
+    if status is not None:
+        return status in _TRANSIENT_STATUS
+    if isinstance(exc, _PERMANENT):
+        return False
+    for e in _chain(exc):
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        status = http_status(e)
+        if status is not None:
+            return status in _TRANSIENT_STATUS
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long to retry a transient failure.
+
+    attempts: total tries per call (1 = no retry).
+    base_delay / max_delay: the n-th retry sleeps a random time in
+        ``[0, min(max_delay, base_delay * 2**n)]`` ("full jitter").
+    deadline: seconds after the first try past which no retry starts (None: no limit).
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.2
+    max_delay: float = 8.0
+    deadline: float | None = 300.0
+
+    @classmethod
+    def coerce(cls, value: RetryPolicy | Mapping[str, Any] | int | None) -> RetryPolicy:
+        """A policy from a policy, a dict of its fields, an attempt count, or None (the default)."""
+        if value is None:
+            return cls()
+        if isinstance(value, RetryPolicy):
+            return value
+        if isinstance(value, bool):
+            raise TypeError("retry must be a RetryPolicy, a dict or an int")
+        if isinstance(value, int):
+            return cls(attempts=max(1, value))
+        if isinstance(value, Mapping):
+            return cls(**value)
+        raise TypeError(f"retry must be a RetryPolicy, a dict or an int, got {type(value).__name__}")
+
+    def delay(self, retry: int) -> float:
+        """Seconds to sleep before retry number ``retry`` (0-based)."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** retry)))
+
+    def call(self, fn: Callable[[int], R], *, transient: Callable[[BaseException], bool] = is_transient) -> R:
+        """Run ``fn(attempt)`` (attempt = 0, 1, ...) until it returns; re-raise a permanent or the last error."""
+        start = time.monotonic()
+        for attempt in range(self.attempts):
+            try:
+                return fn(attempt)
+            except BaseException as e:
+                if attempt + 1 >= self.attempts or not transient(e):
+                    raise
+                pause = self.delay(attempt)
+                if self.deadline is not None and time.monotonic() + pause - start > self.deadline:
+                    raise
+                time.sleep(pause)
+        raise AssertionError("unreachable")
+
+
+def run_parallel(fn: Callable[[T], R], items: Iterable[T], max_workers: int) -> list[R]:
+    """``[fn(x) for x in items]`` on up to ``max_workers`` threads, results in input order.
+
+    The first exception (in input order) is re-raised after every call has
+    finished, so no transfer is left running behind the caller's back.
+    """
+    items = list(items)
+    if max_workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(items))) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+    return [f.result() for f in futures]
+
+
+class Progress:
+    """An optional :data:`ProgressCallback`, called under a lock (one call at a time); None does nothing."""
+
+    def __init__(self, callback: ProgressCallback | None):
+        if callback is not None and not callable(callback):
+            raise TypeError("progress must be callable as progress(op, key, nbytes)")
+        self.callback = callback
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, key: str, nbytes: int) -> None:
+        if self.callback is None:
+            return
+        with self._lock:
+            self.callback(op, key, nbytes)

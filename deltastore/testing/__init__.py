@@ -1,0 +1,10 @@
+"""Test helpers for deltastore and for third-party plugins (needs pytest).
+
+:class:`BackendConformance` is the backend conformance suite: subclass it in
+a pytest module and provide a ``backend`` fixture (see
+:mod:`deltastore.testing.conformance`).
+"""
+
+from .conformance import BackendConformance
+
+__all__ = ["BackendConformance"]
