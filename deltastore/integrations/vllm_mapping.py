@@ -342,8 +342,8 @@ def probe(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
                 if dst.dtype != dtype:
                     raise ValueError(f"{pname} is {dst.dtype}, the checkpoint tensor is {dtype}")
                 found.append(_block_from_copy(params[pname], pname, dst, src))
-        except ValueError as e:
-            unmapped[name] = str(e)
+        except Exception as e:  # noqa: BLE001 - anything odd makes the tensor unmappable, never fatal
+            unmapped[name] = f"{type(e).__name__}: {e}"[:300]
             continue
         if not found and mode.other_writes:
             unmapped[name] = f"written by other means: {mode.other_writes[:3]}"

@@ -14,7 +14,7 @@ old bits differs. (Upstream patch proposed: ``Subscriber.stage()``.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,9 +30,28 @@ from ..subscriber import Subscriber
 Reader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
 
 
+class _ReaderTarget(Mapping[str, torch.Tensor]):
+    """The target as a mapping, for code that asks for a whole tensor: ``reader(name, None)``."""
+
+    def __init__(self, reader: Reader, names: list[str]):
+        self._reader = reader
+        self._names = names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._reader(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class _ReaderOverlay(SparseOverlay):
     def __init__(self, reader: Reader, base: Manifest):
-        super().__init__({}, base)
+        super().__init__(_ReaderTarget(reader, [r.name for r in base.tensors]), base)
         self._reader = reader
 
     def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:

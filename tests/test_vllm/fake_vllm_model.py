@@ -155,9 +155,13 @@ def perturb(ckpt: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, 
     g = torch.Generator().manual_seed(seed)
     out = {}
     for n, t in ckpt.items():
-        bits = t.reshape(-1).view(torch.int16).clone()
+        bits = t.reshape(-1).view(torch.int16).to(torch.int32)
         mask = torch.rand(bits.numel(), generator=g) < frac
-        step = torch.where(torch.rand(bits.numel(), generator=g) < 0.5, 1, -1).to(torch.int16)
-        bits[mask] += step[mask]
+        step = torch.where(torch.rand(bits.numel(), generator=g) < 0.5, 1, -1).to(torch.int32)
+        sign, mag = bits & 0x8000, bits & 0x7FFF
+        new = mag + step
+        ok = mask & (new >= 1) & (new < 0x7F80)  # stay finite and nonzero: like a trainer's 1-ulp moves
+        bits = torch.where(ok, sign | new, bits & 0xFFFF)
+        bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
         out[n] = bits.view(t.dtype).reshape(t.shape)
     return out

@@ -1,0 +1,69 @@
+"""A real vLLM engine (CPU build) follows a store and serves exactly what a fresh load serves.
+
+The engine runs in the separate vLLM virtualenv (``tests/test_vllm/setup_venv.sh``
+creates ``.venv-vllm``), in a subprocess running ``engine_check.py``, so this
+pytest process needs no vLLM. Skipped when that virtualenv is missing, except
+under ``CI=true``, where a missing engine is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def vllm_python() -> str:
+    """The vLLM virtualenv's python (``DELTASTORE_VLLM_PYTHON`` overrides); skip or fail without it."""
+    py = os.environ.get("DELTASTORE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    ok = Path(py).exists() and subprocess.run([py, "-c", "import vllm, deltastore"], capture_output=True,
+                                              timeout=300).returncode == 0
+    if not ok:
+        msg = f"no vLLM virtualenv at {py} (run tests/test_vllm/setup_venv.sh)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return py
+
+
+@pytest.mark.slow
+def test_engine_follows_store_bit_exactly(tmp_path):
+    py = vllm_python()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.Popen([py, str(HERE / "engine_check.py"), str(tmp_path)], cwd=str(ROOT), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        out = ""
+        pytest.fail("the vLLM engine check ran over 15 minutes")
+    finally:
+        try:  # the engine's worker processes live in the same session: never leave them behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    res_path = tmp_path / "result.json"
+    result = json.loads(res_path.read_text()) if res_path.exists() else {}
+    if proc.returncode != 0 or not result.get("ok"):
+        tail = "\n".join(line for line in out.splitlines() if "DEBUG" not in line)[-6000:]
+        pytest.fail(f"engine check failed (exit {proc.returncode}):\n{result.get('error', '')}\n{tail}")
+    checks = result["checks"]
+    assert checks["identical_to_fresh_engine"]            # greedy token ids and logprobs, exact
+    assert checks["anchor_route_matches_followed_step3"]
+    assert checks["outputs_changed_v0_to_v10"]
+    assert checks["outputs_unchanged_after_refusals"]
+    assert [p["route"] for p in checks["pulls"]] == ["delta"] * 8
+    assert checks["corrupt_object"].startswith("CorruptObjectError")
+    assert checks["foreign_chain"].startswith("ParentMismatchError")
+    assert checks["wrong_declared_base"].startswith("ChecksumMismatchError")
+    assert checks["weight_transfer_step9"]["version"]["step"] == 9
+    assert checks["follower_step10"]["status"]["served_step"] == 10
+    print(json.dumps(result["timings"]), file=sys.stderr)
