@@ -23,25 +23,33 @@ Create-only writes:
   every create is sent as one request whatever its size.
 * Any other protocol: check-then-write (``atomic_create=False``).
 
-A create-only write that was retried after a transport error and then
-conflicts is read back: equal bytes mean the first attempt landed, and the
-write succeeded.
+Every create-only S3/GCS write carries a random put id in the object's
+metadata. When a create conflicts, the stored object's put id is compared
+with ours: equal means an earlier try of the same call landed and only its
+answer was lost (a retry by s3fs, botocore, gcsfs or this module), so the
+write succeeded; anything else is a real conflict (:class:`KeyExistsError`).
+With check-then-write protocols, a retried create that finds the key holding
+exactly its bytes counts as its own.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import BackendError, KeyExistsError, KeyNotFoundError
+from ..errors import BackendError, KeyExistsError, KeyNotFoundError, MissingDependencyError
 from .base import Backend, Capabilities, PutMode, check_key
 from .retry import (AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status,
                     run_parallel)
 
 _ATOMIC_CREATE = {"s3": True, "s3a": True, "gs": True, "gcs": True}
 _GCS = {"gs", "gcs"}
+_INSTALL_HINTS = {"s3": "pip install 'deltastore[s3]'", "s3a": "pip install 'deltastore[s3]'",
+                  "gs": "pip install 'deltastore[gcs]'", "gcs": "pip install 'deltastore[gcs]'"}
 _S3 = {"s3", "s3a"}
+_PUT_ID = "deltastore-put-id"  # object metadata: the id of the create-only put that wrote it
 _TRANSPORT_OPTIONS = ("retry", "max_workers", "progress", "timeout", "check_bucket", "atomic_create")
 
 
@@ -109,7 +117,7 @@ class FsspecBackend(Backend):
     def from_uri(cls, uri: str, **options: Any) -> FsspecBackend:
         """Open ``PROTOCOL://BUCKET[/PREFIX]``; see the module docstring for ``options``.
 
-        Raises :class:`MissingDependencyError`-style ``ImportError`` when the
+        Raises :class:`MissingDependencyError` (with the install hint) when the
         protocol's package is missing, :class:`BucketNotFoundError` or
         :class:`AccessDeniedError` when ``check_bucket`` finds the bucket
         absent or the credentials refused.
@@ -132,7 +140,12 @@ class FsspecBackend(Backend):
                 options.setdefault("requests_timeout", timeout)
         options.setdefault("use_listings_cache", False)  # other writers change the store
         _prepare_protocol(protocol)
-        fs = fsspec.filesystem(protocol, **options)
+        try:
+            fs = fsspec.filesystem(protocol, **options)
+        except ImportError as e:
+            hint = _INSTALL_HINTS.get(protocol, "install the fsspec implementation of this protocol")
+            raise MissingDependencyError(f"backend {protocol!r} needs a package that is not installed ({e}); "
+                                         f"install it with: {hint}") from e
         check = ours.pop("check_bucket", True)
         backend = cls(fs, path, protocol=protocol, uri=uri, **ours)
         if check:
@@ -206,6 +219,7 @@ class FsspecBackend(Backend):
             raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
         path = self._path(key)
         data = bytes(data)
+        put_id = uuid.uuid4().hex
 
         def attempt_put(attempt: int) -> None:
             if mode == "overwrite":
@@ -220,16 +234,31 @@ class FsspecBackend(Backend):
             kwargs: dict[str, Any] = {"mode": "create"}
             if self.protocol in _GCS:  # preconditions hold on single-request uploads only
                 kwargs["chunksize"] = max(len(data) + 1, 50 << 20)
+                kwargs["metadata"] = {_PUT_ID: put_id}
+            else:
+                kwargs["Metadata"] = {_PUT_ID: put_id}
             try:
                 self.fs.pipe_file(path, data, **kwargs)
             except Exception as e:
                 if _is_precondition_failure(e):
-                    self._conflict(key, path, data, attempt)
-                    return
+                    if self._put_id(path) == put_id:
+                        return  # an earlier try of this very call landed (its answer was lost)
+                    raise KeyExistsError(f"{key!r} already exists in {self.uri}") from None
                 raise
 
         self._call("put", key, attempt_put)
         self.progress("put", key, len(data))
+
+    def _put_id(self, path: str) -> str | None:
+        """The put id recorded in the metadata of the object at ``path`` (None if absent or unreadable)."""
+        try:
+            if self.protocol in _GCS:
+                meta = self.fs.info(path).get("metadata") or {}
+            else:
+                meta = self.fs.metadata(path)
+        except (OSError, ValueError):
+            return None
+        return meta.get(_PUT_ID)
 
     def _conflict(self, key: str, path: str, data: bytes, attempt: int) -> None:
         """A create found ``key`` present: fine if an earlier attempt of this call wrote exactly ``data``."""

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import huggingface_hub  # noqa: F401 - a missing extra fails here, so the registry reports its install hint
+
 from ..errors import BackendError, KeyExistsError, KeyNotFoundError
 from .base import Backend, Capabilities, PutMode, check_key
 from .retry import AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status

@@ -117,7 +117,7 @@ class Seaweed:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(3)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -198,7 +198,7 @@ class FakeGcs:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(3)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
