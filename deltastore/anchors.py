@@ -97,25 +97,27 @@ class Every(AnchorPolicy):
 
 
 class Adaptive(AnchorPolicy):
-    """Anchor when a joiner's download or the drift from the anchor gets too big.
+    """Anchor when what a joiner downloads beyond the anchor gets too big.
 
-    Writes an anchor when any of these holds:
+    A joiner arriving now downloads the last anchor plus its *extra*: either
+    the whole delta chain since the anchor, or (with differentials) the last
+    differential plus the deltas after it, whichever is smaller. Writes an
+    anchor when any of these holds:
 
-    * ``delta_bytes_since_anchor >= budget * anchor_bytes``: replaying the
-      chain would cost a joiner more than ``budget`` anchors on top of the anchor;
-    * ``drift >= max_drift``: so many elements differ from the anchor that a
-      differential would be nearly as big as the anchor itself;
-    * ``versions_since_anchor >= max_chain``: a hard cap on chain length.
+    * ``extra >= budget * anchor_bytes``;
+    * ``drift >= max_drift`` (bounds the Publisher's drift-tracking memory and
+      keeps differentials small);
+    * ``versions_since_anchor >= max_chain`` (a hard cap on chain length).
 
-    With ``differentials`` on, it also writes a differential when the deltas a
-    joiner would replay since the last differential reach ``differential_gain``
-    times the differential's estimated size (writing it then saves a joiner
-    more than it costs in storage).
+    With ``differentials`` on, it also writes a differential when the deltas
+    replayed since the last differential cost ``differential_gain`` times the
+    differential's estimated size: from then on a joiner reads one
+    differential instead of them. The cost model is in ``docs/anchors.md``.
     """
 
     name = "adaptive"
 
-    def __init__(self, budget: float = 1.0, max_drift: float = 0.10, max_chain: int = 200,
+    def __init__(self, budget: float = 0.15, max_drift: float = 0.25, max_chain: int = 1000,
                  differentials: bool = True, differential_gain: float = 1.0):
         if not budget > 0 or not 0 < max_drift <= 1 or max_chain < 1 or not differential_gain > 0:
             raise ValueError("adaptive: budget and differential_gain must be > 0, max_drift in (0, 1], "
@@ -126,9 +128,16 @@ class Adaptive(AnchorPolicy):
         self.differentials = bool(differentials)
         self.differential_gain = float(differential_gain)
 
+    def joiner_extra(self, chain: ChainState) -> float:
+        """Bytes a joiner downloads beyond the anchor if it joined after the next version."""
+        if not self.differentials or chain.versions_since_anchor < 1:
+            return chain.delta_bytes_since_anchor
+        return min(chain.delta_bytes_since_anchor,
+                   chain.differential_estimate + chain.delta_bytes_since_differential)
+
     def should_anchor(self, chain: ChainState) -> bool:
         return (chain.versions_since_anchor >= self.max_chain - 1
-                or chain.delta_bytes_since_anchor >= self.budget * chain.anchor_bytes
+                or self.joiner_extra(chain) >= self.budget * chain.anchor_bytes
                 or chain.drift >= self.max_drift)
 
     def should_differential(self, chain: ChainState) -> bool:

@@ -35,12 +35,27 @@ def test_policy_decisions_and_registry():
     assert not Every(3).should_anchor(ChainState(versions_since_anchor=1))
     assert Every(3).should_anchor(ChainState(versions_since_anchor=2))
     a = Adaptive(budget=1.0, max_drift=0.1, max_chain=50)
-    assert not a.should_anchor(ChainState(1, 100, 1000, 0.01))
-    assert a.should_anchor(ChainState(1, 1000, 1000, 0.01))      # a joiner would download 2 anchors
-    assert a.should_anchor(ChainState(1, 10, 1000, 0.2))         # drifted too far
-    assert a.should_anchor(ChainState(49, 10, 1000, 0.0))        # chain cap
-    assert a.should_differential(ChainState(5, 300, 1000, 0.01, 100, 300, 2.0))
-    assert not a.should_differential(ChainState(5, 300, 1000, 0.01, 100, 100, 2.0))
+
+    def state(**kw):
+        base = dict(versions_since_anchor=3, anchor_bytes=1000, bytes_per_element=2.0)
+        return ChainState(**{**base, **kw})
+
+    # without a differential a joiner replays the whole chain
+    assert not a.should_anchor(state(delta_bytes_since_anchor=900, delta_bytes_since_differential=900,
+                                     drift_elements=1000))
+    assert a.should_anchor(state(delta_bytes_since_anchor=1000, delta_bytes_since_differential=1000,
+                                 drift_elements=1000))
+    # with a small differential the extra is differential + deltas after it
+    assert not a.should_anchor(state(delta_bytes_since_anchor=5000, delta_bytes_since_differential=100,
+                                     drift_elements=200))
+    assert a.should_anchor(state(delta_bytes_since_anchor=5000, delta_bytes_since_differential=100,
+                                 drift_elements=450))
+    assert not Adaptive(budget=1.0, differentials=False).should_anchor(state(delta_bytes_since_anchor=900))
+    assert a.should_anchor(state(drift=0.2))          # drifted too far
+    assert a.should_anchor(state(versions_since_anchor=49))  # chain cap
+    # a differential pays once the deltas replayed since the last one cost as much as it
+    assert a.should_differential(state(delta_bytes_since_differential=300, drift_elements=100))
+    assert not a.should_differential(state(delta_bytes_since_differential=100, drift_elements=100))
     assert isinstance(get_anchor_policy("adaptive"), Adaptive)
     assert get_anchor_policy({"name": "every", "n": 4}).n == 4
     with pytest.raises(UnknownPluginError):
