@@ -9,6 +9,7 @@ this module consumes itself:
 ``max_workers``     parallel transfers in :meth:`get_many` / :meth:`put_many` (default 16)
 ``progress``        a :data:`ProgressCallback` ``progress(op, key, nbytes)``
 ``timeout``         seconds per request (S3: connect and read timeouts; GCS: ``requests_timeout``)
+``retries``         (S3 only) tries of s3fs's inner retry loop, default 2 (botocore retries too)
 ``check_bucket``    check at open that the bucket exists and the credentials work (default True)
 ``atomic_create``   override the declared create-only atomicity (for an S3-compatible server
                     that ignores ``If-None-Match``, pass False)
@@ -42,7 +43,7 @@ from typing import Any
 from ..errors import BackendError, KeyExistsError, KeyNotFoundError, MissingDependencyError
 from .base import Backend, Capabilities, PutMode, check_key
 from .retry import (AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status,
-                    run_parallel)
+                    is_transient, run_parallel)
 
 _ATOMIC_CREATE = {"s3": True, "s3a": True, "gs": True, "gcs": True}
 _GCS = {"gs", "gcs"}
@@ -139,6 +140,7 @@ class FsspecBackend(Backend):
             elif protocol in _GCS:
                 options.setdefault("requests_timeout", timeout)
         options.setdefault("use_listings_cache", False)  # other writers change the store
+        s3_retries = options.pop("retries", 2) if protocol in _S3 else None
         _prepare_protocol(protocol)
         try:
             fs = fsspec.filesystem(protocol, **options)
@@ -146,6 +148,8 @@ class FsspecBackend(Backend):
             hint = _INSTALL_HINTS.get(protocol, "install the fsspec implementation of this protocol")
             raise MissingDependencyError(f"backend {protocol!r} needs a package that is not installed ({e}); "
                                          f"install it with: {hint}") from e
+        if s3_retries is not None:  # s3fs's own retry loop (a class attribute); ``retry`` is the outer one
+            fs.retries = max(1, int(s3_retries))
         check = ours.pop("check_bucket", True)
         backend = cls(fs, path, protocol=protocol, uri=uri, **ours)
         if check:
@@ -172,6 +176,10 @@ class FsspecBackend(Backend):
             if http_status(e) in (401, 403):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
             raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
+        except Exception as e:
+            if is_transient(e):  # a client's own network error type (botocore, httpx, ...), retries spent
+                raise BackendError(f"{what} {key!r} in {self.uri} failed after retries: {e}") from e
+            raise
 
     @staticmethod
     def _bucket_missing(e: BaseException) -> bool:

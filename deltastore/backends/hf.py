@@ -53,7 +53,8 @@ import huggingface_hub  # noqa: F401 - a missing extra fails here, so the regist
 
 from ..errors import BackendError, KeyExistsError, KeyNotFoundError
 from .base import Backend, Capabilities, PutMode, check_key
-from .retry import AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status
+from .retry import (AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, is_refused,
+                    is_transient)
 
 _URI_PREFIX = "hf://buckets/"
 
@@ -141,9 +142,13 @@ class HfBucketBackend(Backend):
         except EntryNotFoundError:
             raise KeyNotFoundError(f"{key!r} not found in {self.uri}") from None
         except OSError as e:
-            if http_status(e) in (401, 403) or isinstance(e, PermissionError):
+            if is_refused(e):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
             raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
+        except Exception as e:
+            if is_transient(e):  # a client's own network error type (botocore, httpx, ...), retries spent
+                raise BackendError(f"{what} {key!r} in {self.uri} failed after retries: {e}") from e
+            raise
 
     def _download(self, paths: list[str]) -> dict[str, bytes]:
         """Fetch ``paths`` in one batch; raises EntryNotFoundError when any is missing."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -78,6 +79,17 @@ def _chain(exc: BaseException) -> Iterable[BaseException]:
         e = e.__cause__ or e.__context__
 
 
+_REFUSED = re.compile(r"\b(401|403)\b.{0,3}(unauthorized|forbidden)", re.IGNORECASE)
+
+
+def is_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is an authentication/authorisation refusal (HTTP 401/403), even when a client
+    library reports it as a generic connection error with the status only in its message (hf_xet)."""
+    if isinstance(exc, PermissionError) or http_status(exc) in (401, 403):
+        return True
+    return any(_REFUSED.search(str(e)) for e in _chain(exc))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the call that raised ``exc`` may succeed.
 
@@ -85,7 +97,7 @@ def is_transient(exc: BaseException) -> bool:
     in the exception's cause chain); False for deltastore's own errors,
     missing keys or buckets, conflicts, permission and argument errors.
     """
-    if isinstance(exc, DeltaStoreError):
+    if isinstance(exc, DeltaStoreError) or is_refused(exc):
         return False
     status = http_status(exc)
     if status is not None:
