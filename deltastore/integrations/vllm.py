@@ -60,6 +60,11 @@ from .vllm_stage import Staged, stage
 
 log = logging.getLogger("deltastore.vllm")
 
+
+def _wlog() -> logging.Logger:
+    """Inside vLLM, log under its ``vllm`` logger tree so messages reach the server's log."""
+    return logging.getLogger("vllm.deltastore") if "vllm" in sys.modules else log
+
 PATHS = ("auto", "sparse", "reload")
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -575,13 +580,13 @@ class DeltaStoreWorkerExtension:
         try:
             out = self._deltastore_applier().pull(uri, _as_int(step), allow_anchor=_as_bool(allow_anchor),
                                                   path=path or None, storage_options=_as_dict(storage_options))
-            log.info("deltastore: serving step %d (%s path, %s route, %d elements written, apply %.3fs)",
+            _wlog().info("deltastore: serving step %d (%s path, %s route, %d elements written, apply %.3fs)",
                      out["step"], out["path"], out["route"], out["elements_written"], out["apply_s"])
             return out
         except Exception as e:
             if _as_bool(raise_errors):
                 raise
-            log.warning("deltastore: pull of %s step %s failed, still serving the previous version: %s: %s",
+            _wlog().warning("deltastore: pull of %s step %s failed, still serving the previous version: %s: %s",
                         uri, step, type(e).__name__, e)
             return {"error": _error_dict(e), "version": self._deltastore_applier().describe()}
 

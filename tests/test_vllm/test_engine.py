@@ -34,27 +34,33 @@ def vllm_python() -> str:
     return py
 
 
-@pytest.mark.slow
-def test_engine_follows_store_bit_exactly(tmp_path):
+def run_check(script: str, work: Path) -> dict:
+    """Run a check script in the vLLM virtualenv, in its own session (killed afterwards)."""
     py = vllm_python()
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen([py, str(HERE / "engine_check.py"), str(tmp_path)], cwd=str(ROOT), env=env,
+    proc = subprocess.Popen([py, str(HERE / script), str(work)], cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         out = ""
-        pytest.fail("the vLLM engine check ran over 15 minutes")
+        pytest.fail(f"{script} ran over 15 minutes")
     finally:
         try:  # the engine's worker processes live in the same session: never leave them behind
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    res_path = tmp_path / "result.json"
+    res_path = work / "result.json"
     result = json.loads(res_path.read_text()) if res_path.exists() else {}
     if proc.returncode != 0 or not result.get("ok"):
         tail = "\n".join(line for line in out.splitlines() if "DEBUG" not in line)[-6000:]
-        pytest.fail(f"engine check failed (exit {proc.returncode}):\n{result.get('error', '')}\n{tail}")
+        pytest.fail(f"{script} failed (exit {proc.returncode}):\n{result.get('error', '')}\n{tail}")
+    return result
+
+
+@pytest.mark.slow
+def test_engine_follows_store_bit_exactly(tmp_path):
+    result = run_check("engine_check.py", tmp_path)
     checks = result["checks"]
     assert checks["identical_to_fresh_engine"]            # greedy token ids and logprobs, exact
     assert checks["anchor_route_matches_followed_step3"]
@@ -67,3 +73,16 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     assert checks["weight_transfer_step9"]["version"]["step"] == 9
     assert checks["follower_step10"]["status"]["served_step"] == 10
     print(json.dumps(result["timings"]), file=sys.stderr)
+
+
+@pytest.mark.slow
+def test_vllm_serve_follows_store_over_http(tmp_path):
+    result = run_check("serve_check.py", tmp_path)
+    checks = result["checks"]
+    assert checks["first_sync_anchor"]["route"] == "anchor"
+    assert checks["weight_info_4"] == "4" and checks["status_file"]
+    assert checks["weight_transfer_6"]["served"]["step"] == 6
+    assert checks["max_lag_waits"] and checks["max_lag_applies_8"]["versions_applied"] == [7, 8]
+    assert checks["verify_8"]["ok"]
+    assert checks["corrupt_refused"].startswith("CorruptObjectError")
+    assert checks["completion_after_refusal"]

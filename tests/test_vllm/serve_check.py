@@ -1,0 +1,182 @@
+"""Real ``vllm serve`` (CPU build) followed by the sidecar follower over HTTP.
+
+    .venv-vllm/bin/python tests/test_vllm/serve_check.py WORKDIR
+
+Starts the OpenAI server with the worker extension and the "deltastore"
+weight-transfer backend, then drives it only through HTTP with
+``deltastore.integrations.vllm.HTTPControl`` + ``Follower``: first sync (anchor
+route) over ``/collective_rpc``, a later version over the standard weight-transfer
+routes, the ``max_lag`` rule, ``/weight_info``, served-weight verification, a
+corrupt version refused while the server keeps serving, and a completion after
+every resume. Writes WORKDIR/result.json; exit 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_check import FRACTION, build_model, log, perturb  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method)
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else {}
+
+
+def main(work: str) -> int:
+    import deltastore as ds
+    import deltastore.integrations.vllm as dv
+    from deltastore.store import object_key
+    from safetensors.torch import load_file
+
+    res: dict = {"checks": {}}
+    checks = res["checks"]
+    base, uri = os.path.join(work, "base"), os.path.join(work, "store")
+    os.makedirs(work, exist_ok=True)
+    build_model(base)
+    state = load_file(os.path.join(base, "model.safetensors"))
+    pub = ds.Publisher(uri, anchor_every=3)
+    pub.publish(state, step=0)
+
+    def publish_next(step: int) -> None:
+        nonlocal state
+        state = perturb(state, FRACTION, 2000 + step)
+        pub.publish(state, step=step)
+
+    for s in range(1, 5):
+        publish_next(s)
+
+    port = free_port()
+    srv_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
+           "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1",
+           "--kv-cache-memory-bytes", str(32 << 20),
+           "--worker-extension-cls", "deltastore.integrations.vllm.DeltaStoreWorkerExtension",
+           "--weight-transfer-config", '{"backend": "deltastore"}']
+    logf = open(os.path.join(work, "server.log"), "w")
+    srv = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.time()
+        while True:
+            if srv.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see server.log")
+            try:
+                urllib.request.urlopen(srv_url + "/health", timeout=2)
+                break
+            except Exception:  # noqa: BLE001
+                if time.time() - t0 > 240:
+                    raise TimeoutError("vllm serve did not become healthy in 240 s") from None
+                time.sleep(1)
+        res["server_start_s"] = round(time.time() - t0, 1)
+        log(f"server up in {res['server_start_s']}s")
+
+        def complete() -> list:
+            out = http("POST", srv_url + "/v1/completions", {"model": base, "prompt": [1, 2, 3, 4], "max_tokens": 4,
+                                                             "temperature": 0, "return_token_ids": True})
+            return out["choices"][0].get("token_ids") or out["choices"][0].get("text")
+
+        checks["completion_before"] = complete() is not None
+        status_file = os.path.join(work, "served.json")
+        rpc = dv.HTTPControl(srv_url, transport="rpc")
+        fol = dv.Follower(rpc, uri, poll_interval=0.2, max_lag=0, status_file=status_file)
+        assert fol.served_step is None  # the server knows no version yet
+        r = fol.poll_once()
+        assert r["step"] == 4 and r["route"] == "anchor", r
+        checks["first_sync_anchor"] = r
+        checks["status_file"] = json.load(open(status_file))["served_step"] == 4
+        checks["weight_info_4"] = http("GET", srv_url + "/weight_info").get("weight_version")
+        assert checks["weight_info_4"] == "4", checks["weight_info_4"]
+        checks["completion_after_4"] = complete() is not None
+        assert fol.poll_once() is None
+
+        publish_next(5)
+        publish_next(6)
+        wt = dv.Follower(dv.HTTPControl(srv_url, transport="weight-transfer"), uri, poll_interval=0.2, max_lag=0)
+        wt.served_step = 4
+        r = wt.poll_once()
+        assert r["step"] == 6, r
+        v = rpc.served()
+        assert v["step"] == 6, v
+        checks["weight_transfer_6"] = {"served": v, "weight_info": http("GET", srv_url + "/weight_info")}
+
+        lagged = dv.Follower(rpc, uri, poll_interval=0.2, max_lag=1)
+        assert lagged.served_step == 6
+        publish_next(7)
+        checks["max_lag_waits"] = lagged.poll_once() is None
+        publish_next(8)
+        r = lagged.poll_once()
+        assert r is not None and r["step"] == 8 and r["versions_applied"] == [7, 8], r
+        checks["max_lag_applies_8"] = r
+
+        report = dv.combine_verify(rpc._rpc("deltastore_verify", {"raise_errors": "false"}))
+        assert report["ok"] and report["step"] == 8, report
+        checks["verify_8"] = report
+
+        publish_next(9)
+        for o in ds.Subscriber(uri).manifest(9).objects:
+            p = os.path.join(uri, object_key(o.digest))
+            data = bytearray(open(p, "rb").read())
+            data[len(data) // 2] ^= 0x33
+            open(p, "wb").write(bytes(data))
+        try:
+            lagged.max_lag = 0
+            lagged.poll_once()
+            raise AssertionError("a corrupt version was applied")
+        except ds.errors.CorruptObjectError as e:
+            checks["corrupt_refused"] = f"{type(e).__name__}: {e}"
+        assert rpc.served()["step"] == 8
+        assert http("GET", srv_url + "/is_paused").get("is_paused") is False
+        checks["completion_after_refusal"] = complete() is not None
+        logf.flush()
+        served_log = [line.strip() for line in open(os.path.join(work, "server.log"))
+                      if "deltastore: serving step" in line]
+        checks["server_logs_served_version"] = served_log[-1] if served_log else None
+        assert served_log and "serving step 8" in served_log[-1], served_log
+        res["ok"] = True
+    finally:
+        try:
+            os.killpg(srv.pid, signal.SIGTERM)
+            srv.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            try:
+                os.killpg(srv.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        logf.close()
+        pub.close()
+    with open(os.path.join(work, "result.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    work_dir = sys.argv[1]
+    try:
+        status = main(work_dir)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        os.makedirs(work_dir, exist_ok=True)
+        with open(os.path.join(work_dir, "result.json"), "w") as f:
+            json.dump({"ok": False, "error": traceback.format_exc()}, f)
+        status = 1
+    sys.exit(status)
