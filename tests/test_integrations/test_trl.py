@@ -1,0 +1,198 @@
+"""DeltaStoreCallback with a real tiny ``transformers`` model and a real ``transformers.Trainer``.
+
+The model (Llama architecture, hidden 64, 2 layers, vocab 128) is built
+in-process with random weights: no downloads. A second callback, after ours,
+snapshots the bf16 weights at every optimizer step; a Subscriber then pulls
+every version into a bf16 copy and the two are compared through integer views.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import bits_equal
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import deltastore as ds  # noqa: E402
+from deltastore.integrations.trl import DeltaStoreCallback, unwrap_model  # noqa: E402
+from deltastore.tensors import named_tensors  # noqa: E402
+
+VOCAB, SEQ = 128, 16
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+class Snapshots(transformers.TrainerCallback):
+    """Records the bf16 bits of the model after every optimizer step, and counts micro-steps."""
+
+    def __init__(self):
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.substeps = 0
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.states[state.global_step] = {n: t.detach().to(torch.bfloat16).clone()
+                                          for n, t in named_tensors(model).items()}
+
+    def on_substep_end(self, args, state, control, **kw):
+        self.substeps += 1
+
+
+def train(tmp_path, callback, steps: int = 4, accum: int = 2, lr: float = 1e-3, model=None, **extra):
+    model = model if model is not None else tiny_llama()
+    snaps = Snapshots()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=accum, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+        logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, run_name="tiny-grpo", seed=0, **extra)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(),
+                                   callbacks=[callback, snaps])
+    trainer.train()
+    return model, snaps
+
+
+def test_publishes_once_per_optimizer_step_bit_exact(tmp_path):
+    uri = str(tmp_path / "store")
+    cb = DeltaStoreCallback(uri, anchor_every=3, metadata={"experiment": "t"})
+    model, snaps = train(tmp_path, cb, steps=5, accum=2)
+
+    assert snaps.substeps == 5  # one non-final micro-step per optimizer step: accumulation really happened
+    assert sorted(snaps.states) == [1, 2, 3, 4, 5]
+    assert cb.published == [1, 2, 3, 4, 5]
+    assert cb.publisher is None  # closed by on_train_end
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == [1, 2, 3, 4, 5]
+    meta = sub.manifest(5).metadata
+    assert meta["run_name"] == "tiny-grpo" and meta["learning_rate"] == 1e-3 and meta["experiment"] == "t"
+    assert meta["gradient_accumulation_steps"] == 2
+
+    replica = copy.deepcopy(model).to(torch.bfloat16)
+    changed_any = False
+    for step in range(1, 6):
+        res = sub.pull(replica, step=step)
+        assert res.step == step
+        got = {n: t.detach().clone() for n, t in named_tensors(replica).items()}
+        assert bits_equal(got, snaps.states[step]), f"step {step} differs"
+        sub.verify(replica)
+        if step > 1:
+            changed_any |= sub.manifest(step).changed > 0
+            assert res.path == "delta" and res.versions_applied == [step]
+    assert changed_any
+    # the weights really are bf16 on the store, from the fp32 model
+    assert {r.dtype for r in sub.manifest(5).tensors} == {"bfloat16"}
+
+
+def test_every_and_publish_initial_and_resume(tmp_path):
+    uri = str(tmp_path / "store")
+    base = tiny_llama()
+    cb = DeltaStoreCallback(uri, every=2, publish_initial=True)
+    model, snaps = train(tmp_path, cb, steps=5, accum=1, lr=2e-6, model=copy.deepcopy(base))
+    assert cb.published == [0, 2, 4, 5]  # the initial weights, every 2nd step, and the last step
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == [0, 2, 4, 5]
+
+    # an inference server that loaded the same base checkpoint takes only deltas
+    server = copy.deepcopy(base).to(torch.bfloat16)
+    sub.identify(server, 0)
+    res = sub.pull(server, allow_anchor=False)
+    assert res.path == "delta" and res.versions_applied[-1] == 5  # the chain 2, 4, 5 or the differential 0 -> 5
+    assert bits_equal(named_tensors(server), snaps.states[5])
+
+    # a second run on the same store (e.g. resumed from an older checkpoint) skips steps
+    # the store already has, then continues the chain
+    cb2 = DeltaStoreCallback(uri)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _, snaps2 = train(tmp_path, cb2, steps=7, accum=1, lr=2e-6, model=model)
+    assert any("not above the store's latest version 5" in str(x.message) for x in w)
+    assert cb2.published == [6, 7]
+    res = sub.pull(server, allow_anchor=False)
+    assert res.path == "delta" and res.versions_applied[-1] == 7
+    assert bits_equal(named_tensors(server), snaps2.states[7])
+
+
+def test_only_main_process_publishes(tmp_path):
+    cb = DeltaStoreCallback(str(tmp_path / "store"))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "o"), report_to=[], use_cpu=True)
+    state = transformers.TrainerState(is_world_process_zero=False, is_local_process_zero=False)
+    control = transformers.TrainerControl()
+    model = tiny_llama()
+    cb.on_train_begin(args, state, control, model=model)
+    state.global_step = 1
+    cb.on_step_end(args, state, control, model=model)
+    cb.on_train_end(args, state, control, model=model)
+    assert cb.published == [] and not (tmp_path / "store").exists()
+
+    cb = DeltaStoreCallback(str(tmp_path / "store2"), main_process_only=False)
+    cb.on_train_begin(args, state, control, model=model)
+    cb.on_step_end(args, state, control, model=model)
+    cb.on_train_end(args, state, control, model=model)
+    assert cb.published == [1]
+
+
+def test_given_publisher_is_flushed_not_closed(tmp_path):
+    pub = ds.Publisher(str(tmp_path / "store"), dtype=torch.bfloat16)
+    cb = DeltaStoreCallback(pub)
+    train(tmp_path, cb, steps=2, accum=1)
+    assert cb.published == [1, 2]
+    pub.publish(tiny_llama(1), step=3)  # still open
+    pub.close()
+
+
+def test_unwrap_model():
+    inner = tiny_llama()
+
+    class Wrapper(torch.nn.Module):  # like DDP / DeepSpeedEngine: owns nothing, holds .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    class HasModule(torch.nn.Module):  # a real model whose submodule happens to be named "module"
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+            self.extra = torch.nn.Linear(2, 2)
+
+    assert unwrap_model(Wrapper(Wrapper(inner))) is inner
+    own = HasModule(inner)
+    assert unwrap_model(own) is own
+    assert unwrap_model(inner) is inner
+
+
+def test_missing_transformers_message():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import deltastore.integrations.trl as t\n"
+            "try:\n"
+            "    from deltastore.integrations.trl import DeltaStoreCallback\n"
+            "except ImportError as e:\n"
+            "    from deltastore.errors import MissingDependencyError\n"
+            "    assert isinstance(e, MissingDependencyError), type(e)\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'deltastore[trl]'" in out.stdout
