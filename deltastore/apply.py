@@ -138,22 +138,42 @@ class _Pending:
     original: torch.Tensor   # the target's bits there before the pull
 
 
-class SparseOverlay:
-    """Net effect of a run of deltas on a live target, without touching it."""
+Reader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
+"""``reader(name, positions) -> bits`` a target holds at flat ``positions`` (CPU, integer view);
+``positions=None`` asks for a CPU copy of the whole flat tensor."""
 
-    def __init__(self, target: Mapping[str, torch.Tensor], base: Manifest):
-        self.target = target
+
+def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
+    """A :data:`Reader` over a mapping of tensors (any device)."""
+
+    def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        flat = bits_view(target[name])
+        if positions is None:
+            return flat.to("cpu", copy=True)
+        return flat[positions.to(flat.device)].cpu()
+
+    return read
+
+
+class SparseOverlay:
+    """Net effect of a run of deltas on a live target, without touching it.
+
+    ``reader`` gives the bits the target holds now; ``base`` is the manifest
+    of the version it holds (its checksums start the O(changed) checks).
+    """
+
+    def __init__(self, reader: Reader, base: Manifest):
+        self.reader = reader
         self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
         self.pending: dict[str, _Pending] = {}
 
     def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
-        flat = bits_view(self.target[name])
-        return flat[positions.to(flat.device)].cpu()
+        return self.reader(name, positions)
 
     def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
         """Bits at ``positions`` (``None``: the whole flat tensor, a CPU copy) as of the deltas applied so far."""
         if positions is None:
-            whole = bits_view(self.target[name]).to("cpu", copy=True)
+            whole = self.reader(name, None)
             p = self.pending.get(name)
             if p is not None and p.positions.numel():
                 whole[p.positions] = p.bits

@@ -47,10 +47,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"changed {m.changed:,} of {m.total:,} elements ({100 * m.changed / max(m.total, 1):.4f} %)")
     for i, o in enumerate(m.objects):
         print(f"object {i}: {o.digest} {o.size:,} B codec {o.codec['id']} {o.codec.get('version')}")
-    print(f"{'tensor':<60} {'dtype':>9} {'shape':>18} {'changed':>10}  delta full checksum")
+    print(f"{'tensor':<60} {'dtype':>9} {'shape':>18} {'changed':>10}  {'delta':>6} {'full':>6} {'diff':>6} checksum")
     for t in m.tensors:
-        print(f"{t.name:<60} {t.dtype:>9} {str(list(t.shape)):>18} {t.changed:>10,}  "
-              f"{'-' if t.delta is None else t.delta:>5} {'-' if t.full is None else t.full:>4} {t.checksum}")
+        roles = " ".join(f"{','.join(str(p.object) for p in parts) or '-':>6}" for parts in (t.delta, t.full, t.diff))
+        print(f"{t.name:<60} {t.dtype:>9} {str(list(t.shape)):>18} {t.changed:>10,}  {roles} {t.checksum}")
     return 0
 
 

@@ -27,6 +27,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_STEP = 10**12 - 1
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 16
+MAX_PARTS = 1 << 16
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
@@ -67,19 +68,38 @@ class ObjectRecord:
 
 
 @dataclass(frozen=True)
+class Part:
+    """Where one flat slice ``[offset, offset + numel)`` of a tensor is stored: in object ``object``.
+
+    Inside that object the slice is stored under the tensor's name, as a 1-D
+    tensor of ``numel`` elements (or with the tensor's own shape when the part
+    is the whole tensor). Sparse parts hold positions relative to ``offset``.
+    """
+
+    object: int
+    offset: int
+    numel: int
+
+
+Parts = tuple[Part, ...]
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """One tensor of a version.
 
     changed: elements whose bits differ from the parent version (all of them
         for a version without parent).
     checksum: :mod:`deltastore.checksum` of the whole tensor after this version.
-    delta: index into ``objects`` of the object that turns the parent's tensor
-        into this one (None when unchanged or when there is no parent).
-    full: index of the object holding the whole tensor (anchors only).
-    diff: index of the differential object: the changes from the manifest's
-        ``differential`` anchor to this version (None when unchanged since it
-        or when the version has no differential).
+    delta: parts that turn the parent's tensor into this one (empty when
+        unchanged or when there is no parent).
+    full: parts holding the whole tensor, covering it exactly (anchors only).
+    diff: parts holding the changes from the manifest's ``differential``
+        anchor to this version (empty when there is none or nothing differs).
     diff_changed: elements that differ from that anchor.
+
+    In JSON a role is ``null`` (no parts), an object index (one part: the
+    whole tensor) or a list of ``{"object", "offset", "numel"}`` slices.
     """
 
     name: str
@@ -87,9 +107,9 @@ class TensorRecord:
     shape: tuple[int, ...]
     changed: int
     checksum: str
-    delta: int | None = None
-    full: int | None = None
-    diff: int | None = None
+    delta: Parts = ()
+    full: Parts = ()
+    diff: Parts = ()
     diff_changed: int = 0
 
     @property
@@ -99,6 +119,20 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def whole(self, index: int) -> Parts:
+        """One part: the whole tensor in object ``index``."""
+        return (Part(index, 0, self.numel),)
+
+    def is_whole(self, part: Part) -> bool:
+        return part.offset == 0 and part.numel == self.numel
+
+    def role_json(self, parts: Parts) -> Any:
+        if not parts:
+            return None
+        if len(parts) == 1 and self.is_whole(parts[0]):
+            return parts[0].object
+        return [{"object": p.object, "offset": p.offset, "numel": p.numel} for p in parts]
 
 
 @dataclass(frozen=True)
@@ -138,31 +172,31 @@ class Manifest:
 
     @property
     def delta_objects(self) -> set[int]:
-        return {t.delta for t in self.tensors if t.delta is not None}
+        return self.objects_for("delta")
 
     @property
     def full_objects(self) -> set[int]:
-        return {t.full for t in self.tensors if t.full is not None}
+        return self.objects_for("full")
 
     @property
     def diff_objects(self) -> set[int]:
-        return {t.diff for t in self.tensors if t.diff is not None}
+        return self.objects_for("diff")
 
     @property
     def has_delta(self) -> bool:
         """Whether a holder of the parent version can reach this one without the full objects."""
-        return self.parent is not None and all(t.delta is not None or t.changed == 0 for t in self.tensors)
+        return self.parent is not None and all(t.delta or t.changed == 0 for t in self.tensors)
 
     def tensor_map(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
 
     def objects_for(self, role: Role) -> set[int]:
         """Indices of the objects a reader fetches for ``role``."""
-        return {"delta": self.delta_objects, "full": self.full_objects, "diff": self.diff_objects}[role]
+        return {p.object for t in self.tensors for p in getattr(t, role)}
 
-    def object_tensors(self, index: int, role: Role) -> list[TensorRecord]:
-        """Tensors whose ``role`` object is ``index``, in manifest order."""
-        return [t for t in self.tensors if getattr(t, role) == index]
+    def object_parts(self, index: int, role: Role) -> list[tuple[TensorRecord, Part]]:
+        """``(tensor, part)`` pairs stored in object ``index`` for ``role``, in manifest order."""
+        return [(t, p) for t in self.tensors for p in getattr(t, role) if p.object == index]
 
     def __iter__(self) -> Iterator[TensorRecord]:
         return iter(self.tensors)
@@ -186,8 +220,8 @@ class Manifest:
             "objects": [{"digest": o.digest, "size": o.size, "codec": o.codec} for o in self.objects],
             "tensors": [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "changed": t.changed,
-                 "checksum": t.checksum, "delta": t.delta, "full": t.full, "diff": t.diff,
-                 "diff_changed": t.diff_changed}
+                 "checksum": t.checksum, "delta": t.role_json(t.delta), "full": t.role_json(t.full),
+                 "diff": t.role_json(t.diff), "diff_changed": t.diff_changed}
                 for t in self.tensors
             ],
         }
@@ -255,12 +289,37 @@ def _digest(value: Any, where: str) -> str:
     return value
 
 
-def _index(value: Any, n_objects: int, where: str) -> int | None:
-    if value is None:
-        return None
+def _index(value: Any, n_objects: int, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_objects:
         raise ManifestError(f"{where}: object index {value!r} out of range (0..{n_objects - 1})")
     return value
+
+
+def _parts(value: Any, n_objects: int, numel: int, where: str, *, cover: bool) -> Parts:
+    """Parse a role: null, an object index (the whole tensor) or a list of slices.
+
+    Slices must be non-empty, in increasing offset order, disjoint and inside
+    the tensor; with ``cover`` they must tile it exactly.
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        return (Part(_index(value, n_objects, where), 0, numel),)
+    if not value or len(value) > MAX_PARTS:
+        raise ManifestError(f"{where}: a part list needs 1..{MAX_PARTS} entries")
+    parts = []
+    end = 0
+    for i, doc in enumerate(value):
+        w = f"{where} part {i}"
+        part = Part(_index(doc.get("object") if isinstance(doc, dict) else None, n_objects, w),
+                    _int(doc, "offset", 0, numel, w), _int(doc, "numel", 1, numel, w))
+        if part.offset < end or part.offset + part.numel > numel or (cover and part.offset != end):
+            raise ManifestError(f"{where}: parts overlap, leave gaps or run past the tensor's {numel} elements")
+        end = part.offset + part.numel
+        parts.append(part)
+    if cover and end != numel:
+        raise ManifestError(f"{where}: parts cover {end} of {numel} elements")
+    return tuple(parts)
 
 
 def _parse(doc: Any) -> Manifest:
@@ -334,19 +393,19 @@ def _parse(doc: Any) -> Manifest:
         checksum = _get(t, "checksum", str, where)
         if not _CHECKSUM.match(checksum):
             raise ManifestError(f"{where} ({name}): invalid checksum {checksum!r}")
-        delta = _index(t.get("delta"), len(objects), where)
-        full = _index(t.get("full"), len(objects), where)
-        diff = _index(t.get("diff"), len(objects), where)
+        delta = _parts(t.get("delta"), len(objects), numel, f"{where} delta", cover=False)
+        full = _parts(t.get("full"), len(objects), numel, f"{where} full", cover=True)
+        diff = _parts(t.get("diff"), len(objects), numel, f"{where} diff", cover=False)
         diff_changed = _int(t, "diff_changed", 0, numel, where) if "diff_changed" in t else 0
-        if (diff is not None or diff_changed) and differential is None:
+        if (diff or diff_changed) and differential is None:
             raise ManifestError(f"tensor {name!r} has a differential but the version names no base anchor")
-        if diff_changed > 0 and diff is None:
+        if diff_changed > 0 and not diff:
             raise ManifestError(f"tensor {name!r} differs from its differential base but names no diff object")
-        if kind == "anchor" and full is None:
+        if kind == "anchor" and not full:
             raise ManifestError(f"anchor tensor {name!r} has no full object")
-        if kind == "delta" and (full is not None or parent is None):
+        if kind == "delta" and (full or parent is None):
             raise ManifestError(f"delta tensor {name!r} must have a parent and no full object")
-        if changed > 0 and delta is None and full is None:
+        if changed > 0 and not delta and not full:
             raise ManifestError(f"tensor {name!r} changed but names no object")
         tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full, diff, diff_changed))
     aliases = _get(doc, "aliases", dict) if "aliases" in doc else {}
@@ -354,7 +413,7 @@ def _parse(doc: Any) -> Manifest:
         check_tensor_name(alias)
         if primary not in names or alias in names:
             raise ManifestError(f"alias {alias!r} -> {primary!r} must name a listed tensor and not be one")
-    used = {t.delta for t in tensors} | {t.full for t in tensors} | {t.diff for t in tensors}
+    used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")

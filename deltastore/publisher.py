@@ -38,7 +38,7 @@ from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
 from .errors import ManifestError, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import MAX_STEP, Manifest, ObjectRecord, TensorRecord, VersionRef, check_tensor_name
+from .manifest import MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
 from .store import DeltaStore, open_store
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
@@ -49,6 +49,10 @@ DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True
 SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                 "chat_template.jinja", "preprocessor_config.json")
+
+
+#: a unit of upload work: the codec, a function building ``(offset, update)`` pairs, and where to note the parts
+_Job = tuple[Codec, Callable[[], list[tuple[int, Update]]], dict[str, list[Part]]]
 
 
 @dataclass(frozen=True)
@@ -203,11 +207,11 @@ class Publisher:
                      and self.policy.should_differential(chain_now))
 
         objects: list[ObjectRecord] = []
-        delta_of: dict[str, int] = {}
-        full_of: dict[str, int] = {}
-        diff_of: dict[str, int] = {}
+        delta_of: dict[str, list[Part]] = {}
+        full_of: dict[str, list[Part]] = {}
+        diff_of: dict[str, list[Part]] = {}
         diff_changes: dict[str, Change] = {}
-        jobs: list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]] = []
+        jobs: list[_Job] = []
         if same_layout:
             jobs += self._sparse_jobs(specs, changes, delta_of, base=None)
         if with_diff:
@@ -224,8 +228,8 @@ class Publisher:
             changed = changes[name].count if same_layout else spec.numel
             dc = diff_changes[name].count if name in diff_changes else 0
             records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
-                                        format_checksum(checksums[name]), delta_of.get(name), full_of.get(name),
-                                        diff_of.get(name), dc))
+                                        format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
+                                        tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
         created = time.time()
         manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
                             parent=self._last if same_layout else None, tensors=tuple(records),
@@ -303,8 +307,7 @@ class Publisher:
 
     # -- objects -----------------------------------------------------------------
     def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
-                     index_of: dict[str, int], base: Any) -> list[tuple[Codec, Callable[[], list[Update]],
-                                                                      dict[str, int]]]:
+                     index_of: dict[str, list[Part]], base: Any) -> list[_Job]:
         """Jobs that encode ``changes`` against the mirror (``base`` None) or against the anchor.
 
         A tensor whose sparse form would be larger than the whole tensor is
@@ -322,10 +325,11 @@ class Publisher:
 
         def old_tensor(name: str) -> torch.Tensor:
             assert self._mirror is not None
+            mirror = self._mirror[name].cpu()
             if base is None:
-                return self._mirror[name]
+                return mirror
             # the anchor's tensor: the mirror with the anchor's bits where it changed since
-            t = self._mirror[name].clone()
+            t = mirror.clone()
             since = base.get(name)
             if since is not None:
                 t[since.positions] = since.anchor_bits
@@ -337,27 +341,49 @@ class Publisher:
             return t
 
         needs_old = self.codec.receiver_needs == "old_tensor"
-        jobs = []
+        jobs: list[_Job] = []
         for group in self._groups(sparse):
-            def make(group: list[str] = group) -> list[Update]:
-                return [Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
-                               old_tensor(n) if needs_old else None) for n in group]
+            def make(group: list[str] = group) -> list[tuple[int, Update]]:
+                return [(0, Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
+                                   old_tensor(n) if needs_old else None)) for n in group]
             jobs.append((self.codec, make, index_of))
-        for group in self._groups([(specs[n].numel * specs[n].bits_dtype.itemsize, n) for _, n in dense]):
-            jobs.append((self.anchor_codec, lambda group=group: [Update(specs[n], new_tensor(n)) for n in group],
-                         index_of))
+        whole = {n: new_tensor for _, n in dense}
+        jobs += self._dense_jobs(specs, [n for _, n in dense], lambda n: whole[n](n), index_of)
         return jobs
 
     def _full_jobs(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
-                   host: Mapping[str, torch.Tensor] | None, index_of: dict[str, int]
-                   ) -> list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]]:
-        # Without ready host copies each job copies its own group: host memory holds
+                   host: Mapping[str, torch.Tensor] | None, index_of: dict[str, list[Part]]) -> list[_Job]:
+        # Without ready host copies each job copies its own slices: host memory holds
         # about max_workers objects' worth at once.
-        sized = [(s.numel * s.bits_dtype.itemsize, name) for name, s in specs.items()]
-        return [(self.anchor_codec,
-                 lambda group=group: [Update(specs[n], host[n] if host is not None
-                                             else self._host_bits(tensors[n], specs[n])) for n in group],
-                 index_of) for group in self._groups(sized)]
+        def bits(name: str) -> torch.Tensor:
+            return host[name] if host is not None else self._host_bits(tensors[name], specs[name])
+
+        return self._dense_jobs(specs, list(specs), bits, index_of)
+
+    def _dense_jobs(self, specs: Mapping[str, TensorSpec], names: list[str], bits: Callable[[str], torch.Tensor],
+                    index_of: dict[str, list[Part]]) -> list[_Job]:
+        """Whole tensors with the anchor codec; a tensor larger than an object is cut into flat slices."""
+        items: list[tuple[int, tuple[str, int, int]]] = []
+        for name in names:
+            spec = specs[name]
+            item = spec.bits_dtype.itemsize
+            step = max(1, self.max_object_bytes // item)
+            for offset in range(0, max(spec.numel, 1), step):
+                numel = min(step, spec.numel - offset)
+                items.append((numel * item, (name, offset, numel)))
+
+        def make(group: list[tuple[str, int, int]]) -> list[tuple[int, Update]]:
+            out = []
+            for name, offset, numel in group:
+                spec = specs[name]
+                if numel == spec.numel:
+                    out.append((0, Update(spec, bits(name))))
+                else:
+                    part = TensorSpec(name, spec.dtype, (numel,))
+                    out.append((offset, Update(part, bits(name)[offset:offset + numel])))
+            return out
+
+        return [(self.anchor_codec, lambda group=group: make(group), index_of) for group in self._groups(items)]
 
     def _groups(self, items: list[tuple[int, Any]]) -> Iterator[list[Any]]:
         group: list[Any] = []
@@ -371,21 +397,24 @@ class Publisher:
         if group:
             yield group
 
-    def _store_objects(self, jobs: list[tuple[Codec, Callable[[], list[Update]], dict[str, int]]]
-                       ) -> list[ObjectRecord]:
-        """Encode and upload every job in parallel; records come back in job order."""
+    def _store_objects(self, jobs: list[_Job]) -> list[ObjectRecord]:
+        """Encode and upload every job in parallel; records come back in job order, parts are noted."""
 
-        def run(job: tuple[Codec, Callable[[], list[Update]], dict[str, int]]) -> tuple[ObjectRecord, list[str]]:
+        def run(job: _Job) -> tuple[ObjectRecord, list[tuple[str, int, int]]]:
             codec, make, _ = job
-            updates = make()
-            data = codec.encode(updates)
-            return ObjectRecord(self.store.put_object(data), len(data), codec.describe()), [u.spec.name for u in updates]
+            made = make()
+            data = codec.encode([u for _, u in made])
+            record = ObjectRecord(self.store.put_object(data), len(data), codec.describe())
+            return record, [(u.spec.name, offset, u.spec.numel) for offset, u in made]
 
         objects = []
-        for (_, _, index_of), (record, names) in zip(jobs, self._pool.map(run, jobs)):
+        for (_, _, index_of), (record, parts) in zip(jobs, self._pool.map(run, jobs)):
             objects.append(record)
-            for n in names:
-                index_of[n] = len(objects) - 1
+            for name, offset, numel in parts:
+                index_of.setdefault(name, []).append(Part(len(objects) - 1, offset, numel))
+        for parts in {id(j[2]): j[2] for j in jobs}.values():
+            for plist in parts.values():
+                plist.sort(key=lambda p: p.offset)
         return objects
 
     # -- chain state -----------------------------------------------------------------

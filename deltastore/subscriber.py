@@ -7,16 +7,20 @@ fetched, hash-checked, decoded and checksum-verified before the first write
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import torch
+
 from . import tracking
-from .apply import FullState, SparseOverlay, check_layout, check_update, write_full, write_sparse
+from .apply import (FullState, Reader, SparseOverlay, check_layout, check_update, mapping_reader, write_full,
+                    write_sparse)
 from .checksum import full_checksum
-from .codecs import OldBits, Update, get_codec
-from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, ObjectNotFoundError, ParentMismatchError,
+from .codecs import OldBits, TensorSpec, Update, get_codec
+from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, ManifestError, ObjectNotFoundError,
+                     ParentMismatchError,
                      StaleVersionError, VersionNotFoundError)
-from .manifest import Manifest, Role, VersionRef
+from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .store import DeltaStore, open_store
 from .tensors import named_tensors
 
@@ -46,6 +50,29 @@ class PullResult:
     digest: str = ""
     written: dict[str, int] = field(default_factory=dict)
     lag: int = 0
+
+
+@dataclass
+class Staged:
+    """A verified pull, decoded but not yet written (:meth:`Subscriber.stage`).
+
+    state: a ``FullState`` (whole tensors, when the path starts at an anchor),
+        a ``SparseOverlay`` (the net changes to the target's own version:
+        ``pending[name]`` holds positions, final bits and the target's original
+        bits), or None when the target already holds ``ref``.
+    """
+
+    ref: VersionRef
+    manifest: Manifest
+    plan: Plan | None
+    state: FullState | SparseOverlay | None
+    bytes_fetched: int = 0
+
+    @property
+    def path(self) -> Literal["anchor", "delta", "none"]:
+        if self.state is None:
+            return "none"
+        return "anchor" if isinstance(self.state, FullState) else "delta"
 
 
 @dataclass
@@ -230,48 +257,66 @@ class Subscriber:
             return None
         return self.pull(target)
 
-    def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int) -> PullResult:
+    def stage(self, step: int, current: VersionRef | None = None, reader: Reader | None = None, *,
+              allow_anchor: bool = True) -> Staged:
+        """Plan, fetch, verify and decode the way from ``current`` to ``step``, writing nothing.
+
+        ``reader`` gives the bits the target holds now (needed to start from
+        ``current``: O(changed) checksum checks and codecs that read old
+        values); without it only paths that start at an anchor are possible.
+        Integrations whose targets are not a mapping of tensors (vLLM's fused
+        parameters) use this and write :attr:`Staged.state` themselves. Raises
+        the same typed errors as :meth:`pull`.
+        """
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
-        tensors = named_tensors(target) if target is not None else None
-        copies = check_layout(tensors, manifest) if tensors is not None else {}
-        current = tracking.get_version(target) if target is not None else None
         if current == ref:
-            return PullResult(step, target, path="none", digest=digest, lag=lag)
-        plan = self.plan(step, current if tensors is not None else None)
+            return Staged(ref, manifest, None, None)
+        plan = self.plan(step, current if reader is not None else None)
         if plan.anchor is not None and not allow_anchor:
             raise ParentMismatchError(
                 f"target holds {_describe(current)}, which is not on the delta chain of version {step}; "
                 "pull with allow_anchor=True to start from an anchor")
         self._prefetch(plan)
-
         fetched = 0
-        stage: FullState | SparseOverlay
+        state: FullState | SparseOverlay
         if plan.anchor is not None:
             am = self.store.manifest(plan.anchor)
             updates, fetched = self.fetch_updates(am, "full", None)
-            stage = FullState(am, updates, verify=self.verify_anchors)
+            state = FullState(am, updates, verify=self.verify_anchors)
         else:
-            assert tensors is not None and current is not None
-            stage = SparseOverlay(tensors, self.store.manifest(current.step))
+            assert reader is not None and current is not None
+            state = SparseOverlay(reader, self.store.manifest(current.step))
         steps: list[tuple[int, Role]] = [(plan.differential, "diff")] if plan.differential is not None else []
         steps += [(s, "delta") for s in plan.deltas]
         for s, role in steps:
             m = self.store.manifest(s)
-            updates, n = self.fetch_updates(m, role, stage.old_bits)
+            updates, n = self.fetch_updates(m, role, state.old_bits)
             fetched += n
-            stage.apply(m, updates)
-        applied = plan.steps
-        path: Literal["anchor", "delta"] = "anchor" if plan.anchor is not None else "delta"
+            state.apply(m, updates)
+        return Staged(ref, manifest, plan, state, fetched)
 
-        if isinstance(stage, FullState):
+    def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int) -> PullResult:
+        manifest = self.store.manifest(step)
+        tensors = named_tensors(target) if target is not None else None
+        copies = check_layout(tensors, manifest) if tensors is not None else {}
+        current = tracking.get_version(target) if target is not None else None
+        staged = self.stage(step, current, mapping_reader(tensors) if tensors is not None else None,
+                            allow_anchor=allow_anchor)
+        ref, state = staged.ref, staged.state
+        if state is None:
+            return PullResult(step, target, path="none", digest=ref.digest, lag=lag)
+        applied = staged.plan.steps if staged.plan is not None else []
+        if isinstance(state, FullState):
             if tensors is None:
-                return PullResult(step, stage.as_tensors(), fetched, applied, path, digest, lag=lag)
-            written = {n: b.numel() for n, b in stage.bits.items()}
-            write = lambda: write_full(tensors, stage, copies)  # noqa: E731
+                return PullResult(step, state.as_tensors(), staged.bytes_fetched, applied, "anchor", ref.digest,
+                                  lag=lag)
+            written = {n: b.numel() for n, b in state.bits.items()}
+            write = lambda: write_full(tensors, state, copies)  # noqa: E731
         else:
-            written = {n: p.positions.numel() for n, p in stage.pending.items()}
-            write = lambda: write_sparse(tensors, stage, copies)  # noqa: E731
+            assert tensors is not None
+            written = {n: p.positions.numel() for n, p in state.pending.items()}
+            write = lambda: write_sparse(tensors, state, copies)  # noqa: E731
         tracking.set_version(target, None)  # unknown while writing
         try:
             write()
@@ -279,7 +324,7 @@ class Subscriber:
             tracking.set_version(target, current if e.restored else None)
             raise
         tracking.set_version(target, ref)
-        return PullResult(step, target, fetched, applied, path, digest, written, lag)
+        return PullResult(step, target, staged.bytes_fetched, applied, staged.path, ref.digest, written, lag)
 
     def _prefetch(self, plan: Plan) -> None:
         """Download every object of the plan in parallel into the store's read cache."""
@@ -333,33 +378,82 @@ class Subscriber:
 
     # -- decoding --------------------------------------------------------------------
     def fetch_updates(self, manifest: Manifest, role: Role,
-                old: OldBits | None) -> tuple[dict[str, Update], int]:
-        """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read."""
-        indices = manifest.objects_for(role)
-        updates: dict[str, Update] = {}
+                      old: OldBits | None) -> tuple[dict[str, Update], int]:
+        """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read.
+
+        Each tensor's parts are decoded from their objects, checked against the
+        manifest and joined into one update per tensor: dense (whole tensor)
+        when that is what was stored, else sparse with positions in the whole
+        tensor. Raises :class:`ObjectNotFoundError`, :class:`CorruptObjectError`,
+        :class:`UnknownCodecError` or :class:`UnsupportedFormatError`.
+        """
+        pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
-        for i in sorted(indices):
+        for i in sorted(manifest.objects_for(role)):
             rec = manifest.objects[i]
             codec = get_codec(rec.codec)
             data = self.store.get_object(rec.digest, rec.size)
             fetched += len(data)
-            tensors = manifest.object_tensors(i, role)
+            pairs = manifest.object_parts(i, role)
+            names = [t.name for t, _ in pairs]
+            if len(set(names)) != len(names):
+                raise ManifestError(f"version {manifest.step}: object {i} holds two parts of one tensor")
+            offsets = {t.name: p for t, p in pairs}
+            specs = [t.spec if t.is_whole(p) else TensorSpec(t.name, t.spec.dtype, (p.numel,)) for t, p in pairs]
             try:
-                decoded = codec.decode(data, [t.spec for t in tensors], old)
+                decoded = codec.decode(data, specs, _part_reader(old, offsets) if old is not None else None)
             except (CorruptObjectError, ChecksumMismatchError):
                 raise
             except Exception as e:  # a codec bug or hostile content must not escape untyped
                 raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
                                          f"{rec.digest}: {e!r}") from e
-            if set(decoded) != {t.name for t in tensors}:
+            if set(decoded) != set(names):
                 raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
-                                         f"{sorted(decoded)[:5]}, manifest expects {[t.name for t in tensors][:5]}")
-            for t in tensors:
+                                         f"{sorted(decoded)[:5]}, manifest expects {names[:5]}")
+            for (t, p), spec in zip(pairs, specs):
                 u = decoded[t.name]
-                check_update(u, t, dense=role == "full" or codec.dense, step=manifest.step,
-                             expected=t.diff_changed if role == "diff" else t.changed)
-                updates[t.name] = u
+                part_rec = t if t.is_whole(p) else replace(t, shape=spec.shape)
+                dense = role == "full" or codec.dense or u.positions is None
+                check_update(u, part_rec, dense=dense, step=manifest.step,
+                             expected=u.count if len(getattr(t, role)) > 1 or dense else
+                             (t.diff_changed if role == "diff" else t.changed))
+                pieces.setdefault(t.name, []).append((p, u))
+        updates = {}
+        for t in manifest.tensors:
+            got = pieces.get(t.name)
+            if got is not None:
+                updates[t.name] = _join(t, got, role, manifest.step)
         return updates, fetched
+
+
+def _part_reader(old: OldBits, parts: dict[str, Part]) -> OldBits:
+    """``old`` seen from inside parts: positions relative to each part's offset."""
+
+    def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        p = parts[name]
+        if positions is None:
+            whole = old(name, None)
+            return whole if p.offset == 0 and whole.numel() == p.numel else whole[p.offset:p.offset + p.numel]
+        return old(name, positions + p.offset if p.offset else positions)
+
+    return read
+
+
+def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: int) -> Update:
+    """One update for the whole tensor from its decoded parts (in offset order)."""
+    if len(got) == 1 and rec.is_whole(got[0][0]):
+        return got[0][1]
+    got.sort(key=lambda pu: pu[0].offset)
+    if role == "full":
+        return Update(rec.spec, torch.cat([u.bits for _, u in got]))
+    positions = [u.positions + p.offset if u.positions is not None else torch.arange(p.offset, p.offset + p.numel)
+                 for p, u in got]
+    joined = Update(rec.spec, torch.cat([u.bits for _, u in got]), torch.cat(positions))
+    expected = rec.diff_changed if role == "diff" else rec.changed
+    if all(u.positions is not None for _, u in got) and joined.count != expected:
+        raise CorruptObjectError(f"version {step}, tensor {rec.name!r}: parts hold {joined.count} changed "
+                                 f"elements, manifest says {expected}")
+    return joined
 
 
 def _describe(ref: VersionRef | None) -> str:

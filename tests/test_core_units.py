@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -17,7 +18,7 @@ from deltastore.checksum import full_checksum, updated_checksum
 from deltastore.diff import find_changes
 from deltastore.errors import (InvalidKeyError, KeyExistsError, KeyNotFoundError, ManifestError,
                                MissingDependencyError, PluginConflictError, UnknownPluginError)
-from deltastore.manifest import Manifest, ObjectRecord, TensorRecord, VersionRef
+from deltastore.manifest import Manifest, ObjectRecord, Part, TensorRecord, VersionRef
 from deltastore.registry import Registry
 from deltastore.tensors import bits_view
 
@@ -68,7 +69,7 @@ def test_incremental_checksum_equals_full(n, seed, frac):
 
 def _manifest(**kw):
     base = dict(step=3, kind="delta", parent=VersionRef(2, "sha256:" + "a" * 64),
-                tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, 0, None),),
+                tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, (Part(0, 0, 8),)),),
                 objects=(ObjectRecord("sha256:" + "b" * 64, 10, {"id": "raw", "version": "1.0", "config": {}}),),
                 created=1.5, producer={"writer": "x"}, metadata={"lr": 1e-6})
     base.update(kw)
@@ -88,7 +89,7 @@ def test_manifest_roundtrip_is_canonical():
     dict(kind="anchor"),  # anchor tensors need a full object
     dict(parent=None),  # a delta needs a parent
     dict(parent=VersionRef(3, "sha256:" + "a" * 64)),  # parent must be below
-    dict(tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, 0, None),) * 2),  # duplicate names
+    dict(tensors=(TensorRecord("w", "bfloat16", (4, 2), 1, "0" * 16, (Part(0, 0, 8),)),) * 2),  # duplicate names
 ])
 def test_manifest_rejects_inconsistent_content(kw):
     with pytest.raises(ManifestError):
@@ -188,3 +189,46 @@ def test_diff_on_unaligned_storage_falls_back_to_elementwise():
     old = bits_view(new.clone())
     new.view(torch.int16)[[0, 3, 998, 999]] += 1
     assert find_changes(old, new).positions.tolist() == [0, 3, 998, 999]
+
+
+def test_tensor_larger_than_an_object_is_stored_in_slices(memory_uri):
+    import deltastore as ds
+
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 100, generator=g).bfloat16()
+    small = torch.randn(10, generator=g).bfloat16()
+    pub = ds.Publisher(memory_uri, max_object_bytes=16_000, anchor_every=2, codec="raw")
+    pub.publish({"big": big, "small": small}, step=0)
+    m = ds.Subscriber(memory_uri).manifest(0)
+    parts = m.tensor_map()["big"].full
+    assert len(parts) == 4 and [p.offset for p in parts] == [0, 8000, 16000, 24000]
+    assert len(m.full_objects) >= 4
+    assert json.loads(m.to_json())["tensors"][0]["full"][1] == {"object": parts[1].object, "offset": 8000,
+                                                                 "numel": 8000}
+    nxt = big.clone()
+    nxt.view(torch.int16).reshape(-1)[::2] += 1  # half the elements: stored whole, in slices, in the delta
+    pub.publish({"big": nxt, "small": small}, step=1)
+    m1 = ds.Subscriber(memory_uri).manifest(1)
+    assert len(m1.tensor_map()["big"].delta) == 4
+    sub = ds.Subscriber(memory_uri)
+    target = sub.pull(step=0).state
+    sub.pull(target, step=0)
+    assert sub.pull(target, step=1).path == "delta"
+    assert torch.equal(target["big"].view(torch.int16), nxt.view(torch.int16))
+    assert torch.equal(sub.pull(step=1).state["big"].view(torch.int16), nxt.view(torch.int16))
+
+
+@pytest.mark.parametrize("parts", [
+    [{"object": 0, "offset": 0, "numel": 4}, {"object": 0, "offset": 2, "numel": 6}],   # overlap
+    [{"object": 0, "offset": 0, "numel": 4}],                                          # gap (full must cover)
+    [{"object": 0, "offset": 4, "numel": 8}],                                          # past the end
+    [{"object": 0, "offset": 0, "numel": 0}],                                          # empty part
+    [],                                                                                # empty list
+    [{"object": 5, "offset": 0, "numel": 8}],                                          # dangling object
+])
+def test_manifest_rejects_bad_parts(parts):
+    doc = json.loads(_manifest(kind="anchor", tensors=(
+        TensorRecord("w", "bfloat16", (4, 2), 8, "0" * 16, (Part(0, 0, 8),), (Part(0, 0, 8),)),)).to_json())
+    doc["tensors"][0]["full"] = parts
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(doc).encode())
