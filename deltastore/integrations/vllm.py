@@ -407,11 +407,14 @@ class VllmApplier:
             path = self.choose_path(None)
             if path == "sparse":
                 report = self.verify_local(manifest)
-                bad = [n for n, r in report["tensors"].items() if r.get("ok") is False]
-                if bad or report["ok"] is False:
-                    raise ChecksumMismatchError(f"{len(bad)} served tensor(s) differ from version {step}: {bad[:5]}")
-                if report["ok"] is None and self._tp_size() > 1:
-                    pass  # shards are verified together by the caller (see verify())
+                if self._tp_size() > 1:  # each rank holds shards: combine the ranks' partial sums
+                    report = combine_verify(_gather_ranks(report))
+                    bad = report["bad"] + report["unproven"]
+                else:
+                    bad = [n for n, r in report["tensors"].items() if r.get("ok") is not True]
+                if bad:
+                    raise ChecksumMismatchError(f"{len(bad)} served tensor(s) differ from version {step} "
+                                                f"or could not be checked: {bad[:5]}")
             else:
                 host = _read_checkpoint(checkpoint_dir or _model_dir(self.vllm_config), self.specs)
                 bad = [r.name for r in manifest.tensors if full_checksum(r.name, host[r.name]) != int(r.checksum, 16)]
@@ -488,6 +491,17 @@ def _combine_ranks(held: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor
     ok = cnt > 0
     out = torch.div(vals, cnt.clamp(min=1), rounding_mode="floor").to(bits.dtype)
     return ok, out
+
+
+def _gather_ranks(obj: Any) -> list[Any]:
+    """``obj`` from every rank of the tensor-parallel group (a collective: all ranks must call it)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
+
+    group = get_tp_group()
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
 
 
 def _model_dir(vllm_config: Any) -> str:

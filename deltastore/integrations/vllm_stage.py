@@ -14,9 +14,10 @@ old bits differs. (Upstream patch proposed: ``Subscriber.stage()``.)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -85,6 +86,30 @@ class Staged:
         return sum(p[0].numel() for p in self.pending.values())
 
 
+def _overlay(reader: Reader, base: Manifest) -> SparseOverlay:
+    params = list(inspect.signature(SparseOverlay.__init__).parameters)
+    if len(params) > 1 and params[1] == "reader":
+        return SparseOverlay(reader, base)
+    return _ReaderOverlay(reader, base)
+
+
+def _from_native(st: Any) -> Staged:
+    """Our :class:`Staged` from ``Subscriber.stage()``'s result."""
+    state = st.state
+    plan = st.plan
+    steps = list(getattr(plan, "steps", None) or
+                 ([plan.anchor] if plan is not None and plan.anchor is not None else []) +
+                 (list(plan.deltas) if plan is not None else []))
+    if state is None:
+        return Staged(st.ref, st.manifest, "none")
+    if isinstance(state, FullState):
+        return Staged(st.ref, st.manifest, "anchor", full=dict(state.bits), bytes_fetched=st.bytes_fetched,
+                      versions_applied=steps)
+    pending = {name: (p.positions, p.bits, p.original) for name, p in state.pending.items() if p.positions.numel()}
+    return Staged(st.ref, st.manifest, "delta", pending=pending, bytes_fetched=st.bytes_fetched,
+                  versions_applied=steps)
+
+
 def _fetch(sub: Subscriber, manifest: Manifest, role: str, old):  # noqa: ANN001, ANN202
     fn = getattr(sub, "fetch_updates", None) or getattr(sub, "_decode")
     return fn(manifest, role, old)
@@ -122,6 +147,10 @@ def stage(sub: Subscriber, current: VersionRef | None, reader: Reader | None, st
     check_specs(manifest, specs)
     if current == ref:
         return Staged(ref, manifest, "none")
+    native = getattr(sub, "stage", None)
+    if native is not None:  # the Subscriber stages by itself (deltastore >= the staging API)
+        return _from_native(native(step, current if reader is not None else None, reader,
+                                   allow_anchor=allow_anchor))
     plan = sub.plan(step, current if reader is not None else None)
     if plan.anchor is not None and not allow_anchor:
         held = "an unknown version" if current is None else f"version {current.step}"
@@ -144,7 +173,7 @@ def stage(sub: Subscriber, current: VersionRef | None, reader: Reader | None, st
         return Staged(ref, manifest, "anchor", full=dict(state.bits), bytes_fetched=fetched,
                       versions_applied=applied)
     assert current is not None and reader is not None
-    overlay = _ReaderOverlay(reader, sub.store.manifest(current.step))
+    overlay = _overlay(reader, sub.store.manifest(current.step))
     for s in plan.deltas:
         dm = sub.store.manifest(s)
         updates, n = _fetch(sub, dm, "delta", overlay.old_bits)

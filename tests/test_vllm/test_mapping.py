@@ -167,14 +167,27 @@ def _versions(n, frac=0.01):
     return vs
 
 
-def test_stage_gives_the_net_change_without_writing(tmp_path):
+class _NoNativeStage:
+    """A Subscriber without ``stage()``: exercises the module's own staging fallback."""
+
+    def __init__(self, sub):
+        self._sub = sub
+
+    def __getattr__(self, name):
+        if name == "stage":
+            raise AttributeError(name)
+        return getattr(self._sub, name)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_stage_gives_the_net_change_without_writing(tmp_path, native):
     uri = str(tmp_path / "store")
     vs = _versions(4)
     _publish(uri, vs, anchor_every=100)
-    sub = ds.Subscriber(uri)
+    sub = ds.Subscriber(uri) if native else _NoNativeStage(ds.Subscriber(uri))
     host = {n: bits(t).clone() for n, t in vs[0].items()}
     before = {n: b.clone() for n, b in host.items()}
-    st = stage(sub, sub.store.ref(0), lambda n, p: host[n][p], 3)
+    st = stage(sub, sub.store.ref(0), lambda n, p: host[n].clone() if p is None else host[n][p], 3)
     assert st.route == "delta" and st.versions_applied == [1, 2, 3]
     assert all(torch.equal(host[n], before[n]) for n in host)
     for name, (pos, new, orig) in st.pending.items():
