@@ -322,15 +322,52 @@ class FsspecBackend(Backend):
 
     # -- batch transfers -------------------------------------------------------------
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        """``{key: value}`` for every key, fetched concurrently (``max_workers`` at a time).
+        """``{key: value}`` for every key, fetched concurrently.
 
-        Raises :class:`KeyNotFoundError` (after every transfer ended) when any key is missing.
+        Async filesystems (s3fs, gcsfs) fetch the whole batch on their event
+        loop in one ``cat``; a key that fails there is retried alone under the
+        retry policy. Raises :class:`KeyNotFoundError` when any key is missing.
         """
         keys = list(dict.fromkeys(keys))
-        values = run_parallel(self.get, keys, self.max_workers)
-        return dict(zip(keys, values))
+        paths = {self._path(k): k for k in keys}
+        got: dict[str, Any] = {}
+        if len(keys) > 1 and getattr(self.fs, "async_impl", False):
+            try:
+                got = self.fs.cat(list(paths), on_error="return")
+            except Exception:  # noqa: BLE001 - fall back to one key at a time below
+                got = {}
+        out: dict[str, bytes] = {}
+        missing = []
+        for path, key in paths.items():
+            value = got.get(path)
+            if isinstance(value, bytes):
+                out[key] = value
+                self.progress("get", key, len(value))
+            else:
+                missing.append(key)
+        if missing:
+            out.update(zip(missing, run_parallel(self.get, missing, self.max_workers)))
+        return {k: out[k] for k in keys}
 
     def put_many(self, items: Mapping[str, bytes], *, mode: PutMode = "overwrite") -> None:
-        """Store every ``key -> value`` concurrently; with ``mode="create"`` a present key raises
-        :class:`KeyExistsError` (after every transfer ended; the other keys are written)."""
+        """Store every ``key -> value`` concurrently.
+
+        Overwrites on an async filesystem go out as one ``pipe`` batch (any
+        failure: each key is retried alone). With ``mode="create"`` every key
+        is a create-only put and a present key raises :class:`KeyExistsError`
+        after every transfer ended (the other keys are written).
+        """
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+        items = {k: bytes(v) for k, v in items.items()}
+        paths = {self._path(k): k for k in items}
+        if mode == "overwrite" and len(items) > 1 and getattr(self.fs, "async_impl", False):
+            try:
+                self.fs.pipe({p: items[k] for p, k in paths.items()})
+            except Exception:  # noqa: BLE001 - fall back to one key at a time (with retries)
+                pass
+            else:
+                for k, v in items.items():
+                    self.progress("put", k, len(v))
+                return
         run_parallel(lambda kv: self.put(kv[0], kv[1], mode=mode), list(items.items()), self.max_workers)
