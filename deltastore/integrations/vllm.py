@@ -822,8 +822,15 @@ class HTTPControl:
         try:
             self._call("POST", "/update_weights", {"update_info": {"uri": uri, "step": step,
                                                                    "storage_options": storage_options}})
-        finally:
-            self._call("POST", "/finish_weight_update", {"weight_version": str(step)})
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")[:2000]
+            try:  # vLLM already ended the session on the failure; make sure it is closed
+                self._call("POST", "/finish_weight_update", {})
+            except urllib.error.HTTPError:
+                pass
+            raise ApplyError(f"/update_weights failed ({e.code}); the server keeps its previous version: "
+                             f"{body}") from e
+        self._call("POST", "/finish_weight_update", {"weight_version": str(step)})
         return {"step": step}
 
     def reset_prefix_cache(self) -> None:

@@ -145,6 +145,13 @@ def main(work: str) -> int:
         except ds.errors.CorruptObjectError as e:
             checks["corrupt_refused"] = f"{type(e).__name__}: {e}"
         assert rpc.served()["step"] == 8
+        wt.served_step = 8
+        try:  # the weight-transfer routes refuse it too, and the server stays up
+            wt.poll_once()
+            raise AssertionError("a corrupt version was applied through /update_weights")
+        except ds.errors.ApplyError as e:
+            checks["corrupt_refused_weight_transfer"] = str(e)[:300]
+        assert rpc.served()["step"] == 8
         assert http("GET", srv_url + "/is_paused").get("is_paused") is False
         checks["completion_after_refusal"] = complete() is not None
         logf.flush()
