@@ -24,7 +24,9 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,25 @@ DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True
 SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
                 "chat_template.jinja", "preprocessor_config.json")
+
+
+@dataclass
+class _Captured:
+    """What publish() captured: everything the write half needs, no reference to the caller's tensors."""
+
+    step: int
+    specs: dict[str, TensorSpec]
+    aliases: dict[str, str]
+    changes: dict[str, Change]
+    fresh: dict[str, torch.Tensor] | None
+    captured: float
+
+
+def _apply_changes(mirror: dict[str, torch.Tensor], changes: Mapping[str, Change]) -> None:
+    for name, ch in changes.items():
+        if ch.count:
+            m = mirror[name]
+            m[ch.positions.to(m.device)] = ch.new_bits.to(m.device)
 
 
 #: a unit of upload work: the codec, a function building ``(offset, update)`` pairs, and where to note the parts
@@ -108,6 +129,15 @@ class Publisher:
         source_dir: a model folder whose ``config.json`` and tokenizer files are
             recorded, so ``deltastore materialize`` writes a loadable model.
         max_workers: parallel encode/upload workers.
+        background: make ``publish()`` return once the changes are captured;
+            encoding, upload and commit run in a background writer (see
+            :meth:`publish`). Costs a second host copy of the published weights.
+        max_pending: versions the background writer may have queued before
+            ``publish()`` blocks (back-pressure when the store is slower than training).
+        mirror_device: where the previous bits are kept for the compare:
+            ``"cpu"`` (default; pinned when CUDA is present) or a CUDA device
+            to diff on the GPU (costs the published model's size in GPU memory;
+            only changed positions cross to the host).
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -119,7 +149,9 @@ class Publisher:
                  anchor_codec: str | dict[str, Any] | Codec = DEFAULT_ANCHOR_CODEC,
                  max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
-                 source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4):
+                 source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
+                 background: bool = False, max_pending: int = 2,
+                 mirror_device: str | torch.device | None = None):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -155,11 +187,26 @@ class Publisher:
         self._files: dict[str, dict[str, Any]] = {}
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
+        self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
+        self._capture_mirror: dict[str, torch.Tensor] | None = None
+        self._capture_specs: dict[str, TensorSpec] = {}
+        self._capture_aliases: dict[str, str] = {}
+        self._bg_error: BaseException | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_pending))
+        self._writer: threading.Thread | None = None
         self._last_step = self.store.latest()
         if resume and self._last_step is not None:
             self._resume(self._last_step)
         if source_dir is not None:
             self._files = self._record_files(source_dir)
+        self._capture_specs, self._capture_aliases = self._specs, self._aliases
+        if background:
+            if self._mirror is not None:
+                self._capture_mirror = {n: self._to_mirror(b.clone()) for n, b in self._mirror.items()}
+            self._writer = threading.Thread(target=self._run_writer, name="deltastore-writer", daemon=True)
+            self._writer.start()
+        elif self._mirror is not None:
+            self._mirror = {n: self._to_mirror(b) for n, b in self._mirror.items()}
 
     # -- public ------------------------------------------------------------------
     @property
@@ -172,31 +219,102 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
-    def publish(self, state: StateLike, *, step: int) -> VersionInfo:
+    def publish(self, state: StateLike, *, step: int) -> VersionInfo | Future[VersionInfo]:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
         ``(name, tensor)``, on any device. Raises :class:`VersionExistsError`
         if ``step`` is already committed (by this or another writer),
         :class:`StepOrderError` if it is not above the last step,
-        :class:`TargetMismatchError` for an unsupported tensor. On any error
-        nothing is committed and the Publisher is unchanged.
+        :class:`TargetMismatchError` for an unsupported tensor.
+
+        Synchronous (default): returns the :class:`VersionInfo` once the
+        version is committed; on any error nothing is committed and the
+        Publisher is unchanged, so the same step can be retried.
+
+        With ``background=True``: returns a ``Future[VersionInfo]`` as soon as
+        the changes are captured (the bit-compare is all the caller waits for,
+        plus back-pressure when ``max_pending`` versions are already queued).
+        Versions commit in ``publish()`` order. A failure in the background is
+        raised by the next ``publish()``, ``flush()`` or ``close()``; the
+        versions queued behind it are dropped (their futures fail too) and the
+        next publish starts a new chain with an anchor.
         """
         if self._closed:
             raise RuntimeError("Publisher is closed")
+        if self._writer is not None:
+            self._raise_background_error()
         self._check_step(step)
         tensors, specs, aliases = self._normalise(state)
-        same_layout = self._mirror is not None and specs == self._specs and aliases == self._aliases
+        mirror = self._capture_mirror if self._writer is not None else self._mirror
+        same_layout = mirror is not None and specs == self._capture_specs and aliases == self._capture_aliases
         changes: dict[str, Change] = {}
         fresh = None  # a new chain needs a private host copy of every tensor anyway (the next mirror)
         if same_layout:
-            assert self._mirror is not None
+            assert mirror is not None
             for name, t in tensors.items():
-                changes[name] = find_changes(self._mirror[name], t, chunk_elems=self.chunk_elems,
+                changes[name] = find_changes(mirror[name], t, chunk_elems=self.chunk_elems,
                                              dtype=specs[name].dtype)
         else:
             fresh = {name: self._host_bits(t, specs[name]) for name, t in tensors.items()}
+        captured = _Captured(step, specs, aliases, changes, fresh, time.time())
+        self._capture_specs, self._capture_aliases = specs, aliases
+        self._last_step = step
+        if self._writer is None:
+            try:
+                return self._write(captured)
+            except BaseException:
+                self._last_step = self._last.step if self._last is not None else self.store.latest()
+                self._capture_specs, self._capture_aliases = self._specs, self._aliases
+                raise
+        # Background: move the capture side forward now, hand the rest to the writer.
+        if fresh is not None:
+            self._capture_mirror = {n: self._to_mirror(b.clone()) for n, b in fresh.items()}
+        else:
+            assert mirror is not None
+            _apply_changes(mirror, changes)
+        future: Future[VersionInfo] = Future()
+        self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
+        return future
 
+    def flush(self) -> None:
+        """Wait until every queued version is committed; raise a background error if one occurred."""
+        if self._writer is not None:
+            self._queue.join()
+            self._raise_background_error()
+
+    def close(self) -> None:
+        """Drain queued versions, finish deferred deletions whose grace has passed, release everything.
+
+        Raises a background error after closing, if one occurred.
+        """
+        if self._closed:
+            return
+        error = None
+        if self._writer is not None:
+            self._queue.join()
+            self._queue.put(None)
+            self._writer.join()
+            error, self._bg_error = self._bg_error, None
+        self._closed = True
+        self._collect_pending()
+        self._pool.shutdown(wait=True)
+        self._mirror = self._capture_mirror = None
+        self.store.close()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing -----------------------------------------------------------------
+    def _write(self, c: _Captured) -> VersionInfo:
+        """Decide, encode, upload and commit one captured version; then move the committed state forward."""
+        step, specs, aliases, changes, fresh = c.step, c.specs, c.aliases, c.changes, c.fresh
+        same_layout = fresh is None
         total = sum(s.numel for s in specs.values())
         proposed = self._drift.propose(changes) if same_layout and self.policy.tracks_drift else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
@@ -206,7 +324,6 @@ class Publisher:
         with_diff = (proposed is not None and not is_anchor and self._anchor is not None
                      and self.policy.should_differential(chain_now))
 
-        objects: list[ObjectRecord] = []
         delta_of: dict[str, list[Part]] = {}
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
@@ -219,7 +336,7 @@ class Publisher:
             diff_changes = DriftTracker.differential(proposed)
             jobs += self._sparse_jobs(specs, diff_changes, diff_of, base=proposed)
         if is_anchor:
-            jobs += self._full_jobs(specs, tensors, fresh, full_of)
+            jobs += self._full_jobs(specs, changes, fresh, full_of)
         objects = self._store_objects(jobs)
 
         checksums = self._new_checksums(changes, fresh)
@@ -230,10 +347,10 @@ class Publisher:
             records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
                                         format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
                                         tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
-        created = time.time()
         manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
                             parent=self._last if same_layout else None, tensors=tuple(records),
-                            objects=tuple(objects), created=created, producer=self._producer(),
+                            objects=tuple(objects), created=time.time(),
+                            producer={**self._producer(), "captured": c.captured},
                             metadata=self.metadata, aliases=aliases,
                             differential=self._anchor if with_diff else None, files=self._files)
         data, digest = self.store.commit(manifest)
@@ -241,35 +358,58 @@ class Publisher:
         # Committed: now (and only now) move the mirror and the chain state forward.
         if fresh is None:
             assert self._mirror is not None
-            for name, ch in changes.items():
-                if ch.count:
-                    self._mirror[name][ch.positions] = ch.new_bits
+            _apply_changes(self._mirror, changes)
         else:
             self._mirror, self._specs, self._aliases = fresh, specs, aliases
+            if self._writer is None:
+                self._mirror = {n: self._to_mirror(b) for n, b in fresh.items()}
         self._checksums = checksums
         self._last = VersionRef(step, digest)
-        self._last_step = step
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
         if self.retention is not None:
             self._apply_retention()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
-                           nbytes=manifest.object_bytes() + len(data), digest=digest, created=created,
+                           nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                            differential=with_diff)
 
-    def close(self) -> None:
-        """Finish deferred deletions whose grace has passed, release the mirror and the store."""
-        if not self._closed:
-            self._closed = True
-            self._collect_pending()
-            self._pool.shutdown(wait=True)
-            self._mirror = None
-            self.store.close()
+    def _run_writer(self) -> None:
+        """Background thread: commit queued versions in order; after a failure, fail the rest."""
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                captured, future = item
+                if self._bg_error is not None:
+                    future.set_exception(RuntimeError(
+                        f"version {captured.step} was dropped: an earlier background publish failed"))
+                    continue
+                try:
+                    future.set_result(self._write(captured))
+                except BaseException as e:  # surfaced to the caller by the next publish/flush/close
+                    self._bg_error = e
+                    future.set_exception(e)
+            finally:
+                self._queue.task_done()
 
-    def __enter__(self) -> Publisher:
-        return self
+    def _raise_background_error(self) -> None:
+        error = self._bg_error
+        if error is None:
+            return
+        # The capture side ran ahead of what was committed: restart from the committed state.
+        self._queue.join()
+        self._bg_error = None
+        self._capture_mirror = None
+        self._mirror = None
+        self._drift.reset()
+        self._last_step = self.store.latest()
+        raise error
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _to_mirror(self, bits: torch.Tensor) -> torch.Tensor:
+        """Place a host copy of published bits where the diff runs (``mirror_device``)."""
+        if self.mirror_device is None or self.mirror_device.type == "cpu":
+            return bits
+        return bits.to(self.mirror_device)
 
     # -- inputs ------------------------------------------------------------------
     def _check_step(self, step: int) -> None:
@@ -351,12 +491,19 @@ class Publisher:
         jobs += self._dense_jobs(specs, [n for _, n in dense], lambda n: whole[n](n), index_of)
         return jobs
 
-    def _full_jobs(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor],
+    def _full_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
                    host: Mapping[str, torch.Tensor] | None, index_of: dict[str, list[Part]]) -> list[_Job]:
-        # Without ready host copies each job copies its own slices: host memory holds
-        # about max_workers objects' worth at once.
+        # Whole tensors after this version: the fresh host copies of a new chain, or the
+        # mirror (still the parent's bits) with this version's changes, copied per slice.
         def bits(name: str) -> torch.Tensor:
-            return host[name] if host is not None else self._host_bits(tensors[name], specs[name])
+            if host is not None:
+                return host[name]
+            assert self._mirror is not None
+            t = self._mirror[name].cpu().clone()
+            ch = changes[name]
+            if ch.count:
+                t[ch.positions] = ch.new_bits
+            return t
 
         return self._dense_jobs(specs, list(specs), bits, index_of)
 
@@ -380,7 +527,7 @@ class Publisher:
                     out.append((0, Update(spec, bits(name))))
                 else:
                     part = TensorSpec(name, spec.dtype, (numel,))
-                    out.append((offset, Update(part, bits(name)[offset:offset + numel])))
+                    out.append((offset, Update(part, bits(name)[offset:offset + numel].clone())))
             return out
 
         return [(self.anchor_codec, lambda group=group: make(group), index_of) for group in self._groups(items)]
