@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,11 +117,13 @@ def _make_class() -> type:
             state_fn: ``model -> state`` (Module, mapping or iterable of ``(name, tensor)``)
                 to publish instead of the unwrapped model.
             **publisher_kwargs: any other :class:`~deltastore.Publisher` keyword argument
-                (``retention``, ``max_workers``, ``background``, ...).
+                (``retention``, ``max_workers``, ``background``, ...). With ``background=True``
+                the training loop waits only for the bit-compare; ``on_train_end`` waits for the uploads.
 
         Attributes:
             publisher: the Publisher (None before ``on_train_begin`` and on non-publishing processes).
-            last: the :class:`~deltastore.publisher.VersionInfo` of the last publish, or None.
+            last: what the last ``publish`` returned: a :class:`~deltastore.publisher.VersionInfo`,
+                or a ``Future`` of one with a background Publisher (``background=True``); None before.
             published: the steps this callback published, in order.
         """
 
@@ -151,7 +154,7 @@ def _make_class() -> type:
             self.publish_initial = publish_initial
             self.state_fn = state_fn
             self.publisher: Publisher | None = None
-            self.last: VersionInfo | None = None
+            self.last: VersionInfo | Future[VersionInfo] | None = None
             self.published: list[int] = []
             self._warned_stale = False
             self._floor: int | None = None  # highest step in the store when opened, then the last published
@@ -185,7 +188,7 @@ def _make_class() -> type:
                 self._floor = last.step if last is not None else self.publisher.store.latest()
             return self.publisher
 
-        def _publish(self, model: Any, step: int) -> VersionInfo | None:
+        def _publish(self, model: Any, step: int) -> VersionInfo | Future[VersionInfo] | None:
             pub = self.publisher
             if pub is None:
                 return None
@@ -203,8 +206,9 @@ def _make_class() -> type:
             self.last = info
             self._floor = step
             self.published.append(step)
-            _log.debug("published step %d: %s, %d/%d changed, %d B", step, info.kind, info.changed, info.total,
-                       info.nbytes)
+            if isinstance(info, VersionInfo):
+                _log.debug("published step %d: %s, %d/%d changed, %d B", step, info.kind, info.changed,
+                           info.total, info.nbytes)
             return info
 
         def close(self) -> None:
@@ -259,6 +263,6 @@ if TYPE_CHECKING:  # pragma: no cover
                      publish_initial: bool = ..., state_fn: Callable[[torch.nn.Module], StateLike] | None = ...,
                      **publisher_kwargs: Any) -> None: ...
         publisher: Publisher | None
-        last: VersionInfo | None
+        last: VersionInfo | Future[VersionInfo] | None
         published: list[int]
         def close(self) -> None: ...

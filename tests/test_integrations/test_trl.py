@@ -9,6 +9,7 @@ every version into a bf16 copy and the two are compared through integer views.
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 import warnings
@@ -162,6 +163,18 @@ def test_given_publisher_is_flushed_not_closed(tmp_path):
     assert cb.published == [1, 2]
     pub.publish(tiny_llama(1), step=3)  # still open
     pub.close()
+
+
+def test_background_publisher_is_drained_at_train_end(tmp_path):
+    if "background" not in inspect.signature(ds.Publisher).parameters:
+        pytest.skip("this Publisher has no background mode")
+    uri = str(tmp_path / "store")
+    cb = DeltaStoreCallback(uri, background=True)
+    model, snaps = train(tmp_path, cb, steps=3, accum=2)
+    assert cb.published == [1, 2, 3]
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == [1, 2, 3]  # on_train_end waited for every queued version
+    assert bits_equal(sub.pull(step=3).state, snaps.states[3])
 
 
 def test_unwrap_model():
