@@ -91,8 +91,11 @@ def _make_class() -> type:
         * only on the world's main process (``state.is_world_process_zero``)
           unless ``main_process_only=False`` (then every process calls
           ``publish`` — for a Publisher that coordinates ranks itself);
-        * the model given to the callback is unwrapped (:func:`unwrap_model`),
-          or ``state_fn(model)`` decides what is published (e.g. merged LoRA weights);
+        * the model given to the callback is unwrapped (:func:`unwrap_model`) and published,
+          or ``state_fn(model)`` (the model as the trainer passed it) decides what is published (merged LoRA weights, a
+          gathered FSDP / ZeRO-3 state dict): ``state_fn`` runs on **every** process at
+          every publishing step, so it may use collectives; only publishing processes
+          publish its result (other processes may return anything, e.g. ``{}``);
         * steps at or below the store's latest version (a run resumed from an
           older checkpoint, while the store already went further) are skipped
           with a warning until training passes that version; the chain then continues;
@@ -115,7 +118,8 @@ def _make_class() -> type:
                 ``state.global_step`` (0 for a fresh run), so inference servers that loaded
                 the same base checkpoint can ``Subscriber.identify(model, 0)`` and take only deltas.
             state_fn: ``model -> state`` (Module, mapping or iterable of ``(name, tensor)``)
-                to publish instead of the unwrapped model.
+                to publish instead of the unwrapped model; gets the model as the trainer passed it
+                (call :func:`unwrap_model` if you need the bare one); called on every process.
             **publisher_kwargs: any other :class:`~deltastore.Publisher` keyword argument
                 (``retention``, ``max_workers``, ``background``, ...). With ``background=True``
                 the training loop waits only for the bit-compare; ``on_train_end`` waits for the uploads.
@@ -189,19 +193,21 @@ def _make_class() -> type:
             return self.publisher
 
         def _publish(self, model: Any, step: int) -> VersionInfo | Future[VersionInfo] | None:
+            """Publish ``model`` as ``step`` on a publishing process; run ``state_fn`` on every process."""
+            if model is None:
+                raise ValueError("the trainer passed no model to DeltaStoreCallback")
+            # state_fn may gather (FSDP / ZeRO-3): every process calls it, in the same steps, with the
+            # model as the trainer holds it (a sharding wrapper is what a gather needs).
+            state = self.state_fn(model) if self.state_fn is not None else unwrap_model(model)
             pub = self.publisher
             if pub is None:
                 return None
-            if model is None:
-                raise ValueError("the trainer passed no model to DeltaStoreCallback")
             if self._floor is not None and step <= self._floor:
                 if not self._warned_stale:
                     warnings.warn(f"deltastore: step {step} is not above the store's latest version {self._floor} "
                                   f"({pub.store.uri}); not publishing until training passes it", stacklevel=2)
                     self._warned_stale = True
                 return None
-            m = unwrap_model(model)
-            state = self.state_fn(m) if self.state_fn is not None else m
             info = pub.publish(state, step=step)
             self.last = info
             self._floor = step
@@ -224,15 +230,16 @@ def _make_class() -> type:
 
         # -- events ----------------------------------------------------------------
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if not self._is_publisher_process(args, state):
+            if self._is_publisher_process(args, state):
+                self._open(args)
+            elif self.state_fn is None:
                 return
-            self._open(args)
             if self.publish_initial:
                 self._publish(kwargs.get("model"), int(state.global_step))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.publisher is None:
-                return
+            if self.publisher is None and self.state_fn is None:
+                return  # a process that neither publishes nor takes part in a gather
             step = int(state.global_step)
             last_step = bool(getattr(state, "max_steps", 0)) and step >= state.max_steps
             if step % self.every == 0 or last_step:

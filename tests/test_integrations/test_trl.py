@@ -149,6 +149,14 @@ def test_only_main_process_publishes(tmp_path):
     cb.on_train_end(args, state, control, model=model)
     assert cb.published == [] and not (tmp_path / "store").exists()
 
+    # a state_fn runs on every process (it may gather), its result is published on the main one only
+    calls = []
+    cb = DeltaStoreCallback(str(tmp_path / "store3"), state_fn=lambda m: calls.append(m) or {})
+    cb.on_train_begin(args, state, control, model=model)
+    cb.on_step_end(args, state, control, model=model)
+    cb.on_train_end(args, state, control, model=model)
+    assert calls == [model] and cb.published == [] and not (tmp_path / "store3").exists()
+
     cb = DeltaStoreCallback(str(tmp_path / "store2"), main_process_only=False)
     cb.on_train_begin(args, state, control, model=model)
     cb.on_step_end(args, state, control, model=model)
