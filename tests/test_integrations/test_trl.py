@@ -217,3 +217,40 @@ def test_missing_transformers_message():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'deltastore[trl]'" in out.stdout
+
+
+def test_trl_grpo_trainer_smoke(tmp_path):
+    """A real TRL GRPOTrainer (generation with the model itself, on CPU) publishes once per optimizer step."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(VOCAB - 8)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
+                                               unk_token="<unk>")
+    model = tiny_llama()
+    model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, 1
+    prompts = datasets.Dataset.from_dict({"prompt": [" ".join(words[i:i + 4]) for i in range(16)]})
+
+    def diversity(completions, **kw):
+        return [float(len(set(c.split()))) for c in completions]
+
+    uri = str(tmp_path / "store")
+    cb, snaps = DeltaStoreCallback(uri), Snapshots()
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                          num_generations=4, gradient_accumulation_steps=2, max_completion_length=8,
+                          learning_rate=1e-5, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                          disable_tqdm=True, bf16=False, seed=0)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=diversity, args=args, train_dataset=prompts,
+                              processing_class=tok, callbacks=[cb, snaps])
+    trainer.train()
+    assert cb.published == [1, 2, 3]
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == [1, 2, 3]
+    replica = copy.deepcopy(model).to(torch.bfloat16)
+    for step in (1, 2, 3):
+        sub.pull(replica, step=step)
+        assert bits_equal({n: t.detach().clone() for n, t in named_tensors(replica).items()}, snaps.states[step])
