@@ -107,3 +107,11 @@ class ApplyError(DeltaStoreError, RuntimeError):
 
 class BackendError(DeltaStoreError, OSError):
     """A transport failure the backend could not recover from."""
+
+
+class BucketNotFoundError(BackendError, FileNotFoundError):
+    """The bucket (or container, or HF bucket) a URI names does not exist."""
+
+
+class AccessDeniedError(BackendError, PermissionError):
+    """The service refused the credentials (wrong, expired, or without the needed permission)."""

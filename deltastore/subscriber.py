@@ -146,13 +146,14 @@ class Subscriber:
         return sum(1 for s in self.versions() if s > ref.step)
 
     # -- planning ------------------------------------------------------------------
-    def plan(self, step: int, current: VersionRef | None = None) -> Plan:
+    def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True) -> Plan:
         """The cheapest path (in object bytes) from ``current`` to ``step``.
 
         Walking parents down from ``step``, the candidates are: the delta chain
         from ``current``; every anchor met, followed by its deltas; and every
         differential met (its anchor's full objects, or ``current`` when it is
         that anchor, then the differential, then the deltas above it).
+        With ``allow_anchor=False`` only paths that start at ``current`` count.
         Raises :class:`VersionNotFoundError` when no path exists (for example
         a broken chain with no anchor below the step).
         """
@@ -160,6 +161,8 @@ class Subscriber:
 
         def offer(candidate: Plan) -> None:
             nonlocal best
+            if candidate.anchor is not None and not allow_anchor:
+                return
             if best is None or candidate.nbytes < best.nbytes:
                 best = candidate
 
@@ -272,7 +275,12 @@ class Subscriber:
         ref = VersionRef(step, digest)
         if current == ref:
             return Staged(ref, manifest, None, None)
-        plan = self.plan(step, current if reader is not None else None)
+        try:
+            plan = self.plan(step, current if reader is not None else None, allow_anchor=allow_anchor)
+        except VersionNotFoundError:
+            if allow_anchor or not self.store.has_version(step):
+                raise
+            plan = Plan(0, [], 0)  # only anchors reach it: reported below
         if plan.anchor is not None and not allow_anchor:
             raise ParentMismatchError(
                 f"target holds {_describe(current)}, which is not on the delta chain of version {step}; "

@@ -93,5 +93,10 @@ def test_dense_deltas_make_the_anchor_path_cheaper(memory_uri):
     sub.pull(target, step=1)
     plan = sub.plan(14, sub.version_of(target))
     assert plan.anchor == 10 and plan.deltas == [11, 12, 13, 14]
+    other = sub.pull(step=1).state
+    sub.pull(other, step=1)
     res = sub.pull(target, step=14)
     assert res.path == "anchor" and bits_equal(target, states[14])
+    # a server that must never take an anchor still gets there through the (dearer) deltas
+    res = sub.pull(other, step=14, allow_anchor=False)
+    assert res.path == "delta" and res.versions_applied == list(range(2, 15)) and bits_equal(other, states[14])

@@ -19,17 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import BackendError, DeltaStoreError
-
-
-
-class BucketNotFoundError(BackendError, FileNotFoundError):
-    """The bucket (or container, or HF bucket) a URI names does not exist."""
-
-
-class AccessDeniedError(BackendError, PermissionError):
-    """The service refused the credentials (wrong, expired, or without the needed permission)."""
-
+from ..errors import AccessDeniedError, BackendError, BucketNotFoundError, DeltaStoreError  # noqa: F401
 
 T = TypeVar("T")
 R = TypeVar("R")
