@@ -7,6 +7,7 @@ fetched, hash-checked, decoded and checksum-verified before the first write
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -40,6 +41,8 @@ class PullResult:
     written: tensor name -> elements written into the target (every element of
         every tensor after an anchor; the net changed elements after deltas).
     lag: committed versions newer than ``step`` when the pull started.
+    created: wall-clock time (seconds since the epoch) the version was committed;
+        ``age`` is how old it is now.
     """
 
     step: int
@@ -50,6 +53,12 @@ class PullResult:
     digest: str = ""
     written: dict[str, int] = field(default_factory=dict)
     lag: int = 0
+    created: float = 0.0
+
+    @property
+    def age(self) -> float:
+        """Seconds since the pulled version was committed by the trainer."""
+        return max(0.0, time.time() - self.created) if self.created else 0.0
 
 
 @dataclass
@@ -312,13 +321,14 @@ class Subscriber:
         staged = self.stage(step, current, mapping_reader(tensors) if tensors is not None else None,
                             allow_anchor=allow_anchor)
         ref, state = staged.ref, staged.state
+        created = staged.manifest.created
         if state is None:
-            return PullResult(step, target, path="none", digest=ref.digest, lag=lag)
+            return PullResult(step, target, path="none", digest=ref.digest, lag=lag, created=created)
         applied = staged.plan.steps if staged.plan is not None else []
         if isinstance(state, FullState):
             if tensors is None:
                 return PullResult(step, state.as_tensors(), staged.bytes_fetched, applied, "anchor", ref.digest,
-                                  lag=lag)
+                                  lag=lag, created=created)
             written = {n: b.numel() for n, b in state.bits.items()}
             write = lambda: write_full(tensors, state, copies)  # noqa: E731
         else:
@@ -332,7 +342,8 @@ class Subscriber:
             tracking.set_version(target, current if e.restored else None)
             raise
         tracking.set_version(target, ref)
-        return PullResult(step, target, staged.bytes_fetched, applied, staged.path, ref.digest, written, lag)
+        return PullResult(step, target, staged.bytes_fetched, applied, staged.path, ref.digest, written, lag,
+                          created)
 
     def _prefetch(self, plan: Plan) -> None:
         """Download every object of the plan in parallel into the store's read cache."""

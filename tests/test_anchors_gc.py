@@ -285,6 +285,7 @@ def test_lag_max_lag_and_sync(chain64, memory_uri):
     pub.publish(chain64[5], step=5)
     res = sub.sync(target)
     assert res is not None and res.step == 5 and res.lag == 0 and bits_equal(target, chain64[5])
+    assert res.created == sub.manifest(5).created and 0 <= res.age < 60
 
 
 def test_cli_gc_dry_run_then_real(chain64, tmp_path, capsys):
