@@ -40,9 +40,9 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import BackendError, KeyExistsError, KeyNotFoundError, MissingDependencyError
+from ..errors import AccessDeniedError, BackendError, BucketNotFoundError, KeyExistsError, KeyNotFoundError, MissingDependencyError
 from .base import Backend, Capabilities, PutMode, check_key
-from .retry import (AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, http_status,
+from .retry import (Progress, ProgressCallback, RetryPolicy, http_status,
                     is_transient, run_parallel)
 
 _ATOMIC_CREATE = {"s3": True, "s3a": True, "gs": True, "gcs": True}

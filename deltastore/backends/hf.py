@@ -51,9 +51,9 @@ from typing import Any
 
 import huggingface_hub  # noqa: F401 - a missing extra fails here, so the registry reports its install hint
 
-from ..errors import BackendError, KeyExistsError, KeyNotFoundError
+from ..errors import AccessDeniedError, BackendError, BucketNotFoundError, KeyExistsError, KeyNotFoundError
 from .base import Backend, Capabilities, PutMode, check_key
-from .retry import (AccessDeniedError, BucketNotFoundError, Progress, ProgressCallback, RetryPolicy, is_refused,
+from .retry import (Progress, ProgressCallback, RetryPolicy, is_refused,
                     is_transient)
 
 _URI_PREFIX = "hf://buckets/"

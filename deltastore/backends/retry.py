@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import AccessDeniedError, BackendError, BucketNotFoundError, DeltaStoreError  # noqa: F401
+from ..errors import DeltaStoreError
 
 T = TypeVar("T")
 R = TypeVar("R")

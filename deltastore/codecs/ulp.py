@@ -18,7 +18,6 @@ Object layout (safetensors, tensors in name order, see ``docs/codecs.md``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,23 +27,15 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, as_bytes, check_object, names_digest, np_bits, pack_meta, sorted_specs,
                       sorted_updates, to_torch_bits, u8, unpack_meta, zstd_compress, zstd_decompress)
 from .base import Codec, OldBits, TensorSpec, Update
-from .zstd import encode_positions, read_header, read_positions
+from .zstd import ZstdLevel, encode_positions, read_header, read_positions
 
 
-class UlpCodec(Codec):
+class UlpCodec(ZstdLevel, Codec):
     """Positions as in ``zstd``; values as byte-split zig-zag ulp steps. Config: ``level`` (default 1)."""
 
     codec_id = "ulp"
     format_version = "1.0"
     receiver_needs = "old_bits"
-
-    def __init__(self, level: int = 1):
-        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
-            raise ValueError(f"level must be an integer in [-7, 22], got {level!r}")
-        self.level = level
-
-    def get_config(self) -> dict[str, Any]:
-        return {"level": self.level}
 
     def encode(self, updates: Sequence[Update]) -> bytes:
         ups = sorted_updates(updates)

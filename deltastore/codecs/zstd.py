@@ -79,11 +79,8 @@ def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], co
     return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
 
 
-class ZstdCodec(Codec):
-    """Gap-coded positions + zstd, raw values. Config: ``level`` (zstd level, default 1)."""
-
-    codec_id = "zstd"
-    format_version = "1.0"
+class ZstdLevel:
+    """Config shared by the zstd-based codecs: ``level`` (zstd level, default 1)."""
 
     def __init__(self, level: int = 1):
         if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
@@ -92,6 +89,13 @@ class ZstdCodec(Codec):
 
     def get_config(self) -> dict[str, Any]:
         return {"level": self.level}
+
+
+class ZstdCodec(ZstdLevel, Codec):
+    """Gap-coded positions + zstd, raw values. Config: ``level`` (zstd level, default 1)."""
+
+    codec_id = "zstd"
+    format_version = "1.0"
 
     def encode(self, updates: Sequence[Update]) -> bytes:
         ups = sorted_updates(updates)

@@ -923,7 +923,7 @@ class Follower:
             return None
         lag = sum(1 for s in steps if self.served_step is None or s > self.served_step)
         now = time.monotonic()
-        first = self._first_seen.setdefault(latest, now)
+        self._first_seen.setdefault(latest, now)
         waited_out = self.max_wait is not None and now - min(self._first_seen.values()) >= self.max_wait
         if self.served_step is not None and lag <= self.max_lag and not waited_out:
             return None
