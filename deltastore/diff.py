@@ -17,6 +17,7 @@ from .errors import TargetMismatchError
 from .tensors import bits_dtype, bits_view
 
 DEFAULT_CHUNK_ELEMS = 1 << 24
+_DENSE_WORDS = 32  # above 1 differing word in 32, compare element by element instead
 
 
 @dataclass
@@ -86,6 +87,8 @@ def _changed(o: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # storage not 8-byte aligned: compare element-wise
         return torch.ne(o, n).nonzero().squeeze(1)
     words = torch.ne(ow, nw).nonzero().squeeze(1)
+    if words.numel() * _DENSE_WORDS > ow.numel():  # dense changes: refining words costs more than a plain pass
+        return torch.ne(o, n).nonzero().squeeze(1)
     parts = []
     if words.numel():
         idx = (words.unsqueeze(1) * k + torch.arange(k, device=o.device)).reshape(-1)
