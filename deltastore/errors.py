@@ -37,7 +37,17 @@ class VersionExistsError(DeltaStoreError, FileExistsError):
 
 # -- bad content -----------------------------------------------------------------
 class CorruptObjectError(DeltaStoreError, ValueError):
-    """An object's bytes do not match its digest, or cannot be decoded."""
+    """An object's bytes do not match its digest, or cannot be decoded.
+
+    ``digest`` names the object when known, so a reader can plan around it.
+    """
+
+    def __init__(self, message: str = "", *, digest: str | None = None):
+        super().__init__(message)
+        self.digest = digest
+
+    def __reduce__(self):  # keep ``digest`` across pickling (multiprocessing, torch.distributed)
+        return (_rebuild_corrupt, (str(self), self.digest))
 
 
 class ManifestError(DeltaStoreError, ValueError):
@@ -115,3 +125,7 @@ class BucketNotFoundError(BackendError, FileNotFoundError):
 
 class AccessDeniedError(BackendError, PermissionError):
     """The service refused the credentials (wrong, expired, or without the needed permission)."""
+
+
+def _rebuild_corrupt(message: str, digest: str | None) -> CorruptObjectError:
+    return CorruptObjectError(message, digest=digest)

@@ -95,9 +95,11 @@ class DeltaStore:
         except KeyNotFoundError:
             raise ObjectNotFoundError(f"object {digest} is missing from {self.uri}") from None
         if size is not None and len(data) != size:
-            raise CorruptObjectError(f"object {digest} has {len(data)} bytes, manifest says {size} (truncated?)")
+            raise CorruptObjectError(f"object {digest} has {len(data)} bytes, manifest says {size} (truncated?)",
+                                     digest=digest)
         if sha256_digest(data) != digest:
-            raise CorruptObjectError(f"object {digest} fails its sha256 check (corrupted in storage or transit)")
+            raise CorruptObjectError(f"object {digest} fails its sha256 check (corrupted in storage or transit)",
+                                     digest=digest)
         return data
 
     def prefetch(self, wanted: list[tuple[str, int]], *, max_workers: int = 4) -> None:

@@ -19,8 +19,7 @@ from .apply import (FullState, Reader, SparseOverlay, check_layout, check_update
 from .checksum import full_checksum
 from .codecs import OldBits, TensorSpec, Update, get_codec
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, ManifestError, ObjectNotFoundError,
-                     ParentMismatchError,
-                     StaleVersionError, VersionNotFoundError)
+                     ParentMismatchError, StaleVersionError, VersionNotFoundError)
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .store import DeltaStore, open_store
 from .tensors import named_tensors
@@ -155,14 +154,16 @@ class Subscriber:
         return sum(1 for s in self.versions() if s > ref.step)
 
     # -- planning ------------------------------------------------------------------
-    def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True) -> Plan:
+    def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True,
+             avoid: frozenset[str] = frozenset()) -> Plan:
         """The cheapest path (in object bytes) from ``current`` to ``step``.
 
         Walking parents down from ``step``, the candidates are: the delta chain
         from ``current``; every anchor met, followed by its deltas; and every
         differential met (its anchor's full objects, or ``current`` when it is
         that anchor, then the differential, then the deltas above it).
-        With ``allow_anchor=False`` only paths that start at ``current`` count.
+        With ``allow_anchor=False`` only paths that start at ``current`` count;
+        paths that read an object whose digest is in ``avoid`` do not count.
         Raises :class:`VersionNotFoundError` when no path exists (for example
         a broken chain with no anchor below the step).
         """
@@ -183,12 +184,12 @@ class Subscriber:
                 if best is None or delta_bytes <= best.nbytes:
                     best = Plan(None, chain[::-1], delta_bytes)
                 break
-            if m.kind == "anchor":
+            if m.kind == "anchor" and not _uses(m, m.full_objects, avoid):
                 offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
-            if m.differential is not None:
-                self._offer_differential(m, chain, delta_bytes, current, offer)
-            if not m.has_delta or m.parent is None:
-                break
+            if m.differential is not None and not _uses(m, m.diff_objects, avoid):
+                self._offer_differential(m, chain, delta_bytes, current, offer, avoid)
+            if not m.has_delta or m.parent is None or _uses(m, m.delta_objects, avoid):
+                break  # every start further down would have to replay this version's delta
             if current is None and m.kind == "anchor":
                 break  # without a current version only anchors start a path; deeper ones cost more
             if current is not None and m.parent.step < current.step and best is not None:
@@ -209,7 +210,7 @@ class Subscriber:
         return best
 
     def _offer_differential(self, m: Manifest, chain: list[int], delta_bytes: int, current: VersionRef | None,
-                            offer: Any) -> None:
+                            offer: Any, avoid: frozenset[str]) -> None:
         base = m.differential
         assert base is not None
         diff_bytes = m.object_bytes(m.diff_objects)
@@ -219,7 +220,7 @@ class Subscriber:
             bm, bdigest = self.store.manifest_with_digest(base.step)
         except VersionNotFoundError:
             return
-        if bdigest == base.digest and bm.kind == "anchor":
+        if bdigest == base.digest and bm.kind == "anchor" and not _uses(bm, bm.full_objects, avoid):
             offer(Plan(base.step, chain[::-1], bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes,
                        differential=m.step))
 
@@ -252,12 +253,31 @@ class Subscriber:
         if self.max_lag is not None and lag > self.max_lag:
             raise StaleVersionError(f"version {step} is {lag} versions behind the latest ({versions[-1]}), "
                                     f"over max_lag={self.max_lag}")
-        try:
-            return self._pull(target, step, allow_anchor, lag)
-        except (ObjectNotFoundError, VersionNotFoundError):
-            self.store.forget_all()  # something was collected under us: re-read and re-plan once
+        avoid: set[str] = set()
+        corrupt: CorruptObjectError | None = None
+        collected = False
+        while True:
+            try:
+                return self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+            except CorruptObjectError as e:
+                # Nothing was written. Go around the bad object if another path exists
+                # (an anchor, a differential); else the typed error stands.
+                if e.digest is None or e.digest in avoid or len(avoid) >= _MAX_AVOIDED:
+                    raise
+                avoid.add(e.digest)
+                corrupt = e
+            except ParentMismatchError:
+                if corrupt is None:
+                    raise
+                raise corrupt from None  # no delta path around the corrupt object
+            except (ObjectNotFoundError, VersionNotFoundError):
+                if corrupt is not None:
+                    raise corrupt from None  # no path around the corrupt object
+                if collected:
+                    raise
+                collected = True  # something was collected under us: re-read and re-plan once
+            self.store.forget_all()
             self.replans += 1
-            return self._pull(target, step, allow_anchor, lag)
 
     def sync(self, target: Target) -> PullResult | None:
         """Pull the latest version if ``target`` is more than ``max_lag`` (default 0) versions behind.
@@ -270,7 +290,7 @@ class Subscriber:
         return self.pull(target)
 
     def stage(self, step: int, current: VersionRef | None = None, reader: Reader | None = None, *,
-              allow_anchor: bool = True) -> Staged:
+              allow_anchor: bool = True, avoid: frozenset[str] = frozenset()) -> Staged:
         """Plan, fetch, verify and decode the way from ``current`` to ``step``, writing nothing.
 
         ``reader`` gives the bits the target holds now (needed to start from
@@ -285,7 +305,8 @@ class Subscriber:
         if current == ref:
             return Staged(ref, manifest, None, None)
         try:
-            plan = self.plan(step, current if reader is not None else None, allow_anchor=allow_anchor)
+            plan = self.plan(step, current if reader is not None else None, allow_anchor=allow_anchor,
+                             avoid=avoid)
         except VersionNotFoundError:
             if allow_anchor or not self.store.has_version(step):
                 raise
@@ -313,13 +334,14 @@ class Subscriber:
             state.apply(m, updates)
         return Staged(ref, manifest, plan, state, fetched)
 
-    def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int) -> PullResult:
+    def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int,
+              avoid: frozenset[str] = frozenset()) -> PullResult:
         manifest = self.store.manifest(step)
         tensors = named_tensors(target) if target is not None else None
         copies = check_layout(tensors, manifest) if tensors is not None else {}
         current = tracking.get_version(target) if target is not None else None
         staged = self.stage(step, current, mapping_reader(tensors) if tensors is not None else None,
-                            allow_anchor=allow_anchor)
+                            allow_anchor=allow_anchor, avoid=avoid)
         ref, state = staged.ref, staged.state
         created = staged.manifest.created
         if state is None:
@@ -425,10 +447,10 @@ class Subscriber:
                 raise
             except Exception as e:  # a codec bug or hostile content must not escape untyped
                 raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
-                                         f"{rec.digest}: {e!r}") from e
+                                         f"{rec.digest}: {e!r}", digest=rec.digest) from e
             if set(decoded) != set(names):
                 raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
-                                         f"{sorted(decoded)[:5]}, manifest expects {names[:5]}")
+                                         f"{sorted(decoded)[:5]}, manifest expects {names[:5]}", digest=rec.digest)
             for (t, p), spec in zip(pairs, specs):
                 u = decoded[t.name]
                 part_rec = t if t.is_whole(p) else replace(t, shape=spec.shape)
@@ -473,6 +495,13 @@ def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: i
         raise CorruptObjectError(f"version {step}, tensor {rec.name!r}: parts hold {joined.count} changed "
                                  f"elements, manifest says {expected}")
     return joined
+
+
+_MAX_AVOIDED = 8  # corrupt objects a single pull routes around before giving up
+
+
+def _uses(m: Manifest, indices: set[int], avoid: frozenset[str]) -> bool:
+    return bool(avoid) and any(m.objects[i].digest in avoid for i in indices)
 
 
 def _describe(ref: VersionRef | None) -> str:

@@ -95,6 +95,28 @@ def test_flipped_byte_in_object(published):
     assert bits_equal(sub.pull(step=3).state, states[3])  # the rest of the store still serves
 
 
+def test_corrupt_delta_is_routed_around_through_an_anchor(tmp_path):
+    uri = str(tmp_path / "s")
+    states = _states(5)
+    with ds.Publisher(uri, anchor_every=2) as pub:  # anchors at 0, 2, 4 (each with its delta too)
+        for i, s in enumerate(states):
+            pub.publish(s, step=i)
+    sub = ds.Subscriber(uri)
+    target = sub.pull(step=0).state
+    sub.pull(target, step=3)
+    path = _delta_object_path(uri, sub, 4)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    res = sub.pull(target, step=4)  # the delta is corrupt: the anchor's full objects are not
+    assert res.path == "anchor" and res.versions_applied == [4] and sub.replans == 1
+    assert bits_equal(target, states[4])
+    # a server that refuses anchors gets the typed corruption error, target unchanged
+    other = sub.pull(step=3).state
+    sub.pull(other, step=3)
+    _expect(sub, other, states[3], CorruptObjectError, step=4, allow_anchor=False)
+
+
 def test_truncated_object(published):
     uri, states, sub, target = published
     path = _delta_object_path(uri, sub, 4)
