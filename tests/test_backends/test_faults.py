@@ -12,7 +12,8 @@ import torch
 import deltastore as ds
 from deltastore.backends import open_backend
 from deltastore.backends.fsspec import FsspecBackend
-from deltastore.backends.retry import AccessDeniedError, BucketNotFoundError, RetryPolicy, is_transient
+from deltastore.backends.retry import RetryPolicy, is_transient
+from deltastore.errors import AccessDeniedError, BucketNotFoundError
 from deltastore.errors import (BackendError, KeyExistsError, MissingDependencyError, UnknownBackendError,
                                VersionExistsError)
 from deltastore.registry import Registry
