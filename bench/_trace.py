@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -28,3 +29,15 @@ def scaled(state: dict[str, torch.Tensor], scale: int) -> dict[str, torch.Tensor
     if scale == 1:
         return state
     return {f"{k}.{i}" if i else k: v.clone() if i else v for i in range(scale) for k, v in state.items()}
+
+
+def bench_args(doc: str) -> argparse.Namespace:
+    """``--scale``, ``--runs`` and ``--codec`` for the per-step trace benchmarks; sets 2 torch threads."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--scale", type=int, default=4, help="replicate the trace tensors N times (default 4: 75 MB)")
+    ap.add_argument("--runs", nargs="+", default=RUNS)
+    ap.add_argument("--codec", default="raw")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    print(f"torch threads {torch.get_num_threads()}, scale {a.scale}, codec {a.codec}")
+    return a

@@ -12,7 +12,6 @@ safetensors checkpoint from the same disk (page cache warm) and copying it in.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -26,13 +25,7 @@ import deltastore as ds
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scale", type=int, default=4, help="replicate the trace tensors N times (default 4: 75 MB)")
-    ap.add_argument("--runs", nargs="+", default=_trace.RUNS)
-    ap.add_argument("--codec", default="raw")
-    a = ap.parse_args()
-    torch.set_num_threads(2)
-    print(f"torch threads {torch.get_num_threads()}, scale {a.scale}, codec {a.codec}")
+    a = _trace.bench_args(__doc__)
     print(f"{'run':<15} {'model MB':>9} {'density':>8} {'pull ms':>8} {'dense copy ms':>14} {'ratio':>6} "
           f"{'load+copy ms':>13} {'ratio':>6}")
     for run in a.runs:

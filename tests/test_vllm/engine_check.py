@@ -28,6 +28,8 @@ import sys
 import time
 import traceback
 
+from fake_vllm_model import perturb  # noqa: F401 - also used by serve_check (script dir is on sys.path)
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,24 +59,6 @@ def build_model(path: str) -> None:
             else:
                 p.normal_(1.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
-
-
-def perturb(state: dict, fraction: float, seed: int) -> dict:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        bits = t.reshape(-1).view(torch.int16).to(torch.int32)
-        mask = torch.rand(bits.numel(), generator=g) < fraction
-        step = torch.where(torch.rand(bits.numel(), generator=g) < 0.5, 1, -1).to(torch.int32)
-        sign, mag = bits & 0x8000, bits & 0x7FFF
-        new = mag + step
-        ok = mask & (new >= 1) & (new < 0x7F80)  # stay finite and nonzero: like a trainer's 1-ulp moves
-        bits = torch.where(ok, sign | new, bits & 0xFFFF)
-        bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
-        out[name] = bits.view(t.dtype).reshape(t.shape)
-    return out
 
 
 def publish(base_dir: str, uri: str, steps: int, seed0: int) -> list[dict]:
