@@ -70,7 +70,6 @@ class ShardedPublisher:
         # The per-rank engine: its mirror, drift tracker, codecs and upload pool hold this rank's shards.
         self._engine = Publisher(uri, resume=False, **publisher_kwargs)
         self._layout: list[_Shard] | None = None
-        self._offsets: dict[str, int] = {}
         self._last_step = self._engine.store.latest()
 
     @property

@@ -35,10 +35,6 @@ class DriftTracker:
         """Forget everything (a new anchor was committed)."""
         self._since = {}
 
-    def differing(self) -> int:
-        """Elements that differ from the anchor (as of the last :meth:`commit`)."""
-        return sum(s.differing for s in self._since.values())
-
     def propose(self, changes: Mapping[str, Change]) -> dict[str, _Since]:
         """The per-tensor state after ``changes`` (nothing is modified until :meth:`commit`)."""
         out = dict(self._since)

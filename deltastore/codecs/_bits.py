@@ -141,25 +141,6 @@ def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, in
     return np.add.reduceat(parts, starts).astype(np.uint64), used
 
 
-class HeaderReader:
-    """Sequential reader of LEB128 integers from a byte string."""
-
-    def __init__(self, data: bytes):
-        self._b = np.frombuffer(data, dtype=np.uint8)
-        self.pos = 0
-
-    def take(self, n: int = 1) -> list[int]:
-        vals, used = uvarint_decode(self._b[self.pos:], n)
-        self.pos += used
-        return [int(x) for x in vals]
-
-    def one(self) -> int:
-        return self.take(1)[0]
-
-    def done(self) -> bool:
-        return self.pos == self._b.size
-
-
 # -- unary + raw bit streams -------------------------------------------------------------
 def bit_length(v: np.ndarray) -> np.ndarray:
     """Bit length of each uint64 (0 -> 0), int64 result."""

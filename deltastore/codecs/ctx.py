@@ -276,10 +276,6 @@ class CtxCodec(Codec):
         return pack_meta({"header": u8(B.uvarint_encode(np.array(header, dtype=np.uint64))),
                           "streams": u8(b"".join(streams))}, self.codec_id, self.format_version, meta)
 
-    def encode_tensor(self, u: Update) -> tuple[list[int], bytes]:
-        """Header integers and stream bytes of one tensor (public for ``auto``)."""
-        return self._encode_one(u)
-
     def _encode_one(self, u: Update) -> tuple[list[int], bytes]:
         spec = u.spec
         assert u.positions is not None and u.old_tensor is not None

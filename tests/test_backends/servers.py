@@ -50,7 +50,24 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -
     raise ServerStartError(f"{url} did not answer within {timeout:.0f} s")
 
 
-class Seaweed:
+class _Subprocess:
+    """A server run as a child process (``self.proc``) in a temporary folder (``self.dir``)."""
+
+    proc: subprocess.Popen | None
+    dir: str
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Seaweed(_Subprocess):
     """``weed mini`` with every listener on a free 127.0.0.1 port and S3 credentials from the environment."""
 
     name = "seaweedfs"
@@ -113,15 +130,6 @@ class Seaweed:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Moto:
@@ -159,7 +167,7 @@ class Moto:
             self.server.stop()
 
 
-class FakeGcs:
+class FakeGcs(_Subprocess):
     """``fake-gcs-server`` with the in-memory backend."""
 
     name = "fake-gcs-server"
@@ -194,15 +202,6 @@ class FakeGcs:
             raise ServerStartError(f"fake-gcs-server did not start: {e}\n{self.log.read_text(errors='replace')}")
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class HfStandin:
