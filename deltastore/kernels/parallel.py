@@ -1,0 +1,59 @@
+"""Thread parallelism over contiguous chunks for nogil kernels.
+
+``chunked(n, fn)`` splits ``range(n)`` into at most ``threads()`` contiguous
+pieces of at least ``min_chunk`` elements and calls ``fn(start, stop)`` for
+each on a shared thread pool; results come back in chunk order. With one
+piece it runs inline (no thread hop), so small inputs pay no overhead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def threads() -> int:
+    """Threads for kernel work: env ``DELTASTORE_THREADS``, else every CPU this process may use."""
+    env = os.environ.get("DELTASTORE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE < n:
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="deltastore-kernel")
+        _POOL_SIZE = n
+    return _POOL
+
+
+def bounds(n: int, min_chunk: int = 1 << 20, pieces: int | None = None) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``range(n)`` in at most ``pieces`` (default: threads()) chunks."""
+    k = max(1, min(pieces or threads(), n // max(1, min_chunk)))
+    step = -(-n // k) if n else 0
+    return [(s, min(n, s + step)) for s in range(0, n, step)] if n else []
+
+
+def chunked(n: int, fn: Callable[[int, int], T], min_chunk: int = 1 << 20, pieces: int | None = None) -> list[T]:
+    """``[fn(start, stop) for each chunk of range(n)]``, chunks run in parallel threads."""
+    parts = bounds(n, min_chunk, pieces)
+    if len(parts) <= 1:
+        return [fn(s, e) for s, e in parts]
+    # A task started from a pool thread must not wait on the same pool (deadlock): run inline there.
+    import threading
+
+    if threading.current_thread().name.startswith("deltastore-kernel"):
+        return [fn(s, e) for s, e in parts]
+    futures = [_pool(threads()).submit(fn, s, e) for s, e in parts]
+    return [f.result() for f in futures]
