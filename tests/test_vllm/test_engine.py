@@ -3,7 +3,8 @@
 The engine runs in the separate vLLM virtualenv (``tests/test_vllm/setup_venv.sh``
 creates ``.venv-vllm``), in a subprocess running ``engine_check.py``, so this
 pytest process needs no vLLM. Skipped when that virtualenv is missing, except
-under ``CI=true``, where a missing engine is a failure.
+under ``make test`` / CI (``DELTASTORE_STRICT=1`` or ``CI=true``), which installs
+it: there a missing engine is a failure.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -26,11 +28,7 @@ def vllm_python() -> str:
     py = os.environ.get("DELTASTORE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     ok = Path(py).exists() and subprocess.run([py, "-c", "import vllm, deltastore"], capture_output=True,
                                               timeout=300).returncode == 0
-    if not ok:
-        msg = f"no vLLM virtualenv at {py} (run tests/test_vllm/setup_venv.sh)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require(ok, f"no vLLM virtualenv at {py} (run tests/test_vllm/setup_venv.sh)")
     return py
 
 
