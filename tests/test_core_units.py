@@ -16,8 +16,8 @@ from deltastore.backends.local import LocalBackend
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, updated_checksum
 from deltastore.diff import find_changes
-from deltastore.errors import (InvalidKeyError, KeyExistsError, KeyNotFoundError, ManifestError,
-                               MissingDependencyError, PluginConflictError, UnknownPluginError)
+from deltastore.errors import (DeltaStoreError, InvalidKeyError, KeyExistsError, KeyNotFoundError,
+                               ManifestError, MissingDependencyError, PluginConflictError, UnknownPluginError)
 from deltastore.manifest import Manifest, ObjectRecord, Part, TensorRecord, VersionRef
 from deltastore.registry import Registry
 from deltastore.tensors import bits_view
@@ -101,8 +101,14 @@ def test_manifest_rejects_inconsistent_content(kw):
 def test_manifest_parser_fuzz_raises_only_typed_errors(data):
     try:
         Manifest.from_json(data)
-    except (ManifestError, ValueError):
+    except DeltaStoreError:  # only deltastore's own errors: a raw JSONDecodeError/UnicodeDecodeError fails
         pass
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"\xff\xfe\x00garbage", b'{"a": 1', b"", b"[" * 100000])
+def test_manifest_parser_wraps_decode_errors(data):
+    with pytest.raises(ManifestError):
+        Manifest.from_json(data)
 
 
 @pytest.fixture(params=["local", "memory"])

@@ -33,8 +33,9 @@ def _state(seed: int, n: int = 4096) -> dict[str, torch.Tensor]:
 def test_unknown_scheme_is_typed():
     with pytest.raises(UnknownBackendError, match="nosuch"):
         open_backend("nosuch://bucket/x")
-    with pytest.raises(LookupError):
+    with pytest.raises(UnknownBackendError) as e:  # the typed error, which is also a LookupError
         ds.Subscriber("nosuch://bucket/x")
+    assert isinstance(e.value, LookupError)
 
 
 def test_missing_fsspec_implementation_names_the_extra(monkeypatch):
@@ -90,8 +91,9 @@ def test_wrong_credentials_s3(seaweed_server, request, tmp_path):
     bad = {**target.options, "secret": "not-the-secret", "skip_instance_cache": True, "retry": FAST_RETRY}
     with pytest.raises(AccessDeniedError):
         open_backend(target.uri, **bad)
-    with pytest.raises(PermissionError):
+    with pytest.raises(AccessDeniedError) as e:
         ds.Subscriber(target.uri, storage_options=bad)
+    assert isinstance(e.value, PermissionError)
     b = open_backend(target.uri, **bad, check_bucket=False)
     with pytest.raises(AccessDeniedError):
         b.get("deltastore.json")
@@ -116,8 +118,11 @@ def test_missing_bucket(kind, request, tmp_path):
     opts = {**target.options, "retry": FAST_RETRY}
     with pytest.raises(BucketNotFoundError, match="zzzz"):
         open_backend(missing, **opts)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(BucketNotFoundError, match="zzzz") as e:
         ds.Publisher(missing, storage_options=opts)
+    assert isinstance(e.value, FileNotFoundError)
+    with pytest.raises(BucketNotFoundError, match="zzzz"):
+        ds.Subscriber(missing, storage_options=opts)
 
 
 def test_hf_create_bucket_option(hf_server, request, tmp_path):
