@@ -9,6 +9,12 @@ checksum by ``sum(mix(p, new)) - sum(mix(p, old))`` over P only: the publisher
 and the applier update it from the changed elements, so verifying a 1 %-density
 step costs 1 % of a full hash. It detects accidental corruption and drift, not
 an adversary (objects are protected by sha256 for that).
+
+Where it runs: a CPU tensor is read in place (a flat unsigned view of its
+storage, no copy) by the nogil kernels of :mod:`deltastore.kernels.checksum`,
+in parallel over contiguous chunks (:func:`deltastore.kernels.parallel.chunked`);
+a tensor on another device (CUDA) is hashed on that device with int64 torch
+ops (:func:`torch_mix_sum`), which wrap mod 2**64 and give the same value.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ import hashlib
 import numpy as np
 import torch
 
+from .kernels import checksum as _k
+from .kernels.parallel import chunked
 from .tensors import bits_view
 
 _M64 = (1 << 64) - 1
-_C1 = np.uint64(0x9E3779B97F4A7C15)
-_C2 = np.uint64(0xBF58476D1CE4E5B9)
-_C3 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_CHUNK = 1 << 22
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: elements per thread chunk (below two of these a tensor is hashed inline, no thread hop)
+_MIN_CHUNK = 1 << 18
+#: elements per torch (device) pass; bounds the int64 temporaries to a few times 8 * this many bytes
+_TORCH_CHUNK = 1 << 24
 
 
 def tensor_key(name: str) -> int:
@@ -34,37 +42,112 @@ def tensor_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
-def _mix_sum(key: int, positions: np.ndarray, bits: np.ndarray) -> int:
-    x = positions.astype(np.uint64) * _C1
-    x ^= bits.view(_UNSIGNED[bits.dtype.itemsize]).astype(np.uint64)
-    x += np.uint64(key)
-    x ^= x >> _S30
-    x *= _C2
-    x ^= x >> _S27
-    x *= _C3
-    x ^= x >> _S31
-    return int(x.sum(dtype=np.uint64))
+def _np_unsigned(t: torch.Tensor) -> np.ndarray:
+    """A flat unsigned numpy view of a CPU tensor's raw bits (no copy when ``t`` is contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    t = t.reshape(-1)
+    width = t.element_size()
+    if t.dtype != _SIGNED_BITS[width] and t.dtype != torch.uint8:
+        t = t.view(_SIGNED_BITS[width])
+    return t.numpy().view(_UNSIGNED[width])
+
+
+def _np_positions(positions: torch.Tensor) -> np.ndarray:
+    """Flat int32/int64 numpy positions of a CPU tensor (converted only when another dtype)."""
+    p = positions.detach().reshape(-1)
+    if p.dtype not in (torch.int64, torch.int32):
+        p = p.to(torch.int64)
+    return p.contiguous().numpy()
+
+
+def _signed(c: np.uint64) -> int:
+    v = int(c)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_T1, _T2, _T3 = _signed(_k.C1), _signed(_k.C2), _signed(_k.C3)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` by ``s`` (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def torch_mix_sum(key: int, positions: torch.Tensor | None, bits: torch.Tensor, start: int = 0) -> int:
+    """``sum(mix(key, p, b))`` with torch int64 ops on ``bits``' own device (the path for CUDA tensors).
+
+    ``bits``: any tensor, read as raw bits; ``positions``: int tensor of the
+    same length, or None for the dense case (position of ``bits[i]`` is
+    ``start + i``). Multiplication and addition of int64 wrap mod 2**64 and
+    logical shifts are masked arithmetic ones, so the value is the kernels'
+    bit for bit. Works on any device, including ``"cpu"`` (how it is tested).
+    """
+    b = bits.detach().reshape(-1)
+    width = b.element_size()
+    if b.dtype != _SIGNED_BITS[width] and b.dtype != torch.uint8:
+        b = b.view(_SIGNED_BITS[width])
+    mask = (1 << (8 * width)) - 1
+    n = b.numel()
+    if positions is not None and positions.numel() != n:
+        raise ValueError(f"{positions.numel()} positions for {n} bits")
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    k = key - (1 << 64) if key >= 1 << 63 else key
+    for i in range(0, n, _TORCH_CHUNK):
+        j = min(n, i + _TORCH_CHUNK)
+        if positions is None:
+            x = torch.arange(start + i, start + j, dtype=torch.int64, device=b.device)
+        else:
+            x = positions.detach().reshape(-1)[i:j].to(device=b.device, dtype=torch.int64)
+        x = x * _T1
+        v = b[i:j].to(torch.int64)
+        if width < 8:
+            v &= mask
+        x ^= v
+        x += k
+        x ^= _srl(x, 30)
+        x *= _T2
+        x ^= _srl(x, 27)
+        x *= _T3
+        x ^= _srl(x, 31)
+        total += x.sum()
+    return int(total.item()) & _M64
 
 
 def sparse_sum(key: int, positions: torch.Tensor, bits: torch.Tensor) -> int:
-    """``sum(mix(key, p, b))`` over paired flat positions and raw bits (any device, int view)."""
-    pos = positions.detach().to("cpu", torch.int64).numpy()
-    b = bits.detach().cpu().numpy()
-    total = 0
-    for i in range(0, pos.size, _CHUNK):
-        total += _mix_sum(key, pos[i:i + _CHUNK], b[i:i + _CHUNK])
-    return total & _M64
+    """``sum(mix(key, p, b))`` over paired flat positions and raw bits (any device, int view).
+
+    CPU tensors are hashed in place by the nogil kernel in parallel chunks;
+    when ``bits`` lives on another device the sum runs there (positions are
+    moved to it). Raises ``ValueError`` when the lengths differ.
+    """
+    if bits.device.type != "cpu":
+        return torch_mix_sum(key, positions, bits)
+    b = _np_unsigned(bits)
+    p = _np_positions(positions.cpu() if positions.device.type != "cpu" else positions)
+    if p.size != b.size:
+        raise ValueError(f"{p.size} positions for {b.size} bits")
+    k = np.uint64(key & _M64)
+    parts = chunked(b.size, lambda s, e: _k.mix_sum_sparse(p, b, s, e, k), min_chunk=_MIN_CHUNK)
+    return sum(int(x) for x in parts) & _M64
 
 
 def full_checksum(name: str, tensor: torch.Tensor) -> int:
-    """Checksum of a whole tensor (``tensor`` may be a float tensor or its bit view)."""
+    """Checksum of a whole tensor (``tensor`` may be a float tensor or its bit view).
+
+    ``tensor`` must be contiguous (:class:`TargetMismatchError` otherwise). A CPU
+    tensor is read in place, on every kernel thread; a CUDA tensor is hashed on
+    its device.
+    """
     flat = bits_view(tensor)
     key = tensor_key(name)
-    total = 0
-    for i in range(0, flat.numel(), _CHUNK):
-        chunk = flat[i:i + _CHUNK].cpu().numpy()
-        total += _mix_sum(key, np.arange(i, i + chunk.size, dtype=np.uint64), chunk)
-    return total & _M64
+    if flat.device.type != "cpu":
+        return torch_mix_sum(key, None, flat)
+    b = _np_unsigned(flat)
+    k = np.uint64(key)
+    parts = chunked(b.size, lambda s, e: _k.mix_sum_dense(b, s, e, k), min_chunk=_MIN_CHUNK)
+    return sum(int(x) for x in parts) & _M64
 
 
 def updated_checksum(name: str, before: int, positions: torch.Tensor, old_bits: torch.Tensor,
