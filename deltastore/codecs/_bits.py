@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CorruptObjectError
+from ..kernels import bitstream as K
 
 RICE, EG, FIXED = 0, 1, 2
 MAX_WIDTH = 64
@@ -174,31 +175,31 @@ class Kind:
 
 
 def best_kind(v: np.ndarray) -> tuple[Kind, int]:
-    """The cheapest RICE/EG kind for ``v`` (uint64) and its exact cost in bits."""
+    """The cheapest RICE/EG kind for ``v`` (uint64) and its exact cost in bits.
+
+    Ties go to the first kind tried (RICE by increasing ``k``, then EG by increasing ``k``).
+    """
     if v.size == 0:
         return Kind(RICE, 0), 0
-    v = v.astype(np.uint64)
+    v = np.ascontiguousarray(v, dtype=np.uint64)
     n = v.size
     maxbits = int(bit_length(np.array([v.max()]))[0])
+    kr = min(maxbits, 63)
+    ke = min(maxbits, 40) if maxbits < 62 else -1
+    rice, rice_f, eg = K.kind_sums(v, kr, ke)
     best: tuple[Kind, int | None] = (Kind(EG, 0), None)
-    for k in range(0, min(maxbits, 63) + 1):
-        q = v >> _U64(k)
-        if float(q.astype(np.float64).sum()) > 2.0**40:
-            continue  # absurd unary length: never the cheapest, and must not be materialised
-        cost = int(q.sum(dtype=np.uint64)) + n * (k + 1)
+    for k in range(kr + 1):
+        if float(rice_f[k]) > 2.0**40:
+            continue  # absurd unary length: never the cheapest
+        cost = int(rice[k]) + n * (k + 1)
         if best[1] is None or cost < best[1]:
             best = (Kind(RICE, k), cost)
-    if maxbits >= 62:
-        return best  # type: ignore[return-value]
-    for k in range(0, min(maxbits, 40) + 1):
-        L = bit_length(v + _U64(1 << k)) - 1
-        if int(L.max()) > MAX_WIDTH:
-            continue
-        cost = int((2 * L - k + 1).sum())
+    for k in range(ke + 1):  # cost of EG(k): sum over values of 2 * L - k + 1
+        cost = 2 * int(eg[k]) - n * (k - 1)
         if best[1] is None or cost < best[1]:
             best = (Kind(EG, k), cost)
     assert best[1] is not None
-    return best
+    return best  # type: ignore[return-value]
 
 
 def split(v: np.ndarray, kind: Kind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -233,47 +234,20 @@ def widths(q: np.ndarray, kind: Kind) -> np.ndarray:
 
 def pack_unary(q: np.ndarray) -> bytes:
     """U stream: each q as q zero bits then a one bit, MSB first."""
-    if q.size == 0:
-        return b""
-    ones = np.cumsum(q + 1) - 1
-    bits = np.zeros(int(ones[-1]) + 1, dtype=np.uint8)
-    bits[ones] = 1
-    return np.packbits(bits).tobytes()
+    return K.pack_unary(q)
 
 
 def unpack_unary(data: bytes, count: int) -> np.ndarray:
     """First ``count`` quotients of a U stream (int64)."""
-    if count == 0:
-        return np.zeros(0, np.int64)
-    ones = np.flatnonzero(np.unpackbits(np.frombuffer(data, np.uint8)))
-    if ones.size < count:
-        raise CorruptObjectError(f"unary stream holds {ones.size} codes, {count} expected")
-    ones = ones[:count]
-    return np.diff(ones, prepend=-1) - 1
+    q, found = K.unpack_unary(data, count)
+    if found < count:
+        raise CorruptObjectError(f"unary stream holds {found} codes, {count} expected")
+    return q
 
 
 def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
     """R stream: each r as w bits, MSB first (w <= 64)."""
-    w = w.astype(np.int64)
-    total = int(w.sum())
-    if total == 0:
-        return b""
-    keep = w > 0
-    w, r = w[keep], r[keep].astype(np.uint64)
-    starts = np.cumsum(w) - w
-    owner = np.repeat(np.arange(w.size), w)
-    j = np.arange(total) - starts[owner]
-    shift = (w[owner] - 1 - j).astype(np.uint64)
-    bits = ((r[owner] >> shift) & _U64(1)).astype(np.uint8)
-    return np.packbits(bits).tobytes()
-
-
-def _read32(windows: np.ndarray, off: np.ndarray, w: np.ndarray) -> np.ndarray:
-    # Read w <= 32 bits at bit offsets off; windows[i] = big-endian 8 bytes starting at byte i.
-    x = windows[off >> 3].astype(np.uint64) << (off & 7).astype(np.uint64)
-    ww = np.maximum(w, 1).astype(np.uint64)
-    x = x >> (_U64(64) - ww)
-    return np.where(w == 0, _U64(0), x)
+    return K.pack_raw(w, r)
 
 
 def unpack_raw(data: bytes, w: np.ndarray) -> np.ndarray:
@@ -283,18 +257,10 @@ def unpack_raw(data: bytes, w: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.uint64)
     if int(w.min()) < 0 or int(w.max()) > MAX_WIDTH:
         raise CorruptObjectError("raw field width out of range")
-    off = np.cumsum(w) - w
-    total = int(off[-1] + w[-1])
+    total = int(w.sum())
     if total > len(data) * 8:
         raise CorruptObjectError(f"raw stream holds {len(data) * 8} bits, {total} needed")
-    buf = np.zeros(len(data) + 16, np.uint8)
-    buf[:len(data)] = np.frombuffer(data, np.uint8)
-    windows = np.ndarray(shape=(len(data) + 8,), dtype=">u8", buffer=buf, offset=0, strides=(1,))
-    hiw = np.maximum(w - 32, 0)
-    low = np.minimum(w, 32)
-    hi = _read32(windows, off, hiw)
-    lo = _read32(windows, off + hiw, low)
-    return (hi << _U64(32)) | lo if int(hiw.max()) else lo
+    return K.unpack_raw(data, w)
 
 
 # -- rank/select on boolean masks ----------------------------------------------------------

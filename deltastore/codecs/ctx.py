@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptObjectError
+from ..kernels import ranks as R
 from . import _bits as B
 from ._common import (MANTISSA_BITS, as_bytes, check_object, names_digest, np_bits, np_bits_dtype, pack_meta,
                       parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta)
@@ -217,26 +218,22 @@ def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
     return bits & bits.dtype.type((1 << (width - 1)) - 1)
 
 
-def _members(mag: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
-    if lo is None and hi is None:
-        return np.arange(mag.size, dtype=np.int64)
-    if lo is None:
-        return np.flatnonzero(mag < hi)
-    if hi is None:
-        return np.flatnonzero(mag >= lo)
-    return np.flatnonzero((mag >= lo) & (mag < hi))
+class _Classes:
+    """The exponent classes of a float tensor's old bits: per-chunk histograms, and buckets over them."""
 
+    def __init__(self, old: np.ndarray, spec: TensorSpec):
+        self.shift = MANTISSA_BITS[spec.dtype]
+        self.mask = (1 << (old.dtype.itemsize * 8 - 1)) - 1
+        self.parts, self.hists = R.class_histograms(old, self.mask, self.shift, (self.mask >> self.shift) + 1)
+        self.counts = self.hists.sum(axis=0)
 
-def _mask(mag: np.ndarray, lo: int | None, hi: int | None) -> np.ndarray:
-    if lo is None:
-        return mag < hi
-    if hi is None:
-        return mag >= lo
-    return (mag >= lo) & (mag < hi)
+    def lut(self, thresholds: list[int]) -> np.ndarray:
+        """class -> bucket for magnitude ``thresholds`` on class boundaries (bucket = thresholds <= magnitude)."""
+        cuts = np.array([t >> self.shift for t in thresholds], dtype=np.int64)
+        return np.searchsorted(cuts, np.arange(self.counts.size), side="right").astype(np.int64)
 
-
-def _bounds(thresholds: list[int], b: int) -> tuple[int | None, int | None]:
-    return (thresholds[b - 1] if b > 0 else None, thresholds[b] if b < len(thresholds) else None)
+    def bucket_sizes(self, lut: np.ndarray, nbuckets: int) -> np.ndarray:
+        return np.bincount(lut, weights=self.counts, minlength=nbuckets).astype(np.int64)
 
 
 def _abs_steps(d: np.ndarray) -> np.ndarray:
@@ -283,28 +280,29 @@ class CtxCodec(Codec):
         pos = u.positions.numpy().astype(np.int64, copy=False)
         new = np_bits(u.bits).reshape(-1)
         is_float = spec.dtype in MANTISSA_BITS
-        mag = _magnitude(old, spec)
         old_at = old[pos]
-        mag_at = mag[pos]
+        mag_at = _magnitude(old_at, spec)
         thresholds: list[int] = []
         if is_float and self.buckets > 1 and pos.size:
-            shift = MANTISSA_BITS[spec.dtype]
-            cls = torch.from_numpy((mag >> shift).astype(np.int32 if old.itemsize <= 4 else np.int64))
-            counts = torch.bincount(cls).numpy()
-            hits = np.bincount((mag_at >> shift).astype(np.int64), minlength=counts.size)
-            thresholds = choose_thresholds(counts, hits, self.buckets, shift)
+            classes = _Classes(old, spec)
+            hits = np.bincount((mag_at >> classes.shift).astype(np.int64), minlength=classes.counts.size)
+            thresholds = choose_thresholds(classes.counts, hits, self.buckets, classes.shift)
         d = B.ordered(new, is_float) - B.ordered(old_at, is_float)  # wraps for 64-bit: still a bijection
-        bucket_of = np.searchsorted(np.array(thresholds, dtype=np.int64), mag_at.astype(np.int64), side="right")
+        if thresholds:
+            lut = classes.lut(thresholds)
+            bucket_of, rank = R.bucket_ranks(old, pos, classes.mask, classes.shift, lut, classes.parts,
+                                             classes.hists)
+            sizes = classes.bucket_sizes(lut, len(thresholds) + 1)
+        else:
+            bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, [old.size]
         header: list[int] = [len(thresholds) + 1, *thresholds]
         seqs: list[_Seq] = []
         for b in range(len(thresholds) + 1):
-            sel = np.flatnonzero(bucket_of == b)
+            sel = np.flatnonzero(bucket_of == b) if thresholds else np.arange(pos.size)
             if sel.size == 0:
                 header.append(0)
                 continue
-            members = _members(mag, *_bounds(thresholds, b))
-            ranks = np.searchsorted(members, pos[sel])
-            encode_subset(ranks, members.size, header, seqs)
+            encode_subset(rank[sel], int(sizes[b]), header, seqs)
             db = d[sel]
             a = _abs_steps(db)
             big = np.flatnonzero(a >= np.uint64(2))
@@ -395,19 +393,25 @@ class CtxCodec(Codec):
                       old: np.ndarray) -> Update:
         """Decode one tensor given its parsed header, its two streams and the old flat bits."""
         is_float = spec.dtype in MANTISSA_BITS
-        mag = _magnitude(old, spec) if len(th.buckets) > 1 else old
+        nb = len(th.buckets)
+        if nb > 1:
+            classes = _Classes(old, spec)
+            if any(t & ((1 << classes.shift) - 1) for t in th.thresholds):
+                raise CorruptObjectError(f"ctx: {spec.name!r} has a threshold inside an exponent class")
+            lut = classes.lut(th.thresholds)
+            sizes = classes.bucket_sizes(lut, nb)
+        else:
+            sizes = [spec.numel]
         seqs: list[_Seq] = []
-        plan = []  # per bucket: members, and the seq index of each part (or None)
+        plan = []  # per bucket: the seq index of each part (or None)
         for b, bk in enumerate(th.buckets):
             if not bk.pos.count:
                 plan.append(None)
                 continue
-            members = _mask(mag, *_bounds(th.thresholds, b)) if len(th.buckets) > 1 else None
-            n_b = int(np.count_nonzero(members)) if members is not None else spec.numel
             parts = []
             m = bk.pos.count
             assert bk.big is not None and bk.neg is not None
-            for desc, n in ((bk.pos, n_b), (bk.big, m), (bk.neg, m)):
+            for desc, n in ((bk.pos, int(sizes[b])), (bk.big, m), (bk.neg, m)):
                 s = subset_seq(desc, n)
                 parts.append(len(seqs) if s is not None else None)
                 if s is not None:
@@ -417,17 +421,17 @@ class CtxCodec(Codec):
                 seqs.append(_Seq(bk.big.count, bk.mag))
             else:
                 parts.append(None)
-            plan.append((members, n_b, parts))
+            plan.append(parts)
         values = self._read_streams(seqs, ustream, rstream)
-        out_pos, out_bits = [], []
-        for bk, p in zip(th.buckets, plan):
-            if p is None:
+        ranks, steps = [], []
+        for b, (bk, parts) in enumerate(zip(th.buckets, plan)):
+            if parts is None:
+                ranks.append(np.zeros(0, np.int64))
+                steps.append(np.zeros(0, np.int64))
                 continue
-            members, n_b, parts = p
             assert bk.big is not None and bk.neg is not None
-            ranks = decode_subset(bk.pos, n_b, values[parts[0]] if parts[0] is not None else None)
-            positions = B.select(members, ranks) if members is not None else ranks
-            m = ranks.size
+            r = decode_subset(bk.pos, int(sizes[b]), values[parts[0]] if parts[0] is not None else None)
+            m = r.size
             big = decode_subset(bk.big, m, values[parts[1]] if parts[1] is not None else None)
             neg = decode_subset(bk.neg, m, values[parts[2]] if parts[2] is not None else None)
             a = np.ones(m, dtype=np.uint64)
@@ -435,17 +439,17 @@ class CtxCodec(Codec):
                 a[big] = values[parts[3]] + np.uint64(2)
             d = a.view(np.int64).copy()
             d[neg] = -d[neg]
-            o = B.ordered(old[positions], is_float) + d
-            out_pos.append(positions)
-            out_bits.append(B.unordered(o, old.dtype, is_float))
-        if out_pos:
-            pos = np.concatenate(out_pos)
-            bits = np.concatenate(out_bits)
-            if len(out_pos) > 1:
-                order = np.argsort(pos, kind="stable")
-                pos, bits = pos[order], bits[order]
+            ranks.append(r)
+            steps.append(d)
+        if nb > 1:
+            found = R.bucket_select(old, ranks, classes.mask, classes.shift, lut, classes.parts, classes.hists)
+            if found is None:
+                raise CorruptObjectError(f"ctx: {spec.name!r}: ranks beyond their buckets")
+            pos, src = found
+            d = np.concatenate(steps)[src]
         else:
-            pos, bits = np.zeros(0, np.int64), np.zeros(0, np_bits_dtype(spec))
+            pos, d = ranks[0], steps[0]
+        bits = B.unordered(B.ordered(old[pos], is_float) + d, old.dtype, is_float)
         return Update(spec, to_torch_bits(bits, spec), torch.from_numpy(pos.astype(np.int64, copy=False)))
 
     @staticmethod

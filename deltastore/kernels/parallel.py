@@ -1,5 +1,6 @@
 """Thread parallelism over contiguous chunks for nogil kernels.
 
+``each(n, fn)`` runs ``fn(0) .. fn(n - 1)`` on a shared thread pool;
 ``chunked(n, fn)`` splits ``range(n)`` into at most ``threads()`` contiguous
 pieces of at least ``min_chunk`` elements and calls ``fn(start, stop)`` for
 each on a shared thread pool; results come back in chunk order. With one
@@ -9,6 +10,7 @@ piece it runs inline (no thread hop), so small inputs pay no overhead.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -48,12 +50,13 @@ def bounds(n: int, min_chunk: int = 1 << 20, pieces: int | None = None) -> list[
 def chunked(n: int, fn: Callable[[int, int], T], min_chunk: int = 1 << 20, pieces: int | None = None) -> list[T]:
     """``[fn(start, stop) for each chunk of range(n)]``, chunks run in parallel threads."""
     parts = bounds(n, min_chunk, pieces)
-    if len(parts) <= 1:
-        return [fn(s, e) for s, e in parts]
-    # A task started from a pool thread must not wait on the same pool (deadlock): run inline there.
-    import threading
+    return each(len(parts), lambda i: fn(*parts[i]))
 
-    if threading.current_thread().name.startswith("deltastore-kernel"):
-        return [fn(s, e) for s, e in parts]
-    futures = [_pool(threads()).submit(fn, s, e) for s, e in parts]
+
+def each(n: int, fn: Callable[[int], T]) -> list[T]:
+    """``[fn(i) for i in range(n)]``, in parallel threads when ``n > 1``."""
+    # A task started from a pool thread must not wait on the same pool (deadlock): run inline there.
+    if n <= 1 or threading.current_thread().name.startswith("deltastore-kernel"):
+        return [fn(i) for i in range(n)]
+    futures = [_pool(threads()).submit(fn, i) for i in range(n)]
     return [f.result() for f in futures]

@@ -1,0 +1,190 @@
+"""Bit streams and code-cost counting for the built-in sparse codecs (numba, nogil).
+
+The byte layout is the one :mod:`deltastore.codecs._bits` documents: a unary
+stream U (``q`` zero bits then a one bit per value) and a raw stream R (each
+value in ``w`` bits), both most-significant bit first, zero padded. These
+kernels write and read exactly those bytes; callers check sizes and widths
+first (see ``_bits``), so a kernel never reads or writes out of bounds on
+validated input and reports shortfalls through its return values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .parallel import chunked
+
+_U64 = np.uint64
+
+
+@njit(nogil=True, cache=True)
+def _pack_unary(q: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    pos = 0
+    for i in range(q.size):
+        pos += q[i]
+        out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+
+
+def pack_unary(q: np.ndarray) -> bytes:
+    """U stream of the non-negative int64 quotients ``q``."""
+    if q.size == 0:
+        return b""
+    q = np.ascontiguousarray(q, dtype=np.int64)
+    total = int(q.sum()) + q.size
+    out = np.zeros((total + 7) // 8, np.uint8)
+    _pack_unary(q, out)
+    return out.tobytes()
+
+
+@njit(nogil=True, cache=True)
+def _unpack_unary(data: np.ndarray, count: int, out: np.ndarray) -> int:  # pragma: no cover - compiled
+    found = 0
+    last = -1
+    for byte in range(data.size):
+        b = data[byte]
+        if b == 0:
+            continue
+        for j in range(8):
+            if b & (0x80 >> j):
+                bit = byte * 8 + j
+                out[found] = bit - last - 1
+                last = bit
+                found += 1
+                if found == count:
+                    return found
+    return found
+
+
+def unpack_unary(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """First ``count`` quotients of a U stream (int64) and how many were found (< count: truncated)."""
+    out = np.empty(count, np.int64)
+    if count == 0:
+        return out, 0
+    buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    found = _unpack_unary(buf, count, out)
+    return out[:found], found
+
+
+@njit(nogil=True, cache=True)
+def _pack_raw(w: np.ndarray, r: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    acc = np.uint64(0)  # pending bits, right-aligned
+    n = 0               # how many pending bits (< 8 between values)
+    o = 0
+    for i in range(w.size):
+        width = w[i]
+        if width == 0:
+            continue
+        v = r[i]
+        # write the value's bits in pieces of at most 32 so the accumulator never overflows
+        while width > 0:
+            take = width if width <= 32 else width - 32
+            piece = (v >> np.uint64(width - take)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+            acc = (acc << np.uint64(take)) | piece
+            n += take
+            width -= take
+            while n >= 8:
+                n -= 8
+                out[o] = np.uint8((acc >> np.uint64(n)) & np.uint64(0xFF))
+                o += 1
+            acc &= (np.uint64(1) << np.uint64(n)) - np.uint64(1)
+    if n:
+        out[o] = np.uint8((acc << np.uint64(8 - n)) & np.uint64(0xFF))
+
+
+def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
+    """R stream: each ``r[i]`` as ``w[i]`` bits (0 <= w <= 64), MSB first."""
+    w = np.ascontiguousarray(w, dtype=np.int64)
+    total = int(w.sum())
+    if total == 0:
+        return b""
+    out = np.zeros((total + 7) // 8, np.uint8)
+    _pack_raw(w, np.ascontiguousarray(r, dtype=np.uint64), out)
+    return out.tobytes()
+
+
+@njit(nogil=True, cache=True)
+def _unpack_raw(data: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    bitpos = 0
+    for i in range(w.size):
+        width = w[i]
+        v = np.uint64(0)
+        while width > 0:
+            byte = bitpos >> 3
+            off = bitpos & 7
+            avail = 8 - off
+            take = width if width < avail else avail
+            bits = (np.uint64(data[byte]) >> np.uint64(avail - take)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+            v = (v << np.uint64(take)) | bits
+            bitpos += take
+            width -= take
+        out[i] = v
+
+
+def unpack_raw(data: bytes | np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Values of widths ``w`` read in order from an R stream; the caller has checked it holds sum(w) bits."""
+    w = np.ascontiguousarray(w, dtype=np.int64)
+    out = np.empty(w.size, np.uint64)
+    if w.size:
+        buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+        _unpack_raw(buf, w, out)
+    return out
+
+
+# -- exact code costs ---------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def _kind_sums(v: np.ndarray, start: int, stop: int, kr: int, ke: int,
+               rice: np.ndarray, rice_f: np.ndarray, eg: np.ndarray, short: np.ndarray) -> None:  # pragma: no cover
+    # rice[k] = sum(v >> k); eg[k] = sum over v >= 2**k of (bit_length(v + 2**k) - 1);
+    # short[b] = how many v have bit length b (values below 2**k contribute exactly k to eg[k]).
+    for i in range(start, stop):
+        x = v[i]
+        b = 0
+        t = x
+        while t:
+            t >>= np.uint64(1)
+            b += 1
+        short[b] += 1
+        for k in range(min(b, kr + 1)):
+            q = x >> np.uint64(k)
+            rice[k] += q
+            rice_f[k] += np.float64(q)
+        top = np.uint64(1) << np.uint64(b) if b < 64 else np.uint64(0)
+        for k in range(min(b, ke + 1)):
+            # 2**k <= x < 2**b: x + 2**k has bit length b, or b + 1 once it reaches 2**b
+            s = x + (np.uint64(1) << np.uint64(k))
+            eg[k] += b - 1 + (1 if (b < 64 and s >= top) else 0)
+
+
+def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact per-parameter totals for choosing a RICE/EG code for the uint64 values ``v``.
+
+    Returns ``(rice, rice_f, eg_l)``: ``rice[k] = sum(v >> k)`` (uint64, exact;
+    ``rice_f`` the same in float64, to spot absurd sums) for ``k <= kr``, and
+    ``eg_l[k] = sum(bit_length(v + 2**k) - 1)`` for ``k <= ke``.
+    """
+    v = np.ascontiguousarray(v, dtype=np.uint64)
+
+    def part(s: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        rice = np.zeros(kr + 1, np.uint64)
+        rice_f = np.zeros(kr + 1, np.float64)
+        eg = np.zeros(ke + 1, np.int64)
+        short = np.zeros(66, np.int64)
+        _kind_sums(v, s, e, kr, ke, rice, rice_f, eg, short)
+        return rice, rice_f, eg, short
+
+    parts = chunked(v.size, part, min_chunk=1 << 18)
+    rice = np.zeros(kr + 1, np.uint64)
+    rice_f = np.zeros(kr + 1, np.float64)
+    eg = np.zeros(ke + 1, np.int64)
+    short = np.zeros(66, np.int64)
+    for r, rf, e, s in parts:
+        rice += r
+        rice_f += rf
+        eg += e
+        short += s
+    below = np.cumsum(short)  # below[k] = how many v have bit length <= k, i.e. v < 2**k
+    ks = np.arange(ke + 1, dtype=np.int64)
+    eg += ks * below[:ke + 1]
+    return rice, rice_f, eg

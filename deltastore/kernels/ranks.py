@@ -1,0 +1,302 @@
+"""Rank and select within magnitude buckets of a tensor (numba, nogil) — the ``ctx`` codec's O(model) passes.
+
+A float tensor's elements fall into exponent *classes* ``(bits & mag_mask) >> shift``
+(for bf16: the 8-bit exponent); ``lut[class]`` maps classes to contiguous
+buckets. For a sorted set of flat positions, the encoder needs each
+position's bucket and its *rank* there (how many elements of the same bucket
+come before it); the decoder needs the inverse (*select*). Both are one pass
+over the tensor's bits, split into contiguous chunks that run in parallel
+threads: per-chunk class histograms give every chunk its starting counts.
+No full-size temporary is created.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .parallel import bounds, each
+
+_MIN_CHUNK = 1 << 20
+
+
+@njit(nogil=True, cache=True)
+def _class_hist(bits: np.ndarray, start: int, stop: int, mask: int, shift: int,
+                hist: np.ndarray) -> None:  # pragma: no cover - compiled
+    # four interleaved sub-histograms: consecutive elements of one class do not wait on each other's store
+    n = hist.size
+    h = np.zeros(4 * n, np.int64)
+    i = start
+    while i + 4 <= stop:
+        h[(bits[i] & mask) >> shift] += 1
+        h[n + ((bits[i + 1] & mask) >> shift)] += 1
+        h[2 * n + ((bits[i + 2] & mask) >> shift)] += 1
+        h[3 * n + ((bits[i + 3] & mask) >> shift)] += 1
+        i += 4
+    while i < stop:
+        h[(bits[i] & mask) >> shift] += 1
+        i += 1
+    for c in range(n):
+        hist[c] += h[c] + h[n + c] + h[2 * n + c] + h[3 * n + c]
+
+
+def class_histograms(bits: np.ndarray, mask: int, shift: int, nclasses: int
+                     ) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """Chunks of ``bits`` and each chunk's class histogram (``int64[chunks, nclasses]``)."""
+    parts = bounds(bits.size, _MIN_CHUNK)
+
+    def one(i: int) -> np.ndarray:
+        h = np.zeros(nclasses, np.int64)
+        s, e = parts[i]
+        _class_hist(bits, s, e, mask, shift, h)
+        return h
+
+    hists = each(len(parts), one)
+    return parts, np.stack(hists) if hists else np.zeros((0, nclasses), np.int64)
+
+
+def _bucket_prefix(hists: np.ndarray, lut: np.ndarray, nbuckets: int) -> np.ndarray:
+    """``prefix[c, b]``: elements of bucket ``b`` in the chunks before chunk ``c`` (``chunks + 1`` rows)."""
+    per = np.zeros((hists.shape[0], nbuckets), np.int64)
+    for b in range(nbuckets):
+        per[:, b] = hists[:, lut == b].sum(axis=1)
+    return np.concatenate((np.zeros((1, nbuckets), np.int64), np.cumsum(per, axis=0)))
+
+
+@njit(nogil=True, cache=True)
+def _ranks(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, pos: np.ndarray, i0: int, i1: int,
+           start: int, running: np.ndarray, rank: np.ndarray, bucket: np.ndarray) -> None:  # pragma: no cover
+    if i0 >= i1:
+        return
+    j = i0
+    last = pos[i1 - 1]
+    for idx in range(start, last + 1):
+        b = lut[(bits[idx] & mask) >> shift]
+        if idx == pos[j]:
+            rank[j] = running[b]
+            bucket[j] = b
+            j += 1
+        running[b] += 1
+
+
+_FAR = 1 << 62  # a class cut no element reaches (pads unused cuts)
+
+
+@njit(nogil=True, cache=True)
+def _cut_counts(bits: np.ndarray, start: int, stop: int, mask: int, shift: int, c1: int, c2: int, c3: int,
+                out: np.ndarray) -> None:  # pragma: no cover - compiled
+    a1 = 0
+    a2 = 0
+    a3 = 0
+    for i in range(start, stop):
+        c = (bits[i] & mask) >> shift
+        a1 += np.int64(c >= c1)
+        a2 += np.int64(c >= c2)
+        a3 += np.int64(c >= c3)
+    out[0] = a1
+    out[1] = a2
+    out[2] = a3
+
+
+@njit(nogil=True, cache=True)
+def _ranks3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, pos: np.ndarray, i0: int, i1: int,
+            start: int, g1: int, g2: int, g3: int, rank: np.ndarray, bucket: np.ndarray) -> None:  # pragma: no cover
+    # g_k: elements before the scan point whose class is >= c_k; bucket b's rank at p is
+    # G_b - G_(b+1) with G_0 = p and G_4 = 0.
+    cur = start
+    for j in range(i0, i1):
+        p = pos[j]
+        a1 = 0
+        a2 = 0
+        a3 = 0
+        for idx in range(cur, p):
+            c = (bits[idx] & mask) >> shift
+            a1 += np.int64(c >= c1)
+            a2 += np.int64(c >= c2)
+            a3 += np.int64(c >= c3)
+        g1 += a1
+        g2 += a2
+        g3 += a3
+        c = (bits[p] & mask) >> shift
+        b = np.int64(c >= c1) + np.int64(c >= c2) + np.int64(c >= c3)
+        if b == 0:
+            rank[j] = p - g1
+        elif b == 1:
+            rank[j] = g1 - g2
+        elif b == 2:
+            rank[j] = g2 - g3
+        else:
+            rank[j] = g3
+        bucket[j] = b
+        g1 += np.int64(c >= c1)
+        g2 += np.int64(c >= c2)
+        g3 += np.int64(c >= c3)
+        cur = p + 1
+
+
+def _cuts3(lut: np.ndarray) -> tuple[int, int, int] | None:
+    """The class cuts of a lut with at most 4 buckets, padded to three; None for more buckets."""
+    cuts = [int(c) for c in np.flatnonzero(np.diff(lut)) + 1]
+    if len(cuts) > 3:
+        return None
+    return tuple(cuts + [_FAR] * (3 - len(cuts)))  # type: ignore[return-value]
+
+
+def _cut_prefix(bits: np.ndarray, mask: int, shift: int, cuts: tuple[int, int, int],
+                parts: list[tuple[int, int]]) -> np.ndarray:
+    """``prefix[c, k]``: elements before chunk ``c`` whose class is >= ``cuts[k]``."""
+    def one(i: int) -> np.ndarray:
+        out = np.zeros(3, np.int64)
+        _cut_counts(bits, parts[i][0], parts[i][1], mask, shift, *cuts, out)
+        return out
+
+    counts = each(len(parts), one)
+    return np.concatenate((np.zeros((1, 3), np.int64), np.cumsum(np.stack(counts), axis=0)))
+
+
+def bucket_ranks(bits: np.ndarray, pos: np.ndarray, mask: int, shift: int, lut: np.ndarray,
+                 parts: list[tuple[int, int]], hists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(bucket, rank)`` of every sorted position ``pos`` (int64 each), given :func:`class_histograms`."""
+    rank = np.empty(pos.size, np.int64)
+    bucket = np.empty(pos.size, np.int64)
+    cut = np.searchsorted(pos, [s for s, _ in parts] + [bits.size])
+    cuts = _cuts3(lut)
+    if cuts is not None:
+        g = _cut_prefix(bits, mask, shift, cuts, parts) if len(parts) > 1 else np.zeros((1, 3), np.int64)
+
+        def fast(c: int) -> None:
+            _ranks3(bits, mask, shift, *cuts, pos, int(cut[c]), int(cut[c + 1]), parts[c][0], *map(int, g[c]),
+                    rank, bucket)
+
+        each(len(parts), fast)
+        return bucket, rank
+    nb = int(lut.max()) + 1
+    prefix = _bucket_prefix(hists, lut, nb)
+
+    def one(c: int) -> None:
+        _ranks(bits, mask, shift, lut, pos, int(cut[c]), int(cut[c + 1]), parts[c][0], prefix[c].copy(), rank,
+               bucket)
+
+    each(len(parts), one)
+    return bucket, rank
+
+
+@njit(nogil=True, cache=True)
+def _select(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, start: int, stop: int, ranks: np.ndarray,
+            off: np.ndarray, lo: np.ndarray, hi: np.ndarray, running: np.ndarray, base: int,
+            outpos: np.ndarray, src: np.ndarray) -> int:  # pragma: no cover - compiled
+    ptr = lo.copy()
+    remaining = 0
+    for b in range(lo.size):
+        remaining += hi[b] - lo[b]
+    o = base
+    idx = start
+    while remaining > 0 and idx < stop:
+        b = lut[(bits[idx] & mask) >> shift]
+        p = ptr[b]
+        if p < hi[b] and ranks[off[b] + p] == running[b]:
+            outpos[o] = idx
+            src[o] = off[b] + p
+            o += 1
+            ptr[b] = p + 1
+            remaining -= 1
+        running[b] += 1
+        idx += 1
+    return remaining
+
+
+@njit(nogil=True, cache=True)
+def _select3(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, c1: int, c2: int, c3: int, start: int,
+             stop: int, ranks: np.ndarray, off: np.ndarray, lo: np.ndarray, hi: np.ndarray, running: np.ndarray,
+             base: int, outpos: np.ndarray, src: np.ndarray) -> int:  # pragma: no cover - compiled
+    # Blocks of 32 elements are counted per bucket with three comparisons (vectorised); a block
+    # that holds none of the wanted ranks is skipped, the others are scanned element by element.
+    ptr = lo.copy()
+    want = np.full(4, -1, np.int64)  # next wanted rank per bucket (-1: none left)
+    remaining = 0
+    for b in range(4):
+        if ptr[b] < hi[b]:
+            want[b] = ranks[off[b] + ptr[b]]
+        remaining += hi[b] - ptr[b]
+    o = base
+    idx = start
+    while remaining > 0 and idx < stop:
+        end = min(idx + 32, stop)
+        a1 = 0
+        a2 = 0
+        a3 = 0
+        for i in range(idx, end):
+            c = (bits[i] & mask) >> shift
+            a1 += np.int64(c >= c1)
+            a2 += np.int64(c >= c2)
+            a3 += np.int64(c >= c3)
+        n0 = (end - idx) - a1
+        n1 = a1 - a2
+        n2 = a2 - a3
+        n3 = a3
+        if ((want[0] < 0 or running[0] + n0 <= want[0]) and (want[1] < 0 or running[1] + n1 <= want[1])
+                and (want[2] < 0 or running[2] + n2 <= want[2]) and (want[3] < 0 or running[3] + n3 <= want[3])):
+            running[0] += n0
+            running[1] += n1
+            running[2] += n2
+            running[3] += n3
+            idx = end
+            continue
+        for i in range(idx, end):
+            b = lut[(bits[i] & mask) >> shift]
+            if running[b] == want[b]:
+                outpos[o] = i
+                src[o] = off[b] + ptr[b]
+                o += 1
+                ptr[b] += 1
+                remaining -= 1
+                want[b] = ranks[off[b] + ptr[b]] if ptr[b] < hi[b] else -1
+            running[b] += 1
+        idx = end
+    return remaining
+
+
+def bucket_select(bits: np.ndarray, ranks: list[np.ndarray], mask: int, shift: int, lut: np.ndarray,
+                  parts: list[tuple[int, int]], hists: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions of the given ranks, per bucket, in ascending position order.
+
+    ``ranks[b]`` is bucket ``b``'s strictly increasing ranks, each below the
+    bucket's size. Returns ``(positions, src)``: the sorted positions, and for
+    each the index into ``np.concatenate(ranks)`` it came from; None if some
+    rank was not found (inconsistent input).
+    """
+    nb = len(ranks)
+    prefix = _bucket_prefix(hists, lut, nb)
+    flat = np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
+    off = np.concatenate(([0], np.cumsum([r.size for r in ranks]))).astype(np.int64)
+    # lo[c, b] .. hi[c, b]: bucket b's ranks that fall in chunk c
+    edges = np.stack([np.searchsorted(r, prefix[:, b]) for b, r in enumerate(ranks)], axis=1).astype(np.int64)
+    outpos = np.empty(flat.size, np.int64)
+    src = np.empty(flat.size, np.int64)
+
+    cuts = _cuts3(lut)
+    if cuts is not None:
+        pad = 4 - nb  # the fast kernel always tracks four buckets; the padding ones are empty
+
+        def widen(a: np.ndarray, fill: int) -> np.ndarray:
+            return np.concatenate((a, np.full(pad, fill, np.int64))) if pad else a.copy()
+
+        def fast(c: int) -> int:
+            s, e = parts[c]
+            return _select3(bits, mask, shift, lut, *cuts, s, e, flat, widen(off[:-1], 0), widen(edges[c], 0),
+                            widen(edges[c + 1], 0), widen(prefix[c], 0), int(edges[c].sum()), outpos, src)
+
+        left = each(len(parts), fast)
+        if any(left) or int(edges[-1].sum()) != flat.size:
+            return None
+        return outpos, src
+
+    def one(c: int) -> int:
+        s, e = parts[c]
+        return _select(bits, mask, shift, lut, s, e, flat, off[:-1].copy(), edges[c].copy(), edges[c + 1].copy(),
+                       prefix[c].copy(), int(edges[c].sum()), outpos, src)
+
+    left = each(len(parts), one)
+    if any(left) or int(edges[-1].sum()) != flat.size:
+        return None
+    return outpos, src
