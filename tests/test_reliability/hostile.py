@@ -12,6 +12,7 @@ import json
 import struct
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -260,6 +261,81 @@ def _bomb(declared: bool) -> bytes:
 
 
 _BOMBS: dict[bool, bytes] = {}
+
+# Every place a built-in codec's object holds a zstd frame: (codec, tensor or frame). dense keeps its frames
+# inside a payload with an index: its first zstd frame is replaced, in an object of the current encoder and
+# in the committed golden object of format 2.0 (still read).
+BOMB_CASES = [("zstd", "positions"), ("ulp", "positions"), ("ulp", "plane0"), ("dense-planes", "first z frame"),
+              ("dense-2.0", "first z frame")]
+_BOMB_CODEC = {"zstd": 1, "ulp": 2, "dense-planes": 5}
+GOLDEN = Path(__file__).resolve().parents[1] / "test_codecs" / "golden"
+
+
+def _bomb_first_frame(frames: list[list[Any]], payload: bytes, bomb: bytes) -> bytes:
+    """``payload`` (the frames of ``frames``, concatenated) with its first zstd frame replaced by ``bomb``;
+    ``frames`` is updated in place."""
+    out, off, done = [], 0, False
+    for e in frames:
+        chunk = payload[off:off + e[3]]
+        off += e[3]
+        if not done and e[4] == "z":
+            chunk, e[3], done = bomb, len(bomb), True
+        out.append(chunk)
+    assert done, f"no zstd frame among {frames}"
+    return b"".join(out)
+
+
+def _dense_bomb(tensors: dict[str, torch.Tensor], meta: dict[str, str], bomb: bytes) -> dict[str, torch.Tensor]:
+    """Replace the first zstd frame of a dense planes object (format 2.0 or 2.1); updates ``meta``'s index."""
+    tensors = dict(tensors)
+    if "deltastore.dense.groups" in meta:  # 2.1: one "frames" payload, groups of frames in order
+        groups = json.loads(meta["deltastore.dense.groups"])
+        frames = [e for g in groups for e in g["frames"]]
+        payload = _bomb_first_frame(frames, tensors["frames"].numpy().tobytes(), bomb)
+        tensors["frames"] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        meta["deltastore.dense.groups"] = json.dumps(groups)
+        return tensors
+    index = json.loads(meta["deltastore.dense"])  # 2.0: a payload per tensor
+    name = next(n for n, frames in index.items() if any(e[4] == "z" for e in frames))
+    payload = _bomb_first_frame(index[name], tensors[name].numpy().tobytes(), bomb)
+    tensors[name] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    meta["deltastore.dense"] = json.dumps(index)
+    return tensors
+
+
+def golden_specs(case: str = "mixed") -> list[TensorSpec]:
+    """The specs of a committed golden case (``tests/test_codecs/golden``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(GOLDEN / f"{case}.expected.safetensors"), "pt") as f:
+        meta = f.metadata()
+    return [TensorSpec(n, getattr(torch, json.loads(v)[0]), tuple(json.loads(v)[1])) for n, v in sorted(meta.items())]
+
+
+def bomb_object(case: tuple[str, str], declared: bool) -> tuple[Any, bytes, list[TensorSpec]]:
+    """(codec, object, specs): a valid object of ``case``'s codec with one zstd frame replaced by a 1 GiB bomb.
+
+    Raises ``AssertionError`` when that object holds no zstd frame there any more (the case would test nothing).
+    """
+    name, key = case
+    bomb = _BOMBS.setdefault(declared, _bomb(declared))
+    if name == "dense-2.0":
+        codec, data, specs = {"id": "dense", "config": {"planes": True}}, (GOLDEN / "dense-2.0-planes-mixed.bin"
+                                                                            ).read_bytes(), golden_specs()
+    else:
+        (codec, data), specs = encoded(_BOMB_CODEC[name]), SPECS
+    c = get_codec(codec)
+    tensors, meta = unpack_meta(data, c.codec_id)
+    meta = dict(meta)
+    if name.startswith("dense"):
+        tensors = _dense_bomb(tensors, meta, bomb)
+    else:
+        t = tensors[key]
+        assert t.dtype == torch.uint8 and bytes(t[:4].tolist()) == ZSTD_MAGIC, f"{name} {key} is not a zstd frame"
+        tensors = dict(tensors, **{key: torch.frombuffer(bytearray(bomb), dtype=torch.uint8)})
+    version = meta.pop("deltastore.codec_version")
+    meta.pop("deltastore.codec", None)
+    return codec, pack_meta(tensors, c.codec_id, version, meta), specs
 
 
 @st.composite

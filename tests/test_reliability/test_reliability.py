@@ -7,14 +7,21 @@ on SeaweedFS's S3 API (``where`` fixture).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 
 from deltastore.backends.local import LocalBackend
-from deltastore.errors import DeltaStoreError, KeyExistsError
+from deltastore.errors import KeyExistsError
 from deltastore.testing.faults import Fault, FaultyBackend, RetryingBackend
 
 from . import hostile
-from .scenarios import (max_rss_mb, run_apply_interrupted, run_corruption, run_crash, run_races,
+from .scenarios import (run_apply_interrupted, run_corruption, run_crash, run_races,
                         run_transient_local, run_transient_s3)
 
 
@@ -108,31 +115,37 @@ def test_apply_interrupted_restores_the_target():
 
 
 # -- hostile input -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fuzz, n", [(hostile.fuzz_manifests, 500), (hostile.fuzz_safetensors, 300),
-                                     (hostile.fuzz_streams, 400)])
+TESTS = Path(__file__).resolve().parents[1]
+MAX_GROWTH_MB = 256
+
+
+def _memcheck(*args: str) -> dict:
+    """Run ``memcheck.py`` in a fresh interpreter (its own memory peak); its JSON result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-m", "test_reliability.memcheck", *args], cwd=str(TESTS), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"memcheck {args} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fuzz, n", [("manifests", 500), ("safetensors", 300), ("streams", 400)])
 def test_hostile_input_typed_errors_only(fuzz, n):
-    hostile.UNTYPED.clear()
-    before = max_rss_mb()
-    fuzz(n)
-    assert hostile.UNTYPED == []
-    assert max_rss_mb() - before < 256, "a hostile case allocated too much memory"
+    """Each fuzz run in its own interpreter; every case's own memory peak stays small."""
+    r = _memcheck("fuzz", fuzz, str(n))
+    assert r["cases"] >= n // 2, r["counts"]  # the fuzz really ran
+    assert r["untyped"] == []
+    assert r["max_growth_mb"] < MAX_GROWTH_MB, f"a hostile case allocated too much memory: {r['worst']}"
 
 
 def test_zstd_bombs_are_refused_without_inflating():
-    before = max_rss_mb()
-    bombs = 0
-    for declared in (True, False):
-        for i, codec in enumerate(hostile.CODECS):
-            _, data = hostile.encoded(i)
-            tensors, meta = hostile.unpack_meta(data, hostile.get_codec(codec).codec_id)
-            frames = [k for k, t in tensors.items() if t.dtype == hostile.torch.uint8
-                      and bytes(t[:4].tolist()) == hostile.ZSTD_MAGIC]
-            for key in frames:
-                bombs += 1
-                bomb = hostile._bomb(declared)
-                evil = dict(tensors, **{key: hostile.torch.frombuffer(bytearray(bomb), dtype=hostile.torch.uint8)})
-                c = hostile.get_codec(codec)
-                with pytest.raises(DeltaStoreError):
-                    c.decode(hostile.pack_meta(evil, c.codec_id, c.format_version, meta), hostile.SPECS, hostile._old)
-    assert bombs >= 4  # zstd, ulp, auto and dense hold zstd frames
-    assert max_rss_mb() - before < 256
+    """A 1 GiB zstd frame (size declared or not) in each place a codec keeps one: refused with a typed error,
+    each case in its own interpreter (two at a time), without inflating."""
+    cases = [(c, f, d) for c, f in hostile.BOMB_CASES for d in ("1", "0")]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda case: _memcheck("bomb", *case), cases))
+    assert len(results) == 2 * len(hostile.BOMB_CASES) == 10
+    untyped = [r for r in results if not r["typed"]]
+    assert not untyped, untyped
+    inflated = [r for r in results if r["growth_mb"] >= MAX_GROWTH_MB]
+    assert not inflated, f"bombs were inflated: {inflated}"
