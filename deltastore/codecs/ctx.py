@@ -218,22 +218,26 @@ def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
     return bits & bits.dtype.type((1 << (width - 1)) - 1)
 
 
+_SAMPLE_ABOVE = 1 << 20  # larger tensors choose thresholds from every 16th element's class
+
+
 class _Classes:
-    """The exponent classes of a float tensor's old bits: per-chunk histograms, and buckets over them."""
+    """Exponent classes of a float tensor's bits: ``class = (bits & mask) >> shift``."""
 
     def __init__(self, old: np.ndarray, spec: TensorSpec):
+        self.old = old
         self.shift = MANTISSA_BITS[spec.dtype]
         self.mask = (1 << (old.dtype.itemsize * 8 - 1)) - 1
-        self.parts, self.hists = R.class_histograms(old, self.mask, self.shift, (self.mask >> self.shift) + 1)
-        self.counts = self.hists.sum(axis=0)
+        self.n = (self.mask >> self.shift) + 1
+
+    def counts(self) -> np.ndarray:
+        """Elements per class, for choosing thresholds (sampled for large tensors: only the choice depends on it)."""
+        return R.class_counts(self.old, self.mask, self.shift, self.n, 16 if self.old.size > _SAMPLE_ABOVE else 1)
 
     def lut(self, thresholds: list[int]) -> np.ndarray:
         """class -> bucket for magnitude ``thresholds`` on class boundaries (bucket = thresholds <= magnitude)."""
-        cuts = np.array([t >> self.shift for t in thresholds], dtype=np.int64)
-        return np.searchsorted(cuts, np.arange(self.counts.size), side="right").astype(np.int64)
-
-    def bucket_sizes(self, lut: np.ndarray, nbuckets: int) -> np.ndarray:
-        return np.bincount(lut, weights=self.counts, minlength=nbuckets).astype(np.int64)
+        cuts = np.array([min(t >> self.shift, self.n) for t in thresholds], dtype=np.int64)
+        return np.searchsorted(cuts, np.arange(self.n), side="right").astype(np.int64)
 
 
 def _abs_steps(d: np.ndarray) -> np.ndarray:
@@ -285,14 +289,12 @@ class CtxCodec(Codec):
         thresholds: list[int] = []
         if is_float and self.buckets > 1 and pos.size:
             classes = _Classes(old, spec)
-            hits = np.bincount((mag_at >> classes.shift).astype(np.int64), minlength=classes.counts.size)
-            thresholds = choose_thresholds(classes.counts, hits, self.buckets, classes.shift)
+            hits = np.bincount((mag_at >> classes.shift).astype(np.int64), minlength=classes.n)
+            thresholds = choose_thresholds(np.maximum(classes.counts(), hits), hits, self.buckets, classes.shift)
         d = B.ordered(new, is_float) - B.ordered(old_at, is_float)  # wraps for 64-bit: still a bijection
         if thresholds:
-            lut = classes.lut(thresholds)
-            bucket_of, rank = R.bucket_ranks(old, pos, classes.mask, classes.shift, lut, classes.parts,
-                                             classes.hists)
-            sizes = classes.bucket_sizes(lut, len(thresholds) + 1)
+            bucket_of, rank, sizes = R.bucket_ranks(old, pos, classes.mask, classes.shift,
+                                                    classes.lut(thresholds), len(thresholds) + 1)
         else:
             bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, [old.size]
         header: list[int] = [len(thresholds) + 1, *thresholds]
@@ -398,8 +400,8 @@ class CtxCodec(Codec):
             classes = _Classes(old, spec)
             if any(t & ((1 << classes.shift) - 1) for t in th.thresholds):
                 raise CorruptObjectError(f"ctx: {spec.name!r} has a threshold inside an exponent class")
-            lut = classes.lut(th.thresholds)
-            sizes = classes.bucket_sizes(lut, nb)
+            buckets = R.Buckets(old, classes.mask, classes.shift, classes.lut(th.thresholds), nb)
+            sizes = buckets.sizes
         else:
             sizes = [spec.numel]
         seqs: list[_Seq] = []
@@ -442,7 +444,7 @@ class CtxCodec(Codec):
             ranks.append(r)
             steps.append(d)
         if nb > 1:
-            found = R.bucket_select(old, ranks, classes.mask, classes.shift, lut, classes.parts, classes.hists)
+            found = R.bucket_select(buckets, ranks)
             if found is None:
                 raise CorruptObjectError(f"ctx: {spec.name!r}: ranks beyond their buckets")
             pos, src = found

@@ -133,28 +133,44 @@ def unpack_raw(data: bytes | np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 # -- exact code costs ---------------------------------------------------------------------
+_SMALL = 1 << 12  # values below this are counted in a histogram first (gaps and steps nearly always are)
+
+
 @njit(nogil=True, cache=True)
-def _kind_sums(v: np.ndarray, start: int, stop: int, kr: int, ke: int,
-               rice: np.ndarray, rice_f: np.ndarray, eg: np.ndarray, short: np.ndarray) -> None:  # pragma: no cover
-    # rice[k] = sum(v >> k); eg[k] = sum over v >= 2**k of (bit_length(v + 2**k) - 1);
-    # short[b] = how many v have bit length b (values below 2**k contribute exactly k to eg[k]).
+def _add_costs(x: np.uint64, c: int, kr: int, ke: int, rice: np.ndarray, rice_f: np.ndarray, eg: np.ndarray,
+               short: np.ndarray) -> None:  # pragma: no cover - compiled
+    # ``c`` values equal to ``x``: rice[k] += c * (x >> k); eg[k] += c * (bit_length(x + 2**k) - 1) for
+    # 2**k <= x (the others contribute exactly k each, added from ``short`` at the end).
+    b = 0
+    t = x
+    while t:
+        t >>= np.uint64(1)
+        b += 1
+    short[b] += c
+    for k in range(min(b, kr + 1)):
+        q = x >> np.uint64(k)
+        rice[k] += q * np.uint64(c)
+        rice_f[k] += np.float64(q) * c
+    top = np.uint64(1) << np.uint64(b) if b < 64 else np.uint64(0)
+    for k in range(min(b, ke + 1)):
+        # 2**k <= x < 2**b: x + 2**k has bit length b, or b + 1 once it reaches 2**b
+        s = x + (np.uint64(1) << np.uint64(k))
+        eg[k] += c * (b - 1 + (1 if (b < 64 and s >= top) else 0))
+
+
+@njit(nogil=True, cache=True)
+def _kind_sums(v: np.ndarray, start: int, stop: int, kr: int, ke: int, rice: np.ndarray, rice_f: np.ndarray,
+               eg: np.ndarray, short: np.ndarray) -> None:  # pragma: no cover - compiled
+    hist = np.zeros(_SMALL, np.int64)
     for i in range(start, stop):
         x = v[i]
-        b = 0
-        t = x
-        while t:
-            t >>= np.uint64(1)
-            b += 1
-        short[b] += 1
-        for k in range(min(b, kr + 1)):
-            q = x >> np.uint64(k)
-            rice[k] += q
-            rice_f[k] += np.float64(q)
-        top = np.uint64(1) << np.uint64(b) if b < 64 else np.uint64(0)
-        for k in range(min(b, ke + 1)):
-            # 2**k <= x < 2**b: x + 2**k has bit length b, or b + 1 once it reaches 2**b
-            s = x + (np.uint64(1) << np.uint64(k))
-            eg[k] += b - 1 + (1 if (b < 64 and s >= top) else 0)
+        if x < _SMALL:
+            hist[x] += 1
+        else:
+            _add_costs(x, 1, kr, ke, rice, rice_f, eg, short)
+    for u in range(_SMALL):
+        if hist[u]:
+            _add_costs(np.uint64(u), hist[u], kr, ke, rice, rice_f, eg, short)
 
 
 def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -174,7 +190,7 @@ def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, 
         _kind_sums(v, s, e, kr, ke, rice, rice_f, eg, short)
         return rice, rice_f, eg, short
 
-    parts = chunked(v.size, part, min_chunk=1 << 18)
+    parts = chunked(v.size, part, min_chunk=1 << 20)
     rice = np.zeros(kr + 1, np.uint64)
     rice_f = np.zeros(kr + 1, np.float64)
     eg = np.zeros(ke + 1, np.int64)

@@ -40,21 +40,6 @@ def _class_hist(bits: np.ndarray, start: int, stop: int, mask: int, shift: int,
         hist[c] += h[c] + h[n + c] + h[2 * n + c] + h[3 * n + c]
 
 
-def class_histograms(bits: np.ndarray, mask: int, shift: int, nclasses: int
-                     ) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """Chunks of ``bits`` and each chunk's class histogram (``int64[chunks, nclasses]``)."""
-    parts = bounds(bits.size, _MIN_CHUNK)
-
-    def one(i: int) -> np.ndarray:
-        h = np.zeros(nclasses, np.int64)
-        s, e = parts[i]
-        _class_hist(bits, s, e, mask, shift, h)
-        return h
-
-    hists = each(len(parts), one)
-    return parts, np.stack(hists) if hists else np.zeros((0, nclasses), np.int64)
-
-
 def _bucket_prefix(hists: np.ndarray, lut: np.ndarray, nbuckets: int) -> np.ndarray:
     """``prefix[c, b]``: elements of bucket ``b`` in the chunks before chunk ``c`` (``chunks + 1`` rows)."""
     per = np.zeros((hists.shape[0], nbuckets), np.int64)
@@ -134,7 +119,7 @@ def _ranks3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, 
         cur = p + 1
 
 
-def _cuts3(lut: np.ndarray) -> tuple[int, int, int] | None:
+def cuts3(lut: np.ndarray) -> tuple[int, int, int] | None:
     """The class cuts of a lut with at most 4 buckets, padded to three; None for more buckets."""
     cuts = [int(c) for c in np.flatnonzero(np.diff(lut)) + 1]
     if len(cuts) > 3:
@@ -152,33 +137,6 @@ def _cut_prefix(bits: np.ndarray, mask: int, shift: int, cuts: tuple[int, int, i
 
     counts = each(len(parts), one)
     return np.concatenate((np.zeros((1, 3), np.int64), np.cumsum(np.stack(counts), axis=0)))
-
-
-def bucket_ranks(bits: np.ndarray, pos: np.ndarray, mask: int, shift: int, lut: np.ndarray,
-                 parts: list[tuple[int, int]], hists: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(bucket, rank)`` of every sorted position ``pos`` (int64 each), given :func:`class_histograms`."""
-    rank = np.empty(pos.size, np.int64)
-    bucket = np.empty(pos.size, np.int64)
-    cut = np.searchsorted(pos, [s for s, _ in parts] + [bits.size])
-    cuts = _cuts3(lut)
-    if cuts is not None:
-        g = _cut_prefix(bits, mask, shift, cuts, parts) if len(parts) > 1 else np.zeros((1, 3), np.int64)
-
-        def fast(c: int) -> None:
-            _ranks3(bits, mask, shift, *cuts, pos, int(cut[c]), int(cut[c + 1]), parts[c][0], *map(int, g[c]),
-                    rank, bucket)
-
-        each(len(parts), fast)
-        return bucket, rank
-    nb = int(lut.max()) + 1
-    prefix = _bucket_prefix(hists, lut, nb)
-
-    def one(c: int) -> None:
-        _ranks(bits, mask, shift, lut, pos, int(cut[c]), int(cut[c + 1]), parts[c][0], prefix[c].copy(), rank,
-               bucket)
-
-    each(len(parts), one)
-    return bucket, rank
 
 
 @njit(nogil=True, cache=True)
@@ -206,11 +164,12 @@ def _select(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, start: int
 
 
 @njit(nogil=True, cache=True)
-def _select3(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, c1: int, c2: int, c3: int, start: int,
-             stop: int, ranks: np.ndarray, off: np.ndarray, lo: np.ndarray, hi: np.ndarray, running: np.ndarray,
+def _select3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, start: int, stop: int,
+             ranks: np.ndarray, off: np.ndarray, lo: np.ndarray, hi: np.ndarray, g1: int, g2: int, g3: int,
              base: int, outpos: np.ndarray, src: np.ndarray) -> int:  # pragma: no cover - compiled
-    # Blocks of 32 elements are counted per bucket with three comparisons (vectorised); a block
-    # that holds none of the wanted ranks is skipped, the others are scanned element by element.
+    # g_k: elements before the scan point whose class is >= c_k, so bucket b holds G_b - G_(b+1)
+    # of them (G_0 = the scan point, G_4 = 0). Blocks of 32 are counted with three comparisons
+    # (vectorised); a block that holds none of the wanted ranks is skipped.
     ptr = lo.copy()
     want = np.full(4, -1, np.int64)  # next wanted rank per bucket (-1: none left)
     remaining = 0
@@ -230,73 +189,133 @@ def _select3(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, c1: int, 
             a1 += np.int64(c >= c1)
             a2 += np.int64(c >= c2)
             a3 += np.int64(c >= c3)
-        n0 = (end - idx) - a1
-        n1 = a1 - a2
-        n2 = a2 - a3
-        n3 = a3
-        if ((want[0] < 0 or running[0] + n0 <= want[0]) and (want[1] < 0 or running[1] + n1 <= want[1])
-                and (want[2] < 0 or running[2] + n2 <= want[2]) and (want[3] < 0 or running[3] + n3 <= want[3])):
-            running[0] += n0
-            running[1] += n1
-            running[2] += n2
-            running[3] += n3
+        if ((want[0] < 0 or end - g1 - a1 <= want[0]) and (want[1] < 0 or g1 + a1 - g2 - a2 <= want[1])
+                and (want[2] < 0 or g2 + a2 - g3 - a3 <= want[2]) and (want[3] < 0 or g3 + a3 <= want[3])):
+            g1 += a1
+            g2 += a2
+            g3 += a3
             idx = end
             continue
         for i in range(idx, end):
-            b = lut[(bits[i] & mask) >> shift]
-            if running[b] == want[b]:
+            c = (bits[i] & mask) >> shift
+            e1 = np.int64(c >= c1)
+            e2 = np.int64(c >= c2)
+            e3 = np.int64(c >= c3)
+            b = e1 + e2 + e3
+            if b == 0:
+                r = i - g1
+            elif b == 1:
+                r = g1 - g2
+            elif b == 2:
+                r = g2 - g3
+            else:
+                r = g3
+            if r == want[b]:
                 outpos[o] = i
                 src[o] = off[b] + ptr[b]
                 o += 1
                 ptr[b] += 1
                 remaining -= 1
                 want[b] = ranks[off[b] + ptr[b]] if ptr[b] < hi[b] else -1
-            running[b] += 1
+            g1 += e1
+            g2 += e2
+            g3 += e3
         idx = end
     return remaining
 
 
-def bucket_select(bits: np.ndarray, ranks: list[np.ndarray], mask: int, shift: int, lut: np.ndarray,
-                  parts: list[tuple[int, int]], hists: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def class_counts(bits: np.ndarray, mask: int, shift: int, nclasses: int, stride: int = 1) -> np.ndarray:
+    """Elements per class (``int64[nclasses]``); with ``stride > 1`` estimated from every ``stride``-th element."""
+    sample = bits[::stride] if stride > 1 else bits
+    parts = bounds(sample.size, _MIN_CHUNK)
+
+    def one(i: int) -> np.ndarray:
+        h = np.zeros(nclasses, np.int64)
+        _class_hist(sample, parts[i][0], parts[i][1], mask, shift, h)
+        return h
+
+    counts = sum(each(len(parts), one), np.zeros(nclasses, np.int64))
+    return counts * stride if stride > 1 else counts
+
+
+class Buckets:
+    """The bucket sizes of a tensor under ``lut``, with what :func:`bucket_select` needs to find ranks fast.
+
+    ``sizes[b]``: elements in bucket ``b`` (``nbuckets`` entries).
+    """
+
+    def __init__(self, bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, nbuckets: int):
+        self.bits, self.mask, self.shift, self.lut = bits, mask, shift, lut
+        self.parts = bounds(bits.size, _MIN_CHUNK)
+        self.cuts = cuts3(lut)
+        if self.cuts is not None:  # four buckets or fewer: counted by comparisons, no histogram
+            self.g = _cut_prefix(bits, mask, shift, self.cuts, self.parts)
+            starts = np.array([s for s, _ in self.parts] + [bits.size], dtype=np.int64)
+            g = self.g
+            self.before = np.stack([starts - g[:, 0], g[:, 0] - g[:, 1], g[:, 1] - g[:, 2], g[:, 2]], axis=1)
+        else:
+            def one(i: int) -> np.ndarray:
+                h = np.zeros(lut.size, np.int64)
+                _class_hist(bits, self.parts[i][0], self.parts[i][1], mask, shift, h)
+                return h
+
+            hists = np.stack(each(len(self.parts), one)) if self.parts else np.zeros((0, lut.size), np.int64)
+            self.before = _bucket_prefix(hists, lut, nbuckets)
+        self.sizes = np.zeros(nbuckets, np.int64)
+        k = min(nbuckets, self.before.shape[1])
+        self.sizes[:k] = self.before[-1, :k]
+
+
+def bucket_ranks(bits: np.ndarray, pos: np.ndarray, mask: int, shift: int, lut: np.ndarray,
+                 nbuckets: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(bucket, rank, sizes)``: every sorted position's bucket and rank there, and the bucket sizes."""
+    rank = np.empty(pos.size, np.int64)
+    bucket = np.empty(pos.size, np.int64)
+    bk = Buckets(bits, mask, shift, lut, nbuckets)
+    cut = np.searchsorted(pos, [s for s, _ in bk.parts] + [bits.size])
+    if bk.cuts is not None:
+        def fast(c: int) -> None:
+            _ranks3(bits, mask, shift, *bk.cuts, pos, int(cut[c]), int(cut[c + 1]), bk.parts[c][0],
+                    *map(int, bk.g[c]), rank, bucket)
+
+        each(len(bk.parts), fast)
+    else:
+        def one(c: int) -> None:
+            _ranks(bits, mask, shift, lut, pos, int(cut[c]), int(cut[c + 1]), bk.parts[c][0], bk.before[c].copy(),
+                   rank, bucket)
+
+        each(len(bk.parts), one)
+    return bucket, rank, bk.sizes
+
+
+def bucket_select(bk: Buckets, ranks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
     """Positions of the given ranks, per bucket, in ascending position order.
 
-    ``ranks[b]`` is bucket ``b``'s strictly increasing ranks, each below the
-    bucket's size. Returns ``(positions, src)``: the sorted positions, and for
-    each the index into ``np.concatenate(ranks)`` it came from; None if some
-    rank was not found (inconsistent input).
+    ``ranks[b]`` is bucket ``b``'s strictly increasing ranks, each below
+    ``bk.sizes[b]``. Returns ``(positions, src)``: the sorted positions, and
+    for each the index into ``np.concatenate(ranks)`` it came from; None if
+    some rank was not found (inconsistent input).
     """
-    nb = len(ranks)
-    prefix = _bucket_prefix(hists, lut, nb)
+    width = bk.before.shape[1]
+    ranks = list(ranks) + [np.zeros(0, np.int64)] * (width - len(ranks))
     flat = np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
     off = np.concatenate(([0], np.cumsum([r.size for r in ranks]))).astype(np.int64)
-    # lo[c, b] .. hi[c, b]: bucket b's ranks that fall in chunk c
-    edges = np.stack([np.searchsorted(r, prefix[:, b]) for b, r in enumerate(ranks)], axis=1).astype(np.int64)
+    # bucket b's ranks that fall in chunk c: edges[c, b] .. edges[c + 1, b]
+    edges = np.stack([np.searchsorted(r, bk.before[:, b]) for b, r in enumerate(ranks)], axis=1).astype(np.int64)
     outpos = np.empty(flat.size, np.int64)
     src = np.empty(flat.size, np.int64)
-
-    cuts = _cuts3(lut)
-    if cuts is not None:
-        pad = 4 - nb  # the fast kernel always tracks four buckets; the padding ones are empty
-
-        def widen(a: np.ndarray, fill: int) -> np.ndarray:
-            return np.concatenate((a, np.full(pad, fill, np.int64))) if pad else a.copy()
-
-        def fast(c: int) -> int:
-            s, e = parts[c]
-            return _select3(bits, mask, shift, lut, *cuts, s, e, flat, widen(off[:-1], 0), widen(edges[c], 0),
-                            widen(edges[c + 1], 0), widen(prefix[c], 0), int(edges[c].sum()), outpos, src)
-
-        left = each(len(parts), fast)
-        if any(left) or int(edges[-1].sum()) != flat.size:
-            return None
-        return outpos, src
+    bits, mask, shift = bk.bits, bk.mask, bk.shift
 
     def one(c: int) -> int:
-        s, e = parts[c]
-        return _select(bits, mask, shift, lut, s, e, flat, off[:-1].copy(), edges[c].copy(), edges[c + 1].copy(),
-                       prefix[c].copy(), int(edges[c].sum()), outpos, src)
+        s, e = bk.parts[c]
+        base = int(edges[c].sum())
+        if bk.cuts is not None:
+            return _select3(bits, mask, shift, *bk.cuts, s, e, flat, off[:-1].copy(), edges[c].copy(),
+                            edges[c + 1].copy(), *map(int, bk.g[c]), base, outpos, src)
+        return _select(bits, mask, shift, bk.lut, s, e, flat, off[:-1].copy(), edges[c].copy(), edges[c + 1].copy(),
+                       bk.before[c].copy(), base, outpos, src)
 
-    left = each(len(parts), one)
+    left = each(len(bk.parts), one)
     if any(left) or int(edges[-1].sum()) != flat.size:
         return None
     return outpos, src

@@ -1,0 +1,193 @@
+"""The compiled kernels against plain numpy references (exact equality, many shapes, forced chunking)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore.codecs import _bits as B
+from deltastore.codecs.base import TensorSpec, Update
+from deltastore.codecs.ctx import CtxCodec
+from deltastore.errors import CorruptObjectError
+from deltastore.kernels import bitstream as K
+from deltastore.kernels import parallel
+from deltastore.kernels import ranks as R
+
+
+@pytest.fixture(params=[1, 3], ids=["one-thread", "three-threads"])
+def small_chunks(request, monkeypatch):
+    """Chunks of 1000 elements on 1 or 3 threads, so chunk boundaries and prefixes are exercised."""
+    monkeypatch.setenv("DELTASTORE_THREADS", str(request.param))
+    monkeypatch.setattr(R, "_MIN_CHUNK", 1000)
+    return request.param
+
+
+# -- bit streams: the numpy formulation the format was defined with ------------------------
+def ref_pack_unary(q: np.ndarray) -> bytes:
+    if q.size == 0:
+        return b""
+    ones = np.cumsum(q + 1) - 1
+    bits = np.zeros(int(ones[-1]) + 1, dtype=np.uint8)
+    bits[ones] = 1
+    return np.packbits(bits).tobytes()
+
+
+def ref_pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
+    total = int(w.sum())
+    if total == 0:
+        return b""
+    bits = []
+    for width, value in zip(w.tolist(), r.tolist()):
+        bits += [(value >> (width - 1 - j)) & 1 for j in range(width)]
+    return np.packbits(np.array(bits, dtype=np.uint8)).tobytes()
+
+
+def ref_best_kind(v: np.ndarray) -> tuple[B.Kind, int]:
+    v = v.astype(np.uint64)
+    n, maxbits = v.size, int(v.max()).bit_length()
+    best = (B.Kind(B.EG, 0), None)
+    for k in range(min(maxbits, 63) + 1):
+        cost = sum(int(x) >> k for x in v) + n * (k + 1)
+        if best[1] is None or cost < best[1]:
+            best = (B.Kind(B.RICE, k), cost)
+    if maxbits >= 62:
+        return best
+    for k in range(min(maxbits, 40) + 1):
+        cost = sum(2 * ((int(x) + (1 << k)).bit_length() - 1) - k + 1 for x in v)
+        if best[1] is None or cost < best[1]:
+            best = (B.Kind(B.EG, k), cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bit_streams_match_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 400))
+    q = rng.geometric(0.3, n).astype(np.int64) - 1
+    assert B.pack_unary(q) == ref_pack_unary(q)
+    got = B.unpack_unary(B.pack_unary(q), n)
+    assert np.array_equal(got, q)
+    w = rng.integers(0, 65, n).astype(np.int64)
+    r = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, n, dtype=np.uint64)
+    r = np.where(w == 64, r, r & ((np.uint64(1) << w.astype(np.uint64)) - np.uint64(1)))
+    data = B.pack_raw(w, r)
+    assert data == ref_pack_raw(w, r)
+    assert np.array_equal(B.unpack_raw(data, w), r)
+
+
+def test_truncated_streams_are_typed_errors():
+    q = np.array([3, 0, 5], np.int64)
+    with pytest.raises(CorruptObjectError):
+        B.unpack_unary(B.pack_unary(q)[:1], 3)
+    with pytest.raises(CorruptObjectError):
+        B.unpack_raw(b"\x00", np.array([9], np.int64))
+    with pytest.raises(CorruptObjectError):
+        B.unpack_raw(b"\x00" * 16, np.array([65], np.int64))
+
+
+@pytest.mark.parametrize("values", [
+    [0], [1], [0, 0, 0], [5000, 1, 70000], list(range(50)), [2**40, 3], [2**62 + 5, 1], [2**63, 2**64 - 1],
+], ids=lambda v: f"{len(v)}-values")
+def test_best_kind_is_the_exact_argmin(values):
+    v = np.array(values, dtype=np.uint64)
+    assert B.best_kind(v) == ref_best_kind(v)
+
+
+def test_best_kind_on_geometric_gaps(small_chunks):
+    rng = np.random.default_rng(7)
+    for mean in (1.5, 40, 3000, 70000):
+        v = rng.geometric(1 / mean, 3000).astype(np.uint64)
+        assert B.best_kind(v) == ref_best_kind(v)
+
+
+# -- ranks and select within buckets --------------------------------------------------------
+def bf16_like(n: int, rng: np.random.Generator) -> np.ndarray:
+    exp = np.clip(rng.normal(118, 4, n).astype(np.int64), 0, 255)
+    return ((exp << 7) | rng.integers(0, 128, n) | (rng.integers(0, 2, n) << 15)).astype(np.uint16).view(np.int16)
+
+
+@pytest.mark.parametrize("ncuts", [1, 2, 3, 5, 15])
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.6])
+def test_bucket_ranks_and_select_match_numpy(ncuts, density, small_chunks):
+    rng = np.random.default_rng(ncuts * 100 + int(density * 1000))
+    n = 9_973
+    bits = bf16_like(n, rng)
+    mask, shift = 0x7FFF, 7
+    cls = (bits.astype(np.int64) & mask) >> shift
+    cut_classes = np.sort(rng.choice(np.arange(100, 140), ncuts, replace=False))
+    lut = np.searchsorted(cut_classes, np.arange(256), side="right").astype(np.int64)
+    bucket_of_all = lut[cls]
+    pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    bucket, rank, sizes = R.bucket_ranks(bits, pos, mask, shift, lut, ncuts + 1)
+    for b in range(ncuts + 1):
+        members = np.flatnonzero(bucket_of_all == b)
+        assert sizes[b] == members.size
+        sel = bucket == b
+        assert np.array_equal(rank[sel], np.searchsorted(members, pos[sel]))
+    assert np.array_equal(bucket, bucket_of_all[pos])
+    bk = R.Buckets(bits, mask, shift, lut, ncuts + 1)
+    assert np.array_equal(bk.sizes, sizes)
+    found = R.bucket_select(bk, [rank[bucket == b] for b in range(ncuts + 1)])
+    assert found is not None
+    got, src = found
+    assert np.array_equal(got, pos)
+    order = np.concatenate([np.flatnonzero(bucket == b) for b in range(ncuts + 1)])
+    assert np.array_equal(order[src], np.arange(pos.size))
+
+
+def test_select_of_a_rank_beyond_its_bucket_is_refused(small_chunks):
+    rng = np.random.default_rng(3)
+    bits = bf16_like(5000, rng)
+    lut = np.searchsorted(np.array([118]), np.arange(256), side="right").astype(np.int64)
+    bk = R.Buckets(bits, 0x7FFF, 7, lut, 2)
+    assert R.bucket_select(bk, [np.array([int(bk.sizes[0])]), np.zeros(0, np.int64)]) is None
+
+
+def test_class_counts_exact_and_sampled():
+    rng = np.random.default_rng(5)
+    bits = bf16_like(100_000, rng)
+    exact = np.bincount((bits.astype(np.int64) & 0x7FFF) >> 7, minlength=256)
+    assert np.array_equal(R.class_counts(bits, 0x7FFF, 7, 256), exact)
+    assert np.array_equal(R.class_counts(bits, 0x7FFF, 7, 256, stride=16),
+                          np.bincount((bits[::16].astype(np.int64) & 0x7FFF) >> 7, minlength=256) * 16)
+
+
+def test_parallel_each_and_chunked_cover_everything(monkeypatch):
+    monkeypatch.setenv("DELTASTORE_THREADS", "3")
+    assert parallel.each(5, lambda i: i * i) == [0, 1, 4, 9, 16]
+    spans = parallel.chunked(10, lambda s, e: (s, e), min_chunk=2)
+    assert spans[0][0] == 0 and spans[-1][1] == 10
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert parallel.chunked(0, lambda s, e: (s, e)) == []
+
+
+# -- ctx end to end through the kernels ----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_ctx_round_trip_across_chunks(dtype, small_chunks):
+    g = torch.Generator().manual_seed(11)
+    old = (torch.randn(20_000, generator=g) * 0.02).to(dtype)
+    new = old.clone()
+    pos = torch.randperm(old.numel(), generator=g)[:700].sort().values
+    new[pos] = (old[pos].float() * 1.01 + 1e-4).to(dtype)
+    from deltastore.tensors import bits_view
+    ob, nb = bits_view(old), bits_view(new)
+    pos = torch.ne(ob, nb).nonzero().squeeze(1)
+    spec = TensorSpec("w", dtype, (old.numel(),))
+    for buckets in (1, 4, 16):
+        codec = CtxCodec(buckets=buckets)
+        data = codec.encode([Update(spec, nb[pos].clone(), pos, ob[pos].clone(), ob)])
+        out = codec.decode(data, [spec], lambda name, p: ob if p is None else ob[p])["w"]
+        assert torch.equal(out.positions, pos) and torch.equal(out.bits, nb[pos])
+
+
+def test_ctx_threshold_inside_an_exponent_class_is_corrupt():
+    from deltastore.codecs._common import pack_meta, names_digest, u8
+    spec = TensorSpec("w", torch.bfloat16, (64,))
+    # 2 buckets, threshold 5 (not a multiple of 2**7), both buckets empty, empty streams
+    header = B.uvarint_encode(np.array([2, 5, 0, 0, 0, 0], dtype=np.uint64))
+    data = pack_meta({"header": u8(header), "streams": u8(b"")}, "ctx", "1.0",
+                     {"deltastore.names": names_digest(["w"])})
+    old = torch.zeros(64, dtype=torch.int16)
+    with pytest.raises(CorruptObjectError, match="inside an exponent class"):
+        CtxCodec().decode(data, [spec], lambda name, p: old if p is None else old[p])
