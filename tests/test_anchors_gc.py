@@ -186,20 +186,53 @@ def test_gc_plan_keeps_chains_and_unreadable_manifests(chain64, tmp_path):
     assert 5 in plan.keep and all(s in plan.keep for s in range(5))
 
 
+class _Rendezvous:
+    """Parks one pull between planning and fetching whenever GC asks for one, so GC runs under it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.wanted = threading.Event()   # GC wants a pull in flight
+        self.parked = threading.Event()   # a pull has planned and waits
+        self.release = threading.Event()  # GC is done: the parked pull goes on
+        self.stop = threading.Event()
+
+    def subscriber(self, uri):
+        rv = self
+
+        class Parking(ds.Subscriber):
+            def _prefetch(self, plan):
+                if rv.wanted.is_set() and rv.lock.acquire(blocking=False):
+                    try:
+                        if rv.wanted.is_set():
+                            rv.wanted.clear()
+                            rv.parked.set()
+                            rv.release.wait(timeout=30)
+                            rv.release.clear()
+                    finally:
+                        rv.lock.release()
+                super()._prefetch(plan)
+
+        return Parking(uri)
+
+
 def test_gc_while_subscribers_pull_never_gives_wrong_weights(chain64, tmp_path):
+    """Three readers pull while the publisher runs GC after every version; each GC runs while a pull is
+    parked between planning and fetching, so GC really removes paths from under pulls in flight."""
     uri = str(tmp_path / "s")
     pub = ds.Publisher(uri, anchor_every=4)
     for i in range(8):
         pub.publish(chain64[i], step=i)
-    stop = threading.Event()
+    rv = _Rendezvous()
     outcomes = {"ok": 0, "typed": 0, "retried": 0}
     failures = []
+    subs = []
 
     def reader(seed):
         rng = random.Random(seed)
-        sub = ds.Subscriber(uri)
+        sub = rv.subscriber(uri)
+        subs.append(sub)
         target = None
-        while not stop.is_set():
+        while not rv.stop.is_set():
             try:
                 versions = sub.versions()
                 step = rng.choice(versions[-6:]) if versions else None
@@ -231,14 +264,31 @@ def test_gc_while_subscribers_pull_never_gives_wrong_weights(chain64, tmp_path):
     for t in threads:
         t.start()
     store = ds.open_store(uri)
-    for i in range(8, 40):
-        pub.publish(chain64[i], step=i)
-        collect_garbage(store, Retention(keep_last=3, keep_anchors=1), grace=0)
-    stop.set()
-    for t in threads:
-        t.join()
-    pub.close()
+    races = 0
+    deleted = 0
+    try:
+        for i in range(8, 40):
+            pub.publish(chain64[i], step=i)
+            rv.wanted.set()
+            raced = rv.parked.wait(timeout=30)  # a pull has planned and waits for this GC
+            rv.parked.clear()
+            deleted += len(collect_garbage(store, Retention(keep_last=3, keep_anchors=1), grace=0).delete_versions)
+            races += raced
+            rv.release.set()
+    finally:
+        rv.stop.set()
+        rv.wanted.clear()
+        rv.release.set()
+        for t in threads:
+            t.join()
+        pub.close()
     assert not failures, failures[:5]
+    assert races == 32, f"only {races} of 32 GCs ran while a pull was in flight"
+    assert deleted >= 25  # the GCs really deleted versions
+    # GC removed part of a planned path under a pull: it re-planned, or failed typed and retried
+    replans = sum(s.replans for s in subs)
+    print(f"GC under pulls: {races} races, {deleted} versions deleted, {replans} re-plans, {outcomes}")
+    assert replans + outcomes["typed"] > 0, (replans, outcomes)
     assert outcomes["ok"] > 10
     assert verify_store(ds.open_store(uri)).ok
 

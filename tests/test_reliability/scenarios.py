@@ -37,7 +37,7 @@ import deltastore as ds
 from deltastore import tracking
 from deltastore.backends import open_backend
 from deltastore.backends.retry import RetryPolicy
-from deltastore.errors import ApplyError, DeltaStoreError, VersionExistsError
+from deltastore.errors import ApplyError, CorruptObjectError, DeltaStoreError, VersionExistsError
 from deltastore.store import DeltaStore, object_key, version_key
 from deltastore.testing.faults import Fault, FaultyBackend, RetryingBackend, corrupt_bytes
 from deltastore.verify import verify_store
@@ -282,8 +282,31 @@ def run_crash(where: Where, trials: int, seed: int = 0, steps_per_child: int = 3
 
 
 # -- 2. corruption: objects and manifests truncated or bit-flipped --------------------------------
+def planned_keys(sub: ds.Subscriber, want: int, current: Any) -> tuple[list[str], list[str]]:
+    """(manifest keys, object keys) that a pull of ``want`` from ``current`` (a VersionRef or None) reads:
+    the manifests of ``want``, of ``current`` and of every step on the planned path, and the path's objects."""
+    plan = sub.plan(want, current)
+    steps = {want, *plan.steps} | ({current.step} if current is not None else set())
+    objects = []
+    for s in plan.steps:
+        m = sub.manifest(s)
+        role = "full" if s == plan.anchor else "diff" if s == plan.differential else "delta"
+        objects += [object_key(m.objects[i].digest) for i in sorted(m.objects_for(role))]
+    return sorted(version_key(s) for s in steps), sorted(set(objects))
+
+
+def _reads(inner: Any, key: str, rules: list[Fault]) -> FaultyBackend:
+    """``inner`` with ``rules``, plus a zero-delay ``latency`` rule that counts the reads of ``key``
+    (``injected["latency"]``)."""
+    return FaultyBackend(inner, rules=[*rules, Fault("latency", ops=("get", "get_range"), prefix=key, delay=0.0,
+                                                     jitter=False)])
+
+
 def run_corruption(where: Where, trials: int, seed: int = 0, versions: int = 8) -> Stats:
-    """Corrupt a random object or manifest (at rest, or once in transit); pulls are exact or typed."""
+    """Corrupt an object or manifest on the planned path of the pull that follows (at rest, or once in
+    transit). The fault must fire (the pull reads the key) in every trial; the pull is bit-exact or typed,
+    and a corrupted object is always caught by its digest (``CorruptObjectError`` naming it, or routed
+    around), never decoded (``ChecksumMismatchError`` would mean the bad bytes reached a codec)."""
     stats = Stats("corruption (flip/truncate)", where.kind)
     rng = random.Random(seed)
     states = States(seed + 1)
@@ -296,10 +319,9 @@ def run_corruption(where: Where, trials: int, seed: int = 0, versions: int = 8) 
     keys = sorted(k for k in raw.list("") if k.startswith(("objects/", "versions/")))
     pristine = {k: raw.get(k) for k in keys}
     for trial in range(trials):
-        key = rng.choice([k for k in keys if k.startswith("versions/")] if rng.random() < 0.4 else
-                         [k for k in keys if k.startswith("objects/")])
+        key = None
+        on_manifest = rng.random() < 0.4
         in_transit = rng.random() < 0.3
-        bad = corrupt_bytes(pristine[key], rng)
         want = rng.randrange(versions)
         start = rng.choice([None, *range(want)])  # a fresh target, or a follower holding an older version
         try:
@@ -310,27 +332,37 @@ def run_corruption(where: Where, trials: int, seed: int = 0, versions: int = 8) 
                 target = clean.pull(step=start).state
             before = clone_state(target)
             version_before = tracking.get_version(target)
+            manifest_keys, object_keys = planned_keys(clean, want, version_before)
+            key = rng.choice(manifest_keys if on_manifest or not object_keys else object_keys)
+            bad = corrupt_bytes(pristine[key], rng)
+            digest = ("sha256:" + key.split("/", 2)[2].replace("/", "")) if key.startswith("objects/") else None
             if in_transit:
-                backend = FaultyBackend(where.backend(uri), seed=trial,
-                                        rules=[Fault("corrupt", ops=("get", "get_range"), prefix=key, limit=1)])
-                faulty_sub = ds.Subscriber(DeltaStore(backend, uri))
+                rules = [Fault("corrupt", ops=("get", "get_range"), prefix=key, limit=1)]
             else:
                 raw.put(key, bad, mode="overwrite")
-                faulty_sub = ds.Subscriber(where.store(uri))
+                rules = []
+            backend = _reads(where.backend(uri), key, rules)
+            faulty_sub = ds.Subscriber(DeltaStore(backend, uri))
             stats.trials += 1
             stats.faults += 1
+            what = f"{'in transit' if in_transit else 'at rest'} {key}"
             try:
                 res = faulty_sub.pull(target, step=want)
                 if bits_equal(target, states.get(want)):
-                    stats.note("reached the version (other path or not on the path)")
+                    stats.note("reached the version (refetched, or routed around)")
+                    if digest is not None and not in_transit and faulty_sub.replans == 0:
+                        stats.problem(trial, f"pull reached {want} through an object corrupted {what} "
+                                             "without detecting it (no re-plan)")
                 else:
                     stats.wrong += 1
-                    stats.problem(trial, f"wrong bits after corrupting {key} (path {res.path})")
+                    stats.problem(trial, f"wrong bits after corrupting {what} (path {res.path})")
             except DeltaStoreError as e:
                 stats.note(f"typed: {type(e).__name__}")
                 if not bits_equal(target, before) or tracking.get_version(target) != version_before:
                     stats.wrong += 1
                     stats.problem(trial, f"target changed by a failed pull ({e!r})")
+                if digest is not None and not (isinstance(e, CorruptObjectError) and e.digest == digest):
+                    stats.problem(trial, f"an object corrupted {what} got past its digest check: {e!r}")
                 if in_transit:  # a corrupted transfer: the next pull, unharmed, succeeds
                     t0 = time.monotonic()
                     faulty_sub.pull(target, step=want)
@@ -338,6 +370,10 @@ def run_corruption(where: Where, trials: int, seed: int = 0, versions: int = 8) 
                     if not bits_equal(target, states.get(want)):
                         stats.wrong += 1
                         stats.problem(trial, "retry after a corrupted transfer is wrong")
+            if in_transit and backend.injected["corrupt"] != 1:
+                stats.problem(trial, f"the corruption {what} never fired")
+            elif not in_transit and backend.injected["latency"] == 0:
+                stats.problem(trial, f"the pull never read {key}, corrupted at rest on its planned path")
             if not in_transit:  # at rest: the store check must see it
                 report = verify_store(where.store(uri))
                 if report.ok:
@@ -352,7 +388,8 @@ def run_corruption(where: Where, trials: int, seed: int = 0, versions: int = 8) 
         except Exception as e:
             stats.untyped_error(trial, e)
         finally:
-            raw.put(key, pristine[key], mode="overwrite")
+            if key is not None:
+                raw.put(key, pristine[key], mode="overwrite")
     stats.seconds = time.monotonic() - t_start
     return stats
 
