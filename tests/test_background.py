@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -31,6 +32,28 @@ class SlowBackend(MemoryBackend):
         super().put(key, data, mode=mode)
 
 
+class GatedBackend(MemoryBackend):
+    """A memory backend whose puts wait until ``gate`` is opened; ``entered`` is set once a put is waiting.
+
+    No timing: a test holds the gate closed, checks what ``publish()`` did meanwhile, then opens it.
+    """
+
+    def __init__(self):
+        super().__init__(uuid.uuid4().hex)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.puts = []  # keys whose write completed, in order
+        self.callers = set()
+
+    def put(self, key, data, *, mode="overwrite"):
+        self.callers.add(threading.current_thread().name)
+        self.entered.set()
+        if not self.gate.wait(timeout=60):
+            raise TimeoutError("the gate stayed closed for 60 s")
+        super().put(key, data, mode=mode)
+        self.puts.append(key)
+
+
 def _states(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     s = {"w": torch.randn(128, 64, generator=g).bfloat16(), "b": torch.randn(64, generator=g).bfloat16()}
@@ -46,17 +69,25 @@ def _states(n, seed=0):
 
 
 def test_background_publish_keeps_order_and_loses_nothing():
-    backend = SlowBackend(delay=0.01)
+    backend = GatedBackend()
     states = _states(12)
     live = {k: v.clone() for k, v in states[0].items()}  # the "model" the trainer keeps training
     pub = ds.Publisher(DeltaStore(backend), background=True, max_pending=3, anchor_every=5)
     futures = []
-    t0 = time.perf_counter()
     for i, s in enumerate(states):
         for k in live:
             live[k].copy_(s[k])
         futures.append(pub.publish(live, step=i))
-    blocking = time.perf_counter() - t0
+        if i == 0:  # the writer took version 0 and is blocked inside its first put
+            assert backend.entered.wait(timeout=30), "the background writer never started writing"
+        if i == 3:
+            # publish() returned four times while no write could finish: 1 being written + 3 queued
+            assert not backend.gate.is_set() and backend.puts == []
+            assert not any(f.done() for f in futures)
+            assert threading.current_thread().name not in backend.callers  # only the writer writes
+            for k in live:  # the trainer moves on: the queued versions must be what was captured
+                live[k].view(torch.int16).fill_(0x7F7F)
+            backend.gate.set()
     pub.flush()
     infos = [f.result() for f in futures]
     assert [i.step for i in infos] == list(range(12))
@@ -69,21 +100,35 @@ def test_background_publish_keeps_order_and_loses_nothing():
         sub.pull(target, step=i)
         assert bits_equal(target, s)
     pub.close()
-    assert blocking < sum(1 for _ in backend.puts) * backend.delay  # the loop did not wait for every write
 
 
 def test_back_pressure_bounds_the_queue():
-    backend = SlowBackend(delay=0.05)
+    """With max_pending=1 and the writer blocked, a third publish() waits until the writer moves on."""
+    backend = GatedBackend()
     pub = ds.Publisher(DeltaStore(backend), background=True, max_pending=1, codec="raw", anchor_every=100)
-    states = _states(6)
-    pub.publish(states[0], step=0).result()
-    inflight = []
-    for i in range(1, 6):
-        pub.publish(states[i], step=i)
-        inflight.append(pub._queue.qsize())
-    assert max(inflight) <= 1
+    states = _states(4)
+    f0 = pub.publish(states[0], step=0)
+    assert backend.entered.wait(timeout=30)  # the writer holds version 0, blocked in a put
+    f1 = pub.publish(states[1], step=1)  # one version may wait: returns at once
+    assert not f0.done() and not f1.done()
+    returned = {}
+
+    def third():
+        f = pub.publish(states[2], step=2)
+        returned["gate_open"] = backend.gate.is_set()  # when publish() came back
+        returned["future"] = f
+
+    t = threading.Thread(target=third)
+    t.start()
+    t.join(timeout=1.0)  # a publish() that does not wait returns well within this
+    assert t.is_alive(), "publish() returned while max_pending versions were already queued"
+    backend.gate.set()
+    t.join(timeout=30)
+    assert not t.is_alive() and returned["gate_open"] is True
+    pub.publish(states[3], step=3)
     pub.close()
-    assert ds.Subscriber(DeltaStore(backend)).versions() == list(range(6))
+    assert [f.result().step for f in (f0, f1, returned["future"])] == [0, 1, 2]
+    assert ds.Subscriber(DeltaStore(backend)).versions() == list(range(4))
 
 
 def test_background_error_surfaces_and_the_next_publish_recovers():
