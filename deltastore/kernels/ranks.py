@@ -12,8 +12,12 @@ No full-size temporary is created.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from numba import njit
+
+from numba import njit, types
+from numba.extending import overload
 
 from .parallel import bounds, each
 
@@ -26,15 +30,16 @@ def _class_hist(bits: np.ndarray, start: int, stop: int, mask: int, shift: int,
     # four interleaved sub-histograms: consecutive elements of one class do not wait on each other's store
     n = hist.size
     h = np.zeros(4 * n, np.int64)
-    i = start
-    while i + 4 <= stop:
-        h[(bits[i] & mask) >> shift] += 1
-        h[n + ((bits[i + 1] & mask) >> shift)] += 1
-        h[2 * n + ((bits[i + 2] & mask) >> shift)] += 1
-        h[3 * n + ((bits[i + 3] & mask) >> shift)] += 1
+    x = bits[start:stop]
+    i = 0
+    while i + 4 <= x.size:
+        h[(x[i] & mask) >> shift] += 1
+        h[n + ((x[i + 1] & mask) >> shift)] += 1
+        h[2 * n + ((x[i + 2] & mask) >> shift)] += 1
+        h[3 * n + ((x[i + 3] & mask) >> shift)] += 1
         i += 4
-    while i < stop:
-        h[(bits[i] & mask) >> shift] += 1
+    while i < x.size:
+        h[(x[i] & mask) >> shift] += 1
         i += 1
     for c in range(n):
         hist[c] += h[c] + h[n + c] + h[2 * n + c] + h[3 * n + c]
@@ -64,46 +69,68 @@ def _ranks(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, pos: np.nda
         running[b] += 1
 
 
-_FAR = 1 << 62  # a class cut no element reaches (pads unused cuts)
+def widen(x):  # pragma: no cover - replaced by the overload below inside compiled code
+    """Lane type for magnitude arithmetic: int32 for 8/16-bit elements (vectorises 2x wider), else int64."""
+    return x
+
+
+@overload(widen)
+def _widen(x):  # type: ignore[no-untyped-def]
+    if isinstance(x, types.Integer) and x.bitwidth <= 16:
+        return lambda x: np.int32(x)
+    return lambda x: np.int64(x)
+
+
+def lane(bits: np.ndarray) -> type:
+    """The numpy scalar type :func:`widen` gives for ``bits``' elements (what masks and thresholds are passed as)."""
+    return np.int32 if bits.dtype.itemsize <= 2 else np.int64
 
 
 @njit(nogil=True, cache=True)
-def _cut_counts(bits: np.ndarray, start: int, stop: int, mask: int, shift: int, c1: int, c2: int, c3: int,
-                out: np.ndarray) -> None:  # pragma: no cover - compiled
+def _count3(bits: np.ndarray, start: int, stop: int, mask: Any, t1: Any, t2: Any, t3: Any
+            ) -> tuple[int, int, int]:  # pragma: no cover - compiled
+    # elements of bits[start:stop] whose magnitude is >= t1, t2, t3; 32-bit lane sums per block.
+    # Loops index a slice from 0: an arbitrary start would make numba guard negative indices,
+    # which stops vectorisation (3x slower).
     a1 = 0
     a2 = 0
     a3 = 0
-    for i in range(start, stop):
-        c = (bits[i] & mask) >> shift
-        a1 += np.int64(c >= c1)
-        a2 += np.int64(c >= c2)
-        a3 += np.int64(c >= c3)
-    out[0] = a1
-    out[1] = a2
-    out[2] = a3
+    i = start
+    while i < stop:
+        end = min(stop, i + (1 << 20))
+        block = bits[i:end]
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        for j in range(block.size):
+            m = widen(block[j]) & mask
+            s1 += np.int32(m >= t1)
+            s2 += np.int32(m >= t2)
+            s3 += np.int32(m >= t3)
+        a1 += s1
+        a2 += s2
+        a3 += s3
+        i = end
+    return a1, a2, a3
 
 
 @njit(nogil=True, cache=True)
-def _ranks3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, pos: np.ndarray, i0: int, i1: int,
+def _ranks3(bits: np.ndarray, mask: Any, t1: Any, t2: Any, t3: Any, pos: np.ndarray, i0: int, i1: int,
             start: int, g1: int, g2: int, g3: int, rank: np.ndarray, bucket: np.ndarray) -> None:  # pragma: no cover
-    # g_k: elements before the scan point whose class is >= c_k; bucket b's rank at p is
+    # g_k: elements before the scan point whose magnitude is >= t_k; bucket b's rank at p is
     # G_b - G_(b+1) with G_0 = p and G_4 = 0.
     cur = start
     for j in range(i0, i1):
         p = pos[j]
-        a1 = 0
-        a2 = 0
-        a3 = 0
-        for idx in range(cur, p):
-            c = (bits[idx] & mask) >> shift
-            a1 += np.int64(c >= c1)
-            a2 += np.int64(c >= c2)
-            a3 += np.int64(c >= c3)
+        a1, a2, a3 = _count3(bits, cur, p, mask, t1, t2, t3)
         g1 += a1
         g2 += a2
         g3 += a3
-        c = (bits[p] & mask) >> shift
-        b = np.int64(c >= c1) + np.int64(c >= c2) + np.int64(c >= c3)
+        m = widen(bits[p]) & mask
+        e1 = np.int64(m >= t1)
+        e2 = np.int64(m >= t2)
+        e3 = np.int64(m >= t3)
+        b = e1 + e2 + e3
         if b == 0:
             rank[j] = p - g1
         elif b == 1:
@@ -113,30 +140,29 @@ def _ranks3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, 
         else:
             rank[j] = g3
         bucket[j] = b
-        g1 += np.int64(c >= c1)
-        g2 += np.int64(c >= c2)
-        g3 += np.int64(c >= c3)
+        g1 += e1
+        g2 += e2
+        g3 += e3
         cur = p + 1
 
 
-def cuts3(lut: np.ndarray) -> tuple[int, int, int] | None:
-    """The class cuts of a lut with at most 4 buckets, padded to three; None for more buckets."""
-    cuts = [int(c) for c in np.flatnonzero(np.diff(lut)) + 1]
+def cuts3(lut: np.ndarray, mask: int, shift: int) -> tuple[int, int, int] | None:
+    """Magnitude thresholds of a lut with at most 4 buckets, padded to three past any magnitude; else None."""
+    cuts = [int(c) << shift for c in np.flatnonzero(np.diff(lut)) + 1]
     if len(cuts) > 3:
         return None
-    return tuple(cuts + [_FAR] * (3 - len(cuts)))  # type: ignore[return-value]
+    return tuple(cuts + [mask + 1] * (3 - len(cuts)))  # type: ignore[return-value]
 
 
-def _cut_prefix(bits: np.ndarray, mask: int, shift: int, cuts: tuple[int, int, int],
-                parts: list[tuple[int, int]]) -> np.ndarray:
-    """``prefix[c, k]``: elements before chunk ``c`` whose class is >= ``cuts[k]``."""
-    def one(i: int) -> np.ndarray:
-        out = np.zeros(3, np.int64)
-        _cut_counts(bits, parts[i][0], parts[i][1], mask, shift, *cuts, out)
-        return out
+def _cut_prefix(bits: np.ndarray, mask: int, cuts: tuple[int, int, int], parts: list[tuple[int, int]]) -> np.ndarray:
+    """``prefix[c, k]``: elements before chunk ``c`` (last row: all) whose magnitude is >= ``cuts[k]``."""
+    T = lane(bits)
 
-    counts = each(len(parts), one)
-    return np.concatenate((np.zeros((1, 3), np.int64), np.cumsum(np.stack(counts), axis=0)))
+    def one(i: int) -> tuple[int, int, int]:
+        return _count3(bits, parts[i][0], parts[i][1], T(mask), *map(T, cuts))
+
+    counts = np.array(each(len(parts), one), dtype=np.int64).reshape(-1, 3)
+    return np.concatenate((np.zeros((1, 3), np.int64), np.cumsum(counts, axis=0)))
 
 
 @njit(nogil=True, cache=True)
@@ -164,12 +190,12 @@ def _select(bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, start: int
 
 
 @njit(nogil=True, cache=True)
-def _select3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int, start: int, stop: int,
+def _select3(bits: np.ndarray, mask: Any, t1: Any, t2: Any, t3: Any, start: int, stop: int,
              ranks: np.ndarray, off: np.ndarray, lo: np.ndarray, hi: np.ndarray, g1: int, g2: int, g3: int,
              base: int, outpos: np.ndarray, src: np.ndarray) -> int:  # pragma: no cover - compiled
-    # g_k: elements before the scan point whose class is >= c_k, so bucket b holds G_b - G_(b+1)
-    # of them (G_0 = the scan point, G_4 = 0). Blocks of 32 are counted with three comparisons
-    # (vectorised); a block that holds none of the wanted ranks is skipped.
+    # g_k: elements before the scan point whose magnitude is >= t_k, so bucket b holds G_b - G_(b+1)
+    # of them (G_0 = the scan point, G_4 = 0). Blocks of 32 are counted first (vectorised); a
+    # block that holds none of the wanted ranks is skipped.
     ptr = lo.copy()
     want = np.full(4, -1, np.int64)  # next wanted rank per bucket (-1: none left)
     remaining = 0
@@ -181,14 +207,7 @@ def _select3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int,
     idx = start
     while remaining > 0 and idx < stop:
         end = min(idx + 32, stop)
-        a1 = 0
-        a2 = 0
-        a3 = 0
-        for i in range(idx, end):
-            c = (bits[i] & mask) >> shift
-            a1 += np.int64(c >= c1)
-            a2 += np.int64(c >= c2)
-            a3 += np.int64(c >= c3)
+        a1, a2, a3 = _count3(bits, idx, end, mask, t1, t2, t3)
         if ((want[0] < 0 or end - g1 - a1 <= want[0]) and (want[1] < 0 or g1 + a1 - g2 - a2 <= want[1])
                 and (want[2] < 0 or g2 + a2 - g3 - a3 <= want[2]) and (want[3] < 0 or g3 + a3 <= want[3])):
             g1 += a1
@@ -196,11 +215,13 @@ def _select3(bits: np.ndarray, mask: int, shift: int, c1: int, c2: int, c3: int,
             g3 += a3
             idx = end
             continue
-        for i in range(idx, end):
-            c = (bits[i] & mask) >> shift
-            e1 = np.int64(c >= c1)
-            e2 = np.int64(c >= c2)
-            e3 = np.int64(c >= c3)
+        blk = bits[idx:end]
+        for u in range(blk.size):
+            i = idx + u
+            m = widen(blk[u]) & mask
+            e1 = np.int64(m >= t1)
+            e2 = np.int64(m >= t2)
+            e3 = np.int64(m >= t3)
             b = e1 + e2 + e3
             if b == 0:
                 r = i - g1
@@ -247,9 +268,9 @@ class Buckets:
     def __init__(self, bits: np.ndarray, mask: int, shift: int, lut: np.ndarray, nbuckets: int):
         self.bits, self.mask, self.shift, self.lut = bits, mask, shift, lut
         self.parts = bounds(bits.size, _MIN_CHUNK)
-        self.cuts = cuts3(lut)
+        self.cuts = cuts3(lut, mask, shift)
         if self.cuts is not None:  # four buckets or fewer: counted by comparisons, no histogram
-            self.g = _cut_prefix(bits, mask, shift, self.cuts, self.parts)
+            self.g = _cut_prefix(bits, mask, self.cuts, self.parts)
             starts = np.array([s for s, _ in self.parts] + [bits.size], dtype=np.int64)
             g = self.g
             self.before = np.stack([starts - g[:, 0], g[:, 0] - g[:, 1], g[:, 1] - g[:, 2], g[:, 2]], axis=1)
@@ -274,8 +295,10 @@ def bucket_ranks(bits: np.ndarray, pos: np.ndarray, mask: int, shift: int, lut: 
     bk = Buckets(bits, mask, shift, lut, nbuckets)
     cut = np.searchsorted(pos, [s for s, _ in bk.parts] + [bits.size])
     if bk.cuts is not None:
+        T = lane(bits)
+
         def fast(c: int) -> None:
-            _ranks3(bits, mask, shift, *bk.cuts, pos, int(cut[c]), int(cut[c + 1]), bk.parts[c][0],
+            _ranks3(bits, T(mask), *map(T, bk.cuts), pos, int(cut[c]), int(cut[c + 1]), bk.parts[c][0],
                     *map(int, bk.g[c]), rank, bucket)
 
         each(len(bk.parts), fast)
@@ -310,7 +333,8 @@ def bucket_select(bk: Buckets, ranks: list[np.ndarray]) -> tuple[np.ndarray, np.
         s, e = bk.parts[c]
         base = int(edges[c].sum())
         if bk.cuts is not None:
-            return _select3(bits, mask, shift, *bk.cuts, s, e, flat, off[:-1].copy(), edges[c].copy(),
+            T = lane(bits)
+            return _select3(bits, T(mask), *map(T, bk.cuts), s, e, flat, off[:-1].copy(), edges[c].copy(),
                             edges[c + 1].copy(), *map(int, bk.g[c]), base, outpos, src)
         return _select(bits, mask, shift, bk.lut, s, e, flat, off[:-1].copy(), edges[c].copy(), edges[c + 1].copy(),
                        bk.before[c].copy(), base, outpos, src)
