@@ -1,4 +1,4 @@
-"""``auto``: per tensor, the smallest of the built-in sparse and dense encodings.
+"""``auto``: per tensor, the built-in encoding that syncs fastest over the stated link.
 
 Rules, per tensor (the sender decides; the choice is recorded in the object):
 
@@ -6,8 +6,17 @@ Rules, per tensor (the sender decides; the choice is recorded in the object):
   whole new tensor with ``dense`` and keep it if that is smaller than the
   sparse encoding; the decoder diffs it against the receiver's old tensor;
 * otherwise ``ctx`` when the sender has the whole old tensor
-  (``Update.old_tensor``), else ``ulp`` when it has the old bits at the
-  changed positions, else ``zstd``.
+  (``Update.old_tensor``) and ctx's smaller bytes save more transfer time at
+  ``link_mbps`` than its O(tensor) passes cost (encode + decode, on this
+  machine's kernel threads; see :func:`ctx_pays_off`), else ``ulp`` when the
+  sender has the old bits at the changed positions, else ``zstd``.
+  ``link_mbps=None`` means bytes first: ``ctx`` whenever it is possible.
+
+``link_mbps`` is an encoder setting (how fast the store moves bytes to a
+follower); it is not recorded, and decoding never needs it.
+
+Format 1.1 differs from 1.0 only in the encoder's choice (the time model);
+the layout is the same and both are read.
 
 Object layout: safetensors with one uint8 tensor ``part.<codec id>`` per
 sub-codec used, each a complete object of that codec holding its tensors, and
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptObjectError
+from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
 from .base import Codec, OldBits, TensorSpec, Update
 from .ctx import CtxCodec
@@ -33,18 +43,43 @@ from .zstd import ZstdCodec
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
+#: default link rate of a follower's downloads, Mbit/s (a cloud object store to one server)
+DEFAULT_LINK_MBPS = 1000.0
+#: ctx's O(tensor) cost, encode + decode, in ns per element per core (measured on the traces, bench/scale.py)
+CTX_NS_PER_ELEMENT = 4.0
+#: bytes ctx saves against ulp per changed element (measured on the traces: 0.55-1.0; the low end)
+CTX_SAVES_PER_CHANGE = 0.55
+
+
+def ctx_pays_off(numel: int, changed: int, link_mbps: float | None, cores: int) -> bool:
+    """Whether ``ctx``'s smaller bytes save more transfer time than its passes over the tensor cost."""
+    if link_mbps is None:
+        return True
+    saved_s = changed * CTX_SAVES_PER_CHANGE / (link_mbps * 1e6 / 8)
+    spent_s = numel * CTX_NS_PER_ELEMENT * 1e-9 / max(1, cores)
+    return saved_s > spent_s
+
 
 class AutoCodec(Codec):
-    """Chooses per tensor (see module docstring). Config: ``dense_above`` (density threshold)."""
+    """Chooses per tensor (see module docstring).
+
+    Config: ``dense_above`` (density threshold). Encoder setting: ``link_mbps``
+    (default :data:`DEFAULT_LINK_MBPS`; None: smallest bytes). Raises
+    ``ValueError`` for a value out of range.
+    """
 
     codec_id = "auto"
-    format_version = "1.0"
+    format_version = "1.1"
     receiver_needs = "old_tensor"
 
-    def __init__(self, dense_above: float = 0.15):
+    def __init__(self, dense_above: float = 0.15, link_mbps: float | None = DEFAULT_LINK_MBPS):
         if not isinstance(dense_above, (int, float)) or isinstance(dense_above, bool) or not 0 <= dense_above <= 1:
             raise ValueError(f"dense_above must be in [0, 1], got {dense_above!r}")
+        if link_mbps is not None and (not isinstance(link_mbps, (int, float)) or isinstance(link_mbps, bool)
+                                      or not link_mbps > 0):
+            raise ValueError(f"link_mbps must be a positive number or None, got {link_mbps!r}")
         self.dense_above = float(dense_above)
+        self.link_mbps = None if link_mbps is None else float(link_mbps)
         self._codecs: dict[str, Codec] = {"ctx": CtxCodec(), "ulp": UlpCodec(), "zstd": ZstdCodec(),
                                           "dense": DenseCodec(planes=True)}
 
@@ -52,7 +87,8 @@ class AutoCodec(Codec):
         return {"dense_above": self.dense_above}
 
     def _sparse_choice(self, u: Update) -> str:
-        if u.old_tensor is not None:
+        if u.old_tensor is not None and (u.old_bits is None
+                                         or ctx_pays_off(u.spec.numel, u.count, self.link_mbps, threads())):
             return "ctx"
         return "ulp" if u.old_bits is not None else "zstd"
 
@@ -122,4 +158,4 @@ class AutoCodec(Codec):
         return out
 
 
-__all__ = ["AutoCodec"]
+__all__ = ["AutoCodec", "DEFAULT_LINK_MBPS", "ctx_pays_off"]
