@@ -49,6 +49,8 @@ DEFAULT_LINK_MBPS = 1000.0
 CTX_NS_PER_ELEMENT = 4.0
 #: bytes ctx saves against ulp per changed element (measured on the traces: 0.55-1.0; the low end)
 CTX_SAVES_PER_CHANGE = 0.55
+#: ctx's fixed cost per tensor (header, per-bucket sequences), seconds
+CTX_TENSOR_SECONDS = 5e-4
 
 
 def ctx_pays_off(numel: int, changed: int, link_mbps: float | None, cores: int) -> bool:
@@ -56,7 +58,7 @@ def ctx_pays_off(numel: int, changed: int, link_mbps: float | None, cores: int) 
     if link_mbps is None:
         return True
     saved_s = changed * CTX_SAVES_PER_CHANGE / (link_mbps * 1e6 / 8)
-    spent_s = numel * CTX_NS_PER_ELEMENT * 1e-9 / max(1, cores)
+    spent_s = numel * CTX_NS_PER_ELEMENT * 1e-9 / max(1, cores) + CTX_TENSOR_SECONDS
     return saved_s > spent_s
 
 
