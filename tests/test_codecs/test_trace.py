@@ -31,7 +31,7 @@ def test_trace_bit_exact_and_small(trace, step):
     ups, changes = _step(trace, step)
     olds = {u.spec.name: u.old_tensor for u in ups}
     sizes = {}
-    for cid in ("zstd", "ulp", "ctx", "auto"):
+    for cid in ("raw", "zstd", "ulp", "ctx", "auto"):
         codec = get_codec(cid)
         data = codec.encode(ups)
         sizes[cid] = len(data)
