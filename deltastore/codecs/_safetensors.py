@@ -31,3 +31,88 @@ def take(tensors: Mapping[str, torch.Tensor], key: str, codec_id: str) -> torch.
         return tensors[key]
     except KeyError:
         raise CorruptObjectError(f"{codec_id} object lacks tensor {key!r}") from None
+
+
+#: safetensors dtype names and their element sizes (what :func:`view` accepts)
+_DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: the largest header we parse (safetensors' own limit is 100 MB)
+MAX_HEADER = 100_000_000
+
+
+def pack_u8(pieces: Mapping[str, list], metadata: Mapping[str, str]) -> bytes:
+    """Safetensors bytes holding one 1-D uint8 tensor per key, each the concatenation of its byte ``pieces``.
+
+    The file is what ``safetensors.torch.save`` writes for the same tensors
+    (header padded with spaces to 8 bytes), assembled with a single copy of the
+    pieces (any buffer-protocol objects).
+    """
+    import json
+
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    views = []
+    for name, parts in pieces.items():
+        mv = [memoryview(p).cast("B") for p in parts]
+        size = sum(m.nbytes for m in mv)
+        header[name] = {"dtype": "U8", "shape": [size], "data_offsets": [off, off + size]}
+        off += size
+        views.extend(mv)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([len(text).to_bytes(8, "little"), text, *views])
+
+
+def view(data: bytes | memoryview, codec_id: str) -> tuple[dict[str, tuple[str, tuple[int, ...], memoryview]],
+                                                         dict[str, str]]:
+    """Parse a safetensors file without copying: ``({name: (dtype, shape, bytes view)}, metadata)``.
+
+    Checks what the safetensors library checks (header length and JSON, known
+    dtypes, sizes matching shapes, data offsets contiguous from 0 and covering
+    the data exactly); any failure is :class:`CorruptObjectError`. The views
+    share ``data``'s memory.
+    """
+    import json
+    import math
+
+    buf = memoryview(data).cast("B")
+    if buf.nbytes < 8:
+        raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: {buf.nbytes} bytes")
+    n = int.from_bytes(buf[:8], "little")
+    if n > MAX_HEADER or 8 + n > buf.nbytes:
+        raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: header of {n} bytes")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: bad header ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptObjectError(f"{codec_id} object has bad safetensors metadata")
+    body = buf[8 + n:]
+    entries = []
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (dtype in _DTYPE_SIZES and isinstance(shape, list)
+                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                  and all(isinstance(x, int) and not isinstance(x, bool) for x in (begin, end))
+                  and 0 <= begin <= end and end - begin == math.prod(shape) * _DTYPE_SIZES[dtype])
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: bad entry {name!r}")
+        entries.append((begin, end, name, dtype, tuple(shape)))
+    entries.sort()
+    at = 0
+    out = {}
+    for begin, end, name, dtype, shape in entries:
+        if begin != at:
+            raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: data offsets of {name!r}")
+        out[name] = (dtype, shape, body[begin:end])
+        at = end
+    if at != body.nbytes:
+        raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: "
+                                 f"{body.nbytes} data bytes, {at} described")
+    return out, meta

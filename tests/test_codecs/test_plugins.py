@@ -124,5 +124,5 @@ def test_dense_planes_as_anchor_codec(memory_uri):
     with ds.Publisher(memory_uri, codec="zstd", anchor_codec=anchor) as pub:
         pub.publish(states[0], step=0)
     sub = ds.Subscriber(memory_uri)
-    assert sub.manifest(0).objects[0].codec["version"] == "2.0"
+    assert sub.manifest(0).objects[0].codec["version"] == "2.1"
     assert bits_equal(sub.pull(step=0).state, states[0])
