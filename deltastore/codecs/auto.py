@@ -13,7 +13,9 @@ Rules, per tensor (the sender decides; the choice is recorded in the object):
   ``link_mbps=None`` means bytes first: ``ctx`` whenever it is possible.
 
 ``link_mbps`` is an encoder setting (how fast the store moves bytes to a
-follower); it is not recorded, and decoding never needs it.
+follower); decoding never needs it, and it is recorded only when it is not
+the default. The default choice depends on the machine (its cores), so only
+``link_mbps=None`` encodes the same bytes everywhere.
 
 Format 1.1 differs from 1.0 only in the encoder's choice (the time model);
 the layout is the same and both are read.
@@ -86,7 +88,11 @@ class AutoCodec(Codec):
                                           "dense": DenseCodec(planes=True)}
 
     def get_config(self) -> dict[str, Any]:
-        return {"dense_above": self.dense_above}
+        # link_mbps is recorded only when it is not the default (older readers know dense_above only)
+        cfg: dict[str, Any] = {"dense_above": self.dense_above}
+        if self.link_mbps != DEFAULT_LINK_MBPS:
+            cfg["link_mbps"] = self.link_mbps
+        return cfg
 
     def _sparse_choice(self, u: Update) -> str:
         if u.old_tensor is not None and (u.old_bits is None
