@@ -191,3 +191,19 @@ def test_ctx_threshold_inside_an_exponent_class_is_corrupt():
     old = torch.zeros(64, dtype=torch.int16)
     with pytest.raises(CorruptObjectError, match="inside an exponent class"):
         CtxCodec().decode(data, [spec], lambda name, p: old if p is None else old[p])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int16, torch.int64, torch.uint8, torch.bool])
+def test_gather_and_scatter_match_indexing(dtype):
+    from deltastore.kernels.gather import gather, scatter_
+    from deltastore.tensors import bits_view
+    g = torch.Generator().manual_seed(2)
+    flat = (torch.randn(5000, generator=g) * 100).to(dtype)
+    pos = torch.randperm(5000, generator=g)[:321].sort().values
+    got = gather(flat, pos)
+    assert got.dtype == flat.dtype and torch.equal(bits_view(got), bits_view(flat[pos]))
+    values = (torch.randn(321, generator=g) * 100).to(dtype)
+    want = flat.clone()
+    want[pos] = values
+    scatter_(flat, pos, values)
+    assert torch.equal(bits_view(flat), bits_view(want))

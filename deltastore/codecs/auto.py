@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptObjectError
+from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
 from .base import Codec, OldBits, TensorSpec, Update
@@ -116,7 +117,7 @@ class AutoCodec(Codec):
         for u in dense_candidates:  # compare actual sizes, tensor by tensor
             assert u.old_tensor is not None and u.positions is not None
             full = u.old_tensor.clone()
-            full[u.positions] = u.bits
+            scatter_(full, u.positions, u.bits)
             sparse_id = self._sparse_choice(u)
             d = len(self._codecs["dense"].encode([Update(u.spec, full)]))
             s = len(self._codecs[sparse_id].encode([u]))
@@ -160,7 +161,7 @@ class AutoCodec(Codec):
                     if before.numel() != s.numel:
                         raise CorruptObjectError(f"auto: old tensor {s.name!r} has the wrong size")
                     pos = torch.ne(before, new).nonzero().squeeze(1)
-                    out[s.name] = Update(s, new[pos].clone(), pos)
+                    out[s.name] = Update(s, gather(new, pos), pos)
             else:
                 out.update(decoded)
         return out
