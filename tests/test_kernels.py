@@ -207,3 +207,26 @@ def test_gather_and_scatter_match_indexing(dtype):
     want[pos] = values
     scatter_(flat, pos, values)
     assert torch.equal(bits_view(flat), bits_view(want))
+
+
+def ref_uvarint(values: list[int]) -> bytes:
+    out = bytearray()
+    for x in values:
+        while x >= 0x80:
+            out.append((x & 0x7F) | 0x80)
+            x >>= 7
+        out.append(x)
+    return bytes(out)
+
+
+def test_uvarint_matches_the_reference_and_refuses_bad_streams():
+    rng = np.random.default_rng(9)
+    values = [0, 1, 127, 128, 300, 2**63, 2**64 - 1] + [int(x) for x in rng.integers(0, 2**40, 200)]
+    data = B.uvarint_encode(np.array(values, dtype=np.uint64))
+    assert data == ref_uvarint(values)
+    got, used = B.uvarint_decode(data + b"\x05", len(values))
+    assert got.tolist() == values and used == len(data)
+    with pytest.raises(CorruptObjectError, match="holds"):
+        B.uvarint_decode(data[:-1], len(values))
+    with pytest.raises(CorruptObjectError, match="longer than 10"):
+        B.uvarint_decode(b"\xff" * 11 + b"\x01", 1)

@@ -95,26 +95,8 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
 
 # -- LEB128 -----------------------------------------------------------------------------
 def uvarint_encode(values: np.ndarray) -> bytes:
-    """Concatenated unsigned LEB128 of ``values`` (uint64-convertible, vectorised)."""
-    v = np.asarray(values, dtype=np.uint64).ravel()
-    if v.size == 0:
-        return b""
-    nbytes = np.ones(v.size, dtype=np.int64)
-    t = v >> _U64(7)
-    while True:
-        more = t != 0
-        if not more.any():
-            break
-        nbytes += more
-        t = t >> _U64(7)
-    total = int(nbytes.sum())
-    ends = np.cumsum(nbytes)
-    starts = ends - nbytes
-    owner = np.repeat(np.arange(v.size), nbytes)
-    j = np.arange(total) - starts[owner]
-    byte = ((v[owner] >> (j.astype(np.uint64) * _U64(7))) & _U64(0x7F)).astype(np.uint8)
-    byte[j < nbytes[owner] - 1] |= 0x80
-    return byte.tobytes()
+    """Concatenated unsigned LEB128 of ``values`` (uint64-convertible)."""
+    return K.uvarint_encode(np.asarray(values, dtype=np.uint64))
 
 
 def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]:
@@ -123,23 +105,14 @@ def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, in
     Raises :class:`CorruptObjectError` if ``data`` holds fewer values or a value
     is longer than 10 bytes.
     """
-    b = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if count == 0:
         return np.zeros(0, dtype=np.uint64), 0
-    ends = np.flatnonzero(b < 0x80)
-    if ends.size < count:
-        raise CorruptObjectError(f"varint stream holds {ends.size} values, {count} expected")
-    ends = ends[:count]
-    used = int(ends[-1]) + 1
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if lengths.max() > 10:
+    values, decoded, used = K.uvarint_decode(data, count)
+    if decoded < 0:
         raise CorruptObjectError("varint longer than 10 bytes")
-    owner = np.repeat(np.arange(count), lengths)
-    j = np.arange(used) - starts[owner]
-    parts = (b[:used].astype(np.uint64) & _U64(0x7F)) << (j.astype(np.uint64) * _U64(7))
-    # Each value's 7-bit groups are disjoint, so a segmented sum is a segmented OR.
-    return np.add.reduceat(parts, starts).astype(np.uint64), used
+    if decoded < count:
+        raise CorruptObjectError(f"varint stream holds {decoded} values, {count} expected")
+    return values, used
 
 
 # -- unary + raw bit streams -------------------------------------------------------------

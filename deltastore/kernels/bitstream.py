@@ -204,3 +204,70 @@ def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, 
     ks = np.arange(ke + 1, dtype=np.int64)
     eg += ks * below[:ke + 1]
     return rice, rice_f, eg
+
+
+# -- LEB128 ------------------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def _uvarint_size(v: np.ndarray) -> int:  # pragma: no cover - compiled
+    total = 0
+    for i in range(v.size):
+        x = v[i] >> np.uint64(7)
+        total += 1
+        while x:
+            x >>= np.uint64(7)
+            total += 1
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _uvarint_encode(v: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    o = 0
+    for i in range(v.size):
+        x = v[i]
+        while x >= np.uint64(0x80):
+            out[o] = np.uint8((x & np.uint64(0x7F)) | np.uint64(0x80))
+            x >>= np.uint64(7)
+            o += 1
+        out[o] = np.uint8(x)
+        o += 1
+
+
+def uvarint_encode(values: np.ndarray) -> bytes:
+    """Concatenated unsigned LEB128 of the uint64 ``values``."""
+    v = np.ascontiguousarray(values, dtype=np.uint64).ravel()
+    if v.size == 0:
+        return b""
+    out = np.empty(_uvarint_size(v), np.uint8)
+    _uvarint_encode(v, out)
+    return out.tobytes()
+
+
+@njit(nogil=True, cache=True)
+def _uvarint_decode(b: np.ndarray, count: int, out: np.ndarray) -> tuple[int, int]:  # pragma: no cover
+    # returns (values decoded, bytes used); values decoded < count: truncated; -1: a value over 10 bytes
+    i = 0
+    for k in range(count):
+        x = np.uint64(0)
+        j = 0
+        while True:
+            if i >= b.size:
+                return k, i
+            byte = np.uint64(b[i])
+            i += 1
+            if j >= 10:
+                return -1, i
+            x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+            j += 1
+            if byte < np.uint64(0x80):
+                break
+        out[k] = x
+    return count, i
+
+
+def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int, int]:
+    """``(values, decoded, used)``: the first ``count`` LEB128 values, how many were complete
+    (``-1``: one was longer than 10 bytes) and the bytes they used."""
+    b = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    out = np.empty(count, np.uint64)
+    decoded, used = _uvarint_decode(b, count, out)
+    return out, decoded, used
