@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.test-installed-stamp
 VLLM_STAMP := .venv-vllm/.installed-stamp
 
-.PHONY: demo test test-quick bench clean
+.PHONY: demo test test-quick mutants bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,11 +26,18 @@ $(VLLM_STAMP): tests/test_vllm/setup_venv.sh pyproject.toml
 demo: $(STAMP)
 	$(PY) -m deltastore demo
 
+# DELTASTORE_STRICT=1: whatever this target installs or the repository ships (the weight trace in
+# ../shared/traces, the trainer libraries, the vLLM venv) must be there: a missing one fails its tests
+# instead of skipping them. -ra prints every remaining skip with its reason.
 test: $(TEST_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -ra
+	DELTASTORE_STRICT=1 $(PY) -m pytest -q -ra
 
 test-quick: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	DELTASTORE_STRICT=1 $(PY) -m pytest -q -ra -m "not slow"
+
+# named mutants applied to a temporary copy of the repository: the suite must fail for each (not in CI)
+mutants: $(TEST_STAMP)
+	$(PY) tests/mutants.py
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

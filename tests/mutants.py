@@ -1,0 +1,186 @@
+"""Named mutants: each breaks one promise of the library in a temporary copy; the suite must fail for each.
+
+    .venv/bin/python tests/mutants.py                 # every mutant, on a copy of the working tree
+    .venv/bin/python tests/mutants.py no-rollback     # some of them
+    .venv/bin/python tests/mutants.py --rev HEAD      # on a committed revision (git archive)
+    make mutants
+
+The working tree is never touched: the repository (its tracked and untracked,
+not ignored files, or ``--rev``'s tree) is copied to a temporary directory,
+each mutant is applied there (a literal edit that must match exactly once, so
+a mutant that no longer applies is an error, not a pass), the tests that guard
+that promise run there with this interpreter and ``PYTHONPATH`` pointing at
+the copy (checked: ``deltastore.__file__`` must lie in the copy, not in the
+editable install), and the edit is undone. First the same tests run on the
+unmutated copy: they must pass, so every failure afterwards is the mutant's.
+
+A mutant is *caught* when at least one of its tests fails; the script prints
+which ones and exits 1 if any mutant survives. Not part of CI (``make test``):
+about 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = Path(os.environ.get("DELTASTORE_TRACES", ROOT.parent / "shared" / "traces")).resolve()
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str
+    edits: list[tuple[str, str, str]]  # (file, text, replacement): text must occur exactly once
+    tests: list[str]                    # test files or node ids that guard the promise
+    caught_by: list[str] = field(default_factory=list)
+
+
+REL = "tests/test_reliability/test_reliability.py::"
+MUTANTS = [
+    Mutant("sha256-on-read", "objects are not checked against their sha256 digest when read (nor when prefetched)",
+           [("deltastore/store.py", "if sha256_digest(data) != digest:", "if False:"),
+            ("deltastore/store.py", "len(data) == size and sha256_digest(data) == d", "len(data) == size")],
+           ["tests/test_bad_inputs.py", REL + "test_corruption_is_detected_never_applied"]),
+    Mutant("checksum-before-apply", "tensor checksums are not checked before a decoded version is applied",
+           [("deltastore/apply.py", "    if actual != int(rec.checksum, 16):\n", "    if False:\n")],
+           ["tests/test_bad_inputs.py", "tests/test_vllm/test_mapping.py"]),
+    Mutant("raw-decode-error", "the manifest parser lets a raw JSONDecodeError/UnicodeDecodeError escape",
+           [("deltastore/manifest.py", "except (ValueError, UnicodeDecodeError, RecursionError) as e:",
+             "except RecursionError as e:")],
+           ["tests/test_core_units.py", "tests/test_bad_inputs.py", REL + "test_hostile_input_typed_errors_only"]),
+    Mutant("no-rollback", "a failed write into the target is not undone (ApplyError still says restored)",
+           [("deltastore/apply.py", "        for step in reversed(undo):\n", "        for step in []:\n")],
+           ["tests/test_bad_inputs.py", REL + "test_apply_interrupted_restores_the_target"]),
+    Mutant("no-zstd-bound", "zstd frames are decompressed without checking their declared size first",
+           [("deltastore/codecs/_common.py", "if params.content_size != expected:", "if False:")],
+           [REL + "test_zstd_bombs_are_refused_without_inflating", REL + "test_hostile_input_typed_errors_only"]),
+]
+
+
+def copy_tree(dest: Path, rev: str | None) -> None:
+    """The repository's files into ``dest``: ``rev``'s tree, or the working tree's tracked and untracked
+    (not ignored) files; never a virtualenv."""
+    if rev is not None:
+        archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        return
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if rel.startswith(".venv") or not src.is_file():
+            continue  # a venv, or a tracked file deleted in the working tree
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+
+
+def env_for(copy: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(copy), "DELTASTORE_TRACES": str(TRACES), "DELTASTORE_STRICT": "1",
+            "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def check_import(copy: Path) -> str:
+    out = subprocess.run([sys.executable, "-c", "import deltastore; print(deltastore.__file__)"], cwd=copy,
+                         env=env_for(copy), capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(out).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"deltastore is imported from {out}, not from the copy {copy}: mutants would test nothing")
+    return out
+
+
+def run_tests(copy: Path, args: list[str]) -> tuple[int, list[str], float, str]:
+    """(exit status, failed test ids, seconds, output tail) of pytest on ``args`` in the copy."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args],
+                          cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=1800)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", proc.stdout, flags=re.M)
+    return proc.returncode, failed, time.monotonic() - t0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def apply(copy: Path, m: Mutant) -> dict[Path, str]:
+    """Make ``m``'s edits in the copy; the files' original texts (for :func:`restore`)."""
+    originals: dict[Path, str] = {}
+    for rel, old, new in m.edits:
+        path = copy / rel
+        text = path.read_text()
+        originals.setdefault(path, text)
+        n = text.count(old)
+        if n != 1:
+            restore(originals)
+            raise SystemExit(f"mutant {m.name}: {old!r} occurs {n} times in {rel} (expected once): update the mutant")
+        path.write_text(text.replace(old, new))
+    return originals
+
+
+def restore(originals: dict[Path, str]) -> None:
+    for path, text in originals.items():
+        path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all): " + ", ".join(m.name for m in MUTANTS))
+    ap.add_argument("--rev", help="copy this git revision instead of the working tree")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    opts = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not opts.names or m.name in opts.names]
+    unknown = set(opts.names) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutants {sorted(unknown)}")
+    copy = Path(tempfile.mkdtemp(prefix="deltastore-mutants-"))
+    t_start = time.monotonic()
+    try:
+        copy_tree(copy, opts.rev)
+        rev = opts.rev or "working tree"
+        head = subprocess.run(["git", "rev-parse", "--short", opts.rev or "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+        print(f"copy of {rev} ({head}) in {copy}; deltastore imported from {check_import(copy)}", flush=True)
+        if not opts.no_baseline:
+            every = sorted({t for m in chosen for t in m.tests})
+            status, failed, secs, tail = run_tests(copy, every)
+            if status != 0:
+                print(f"baseline failed (exit {status}) before any mutation: {failed}\n{tail}")
+                return 2
+            print(f"baseline: the unmutated copy passes {len(every)} test files/ids in {secs:.0f} s", flush=True)
+        survived = []
+        for m in chosen:
+            originals = apply(copy, m)
+            try:
+                status, failed, secs, tail = run_tests(copy, m.tests)
+            finally:
+                restore(originals)
+            m.caught_by = failed
+            caught = status != 0 and bool(failed)
+            if not caught:
+                survived.append(m)
+            verdict = f"CAUGHT by {len(failed)} test(s)" if caught else f"SURVIVED (pytest exit {status})"
+            print(f"\nmutant {m.name}: {m.what}\n  {verdict} in {secs:.0f} s", flush=True)
+            for t in failed[:8]:
+                print(f"    {t}")
+            if len(failed) > 8:
+                print(f"    ... and {len(failed) - 8} more")
+            if not caught:
+                print(tail)
+        print(f"\n{len(chosen) - len(survived)} of {len(chosen)} mutants caught "
+              f"({time.monotonic() - t_start:.0f} s)")
+        return 1 if survived else 0
+    finally:
+        if opts.keep:
+            print(f"kept {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
