@@ -25,6 +25,7 @@ so a codec only has to encode and decode.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,8 +57,8 @@ class TensorSpec:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def bits_dtype(self) -> torch.dtype:
+    @functools.cached_property
+    def bits_dtype(self) -> torch.dtype:  # cached: asked per tensor on every hot path
         return bits_dtype(self.dtype)
 
 

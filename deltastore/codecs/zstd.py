@@ -28,9 +28,15 @@ from .base import Codec, OldBits, TensorSpec, Update
 
 
 def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
-    """LEB128 gap stream of several sorted position arrays, one after the other."""
-    gaps = [np.diff(p, prepend=-1) - 1 for p in positions]
-    return B.uvarint_encode(np.concatenate(gaps).astype(np.uint64)) if gaps else b""
+    """LEB128 gap stream of several sorted position arrays, one after the other (one vectorised pass)."""
+    if not positions:
+        return b""
+    cat = np.concatenate([np.asarray(p, dtype=np.int64) for p in positions])
+    gaps = np.diff(cat, prepend=-1) - 1
+    starts = np.cumsum([0] + [len(p) for p in positions[:-1]])
+    starts = starts[starts < cat.size]
+    gaps[starts] = cat[starts]  # each array's first gap is its first position
+    return B.uvarint_encode(gaps.astype(np.uint64))
 
 
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
@@ -39,17 +45,21 @@ def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int]
     gaps, used = B.uvarint_decode(stream, total)
     if used != len(stream):
         raise CorruptObjectError(f"{codec_id}: position stream has trailing bytes")
-    out, i = [], 0
-    for c, n in zip(counts, numels):
-        g = gaps[i:i + c]
-        i += c
-        if c and int(g.max()) >= n:
-            raise CorruptObjectError(f"{codec_id}: position gap beyond the tensor")
-        p = np.cumsum(g.astype(np.int64) + 1) - 1
-        if c and int(p[-1]) >= n:
-            raise CorruptObjectError(f"{codec_id}: position beyond the tensor")
-        out.append(p)
-    return out
+    if total == 0:
+        return [np.zeros(0, np.int64) for _ in counts]
+    if int(gaps.max()) >= max(numels):
+        raise CorruptObjectError(f"{codec_id}: position gap beyond the tensor")
+    counts_a = np.asarray(counts, dtype=np.int64)
+    cs = np.cumsum(gaps.astype(np.int64) + 1)
+    ends = np.cumsum(counts_a)
+    base = np.concatenate(([0], cs[ends[:-1] - 1])) if len(counts) > 1 else np.zeros(1, np.int64)
+    base = np.where(np.concatenate(([0], ends[:-1])) > 0, base, 0)
+    p = cs - 1 - np.repeat(base, counts_a)
+    nonempty = counts_a > 0
+    last = p[ends[nonempty] - 1]
+    if np.any(last >= np.asarray(numels, dtype=np.int64)[nonempty]):
+        raise CorruptObjectError(f"{codec_id}: position beyond the tensor")
+    return np.split(p, ends[:-1])
 
 
 def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,
