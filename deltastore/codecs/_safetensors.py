@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import CorruptObjectError
+
+_PyBytes_New = ctypes.pythonapi.PyBytes_FromStringAndSize
+_PyBytes_New.restype = ctypes.py_object
+_PyBytes_New.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
+_PyBytes_AsString.restype = ctypes.c_void_p
+_PyBytes_AsString.argtypes = (ctypes.py_object,)
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
+    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)  # type: ignore[union-attr]
+except (OSError, AttributeError):  # pragma: no cover - no libc / no madvise
+    _LIBC = None
 
 
 def pack(tensors: Mapping[str, torch.Tensor], codec_id: str, version: str) -> bytes:
@@ -40,6 +56,21 @@ _DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 
 MAX_HEADER = 100_000_000
 
 
+def u8_header(sizes: Mapping[str, int], metadata: Mapping[str, str]) -> bytes:
+    """The first bytes (length + JSON header, padded with spaces to 8 bytes) of a safetensors file holding
+    one 1-D uint8 tensor of ``sizes[name]`` bytes per name, in that order; the data follows it."""
+    import json
+
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for name, size in sizes.items():
+        header[name] = {"dtype": "U8", "shape": [size], "data_offsets": [off, off + size]}
+        off += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
 def pack_u8(pieces: Mapping[str, list], metadata: Mapping[str, str]) -> bytes:
     """Safetensors bytes holding one 1-D uint8 tensor per key, each the concatenation of its byte ``pieces``.
 
@@ -47,20 +78,38 @@ def pack_u8(pieces: Mapping[str, list], metadata: Mapping[str, str]) -> bytes:
     (header padded with spaces to 8 bytes), assembled with a single copy of the
     pieces (any buffer-protocol objects).
     """
-    import json
+    views = {name: [memoryview(p).cast("B") for p in parts] for name, parts in pieces.items()}
+    head = u8_header({name: sum(m.nbytes for m in mv) for name, mv in views.items()}, metadata)
+    return b"".join([head, *(m for mv in views.values() for m in mv)])
 
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    off = 0
-    views = []
-    for name, parts in pieces.items():
-        mv = [memoryview(p).cast("B") for p in parts]
-        size = sum(m.nbytes for m in mv)
-        header[name] = {"dtype": "U8", "shape": [size], "data_offsets": [off, off + size]}
-        off += size
-        views.extend(mv)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return b"".join([len(text).to_bytes(8, "little"), text, *views])
+
+def new_bytes(n: int) -> tuple[bytes, np.ndarray]:
+    """A new ``bytes`` object of ``n`` bytes and a writable uint8 array over its memory, to fill it in place.
+
+    CPython allows exactly this for an object it has just created with
+    ``PyBytes_FromStringAndSize(NULL, n)`` (its contents are then
+    uninitialised): the caller must write every byte before the object is
+    used, hashed or shared, and keep it alive while the array is used. This
+    lets an encoder write a large object once, straight into its final
+    memory (no joined copy). Large buffers are advised onto transparent huge
+    pages, as numpy does for its own (far fewer page faults when first
+    written). Elsewhere than CPython: a bytearray copied into bytes at the end
+    is not offered; use :func:`pack_u8`.
+    """
+    import ctypes
+
+    b = _PyBytes_New(None, n)
+    addr = _PyBytes_AsString(b)
+    arr = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr)) if n else np.empty(0, np.uint8)
+    _advise_huge(addr, n)
+    return b, arr
+
+
+def _advise_huge(addr: int, n: int) -> None:
+    huge = 1 << 21
+    lo, hi = -(-addr // huge) * huge, (addr + n) // huge * huge
+    if hi - lo >= huge and _LIBC is not None:
+        _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 14)  # MADV_HUGEPAGE; a failure is harmless
 
 
 def view(data: bytes | memoryview, codec_id: str) -> tuple[dict[str, tuple[str, tuple[int, ...], memoryview]],

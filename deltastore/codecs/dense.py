@@ -42,8 +42,8 @@ decompressed, so nothing larger than the specs imply is ever allocated.
 
 from __future__ import annotations
 
-import bisect
 import json
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,7 +58,7 @@ from ..kernels import planes as _planes
 from ..kernels.parallel import chunked
 from ._common import MANTISSA_BITS, names_digest, np_bits_dtype, pack_meta, parallel_map, to_torch_bits
 from ._common import unpack_meta, zstd_decompress
-from ._safetensors import pack_u8, take, view
+from ._safetensors import new_bytes, take, u8_header, view
 from .base import Codec, OldBits, TensorSpec, Update
 
 #: format written with ``planes=True``
@@ -127,98 +127,180 @@ def _compress_plane(plane: np.ndarray, level: int, hash_log: int | None) -> tupl
 
 #: the integer dtype holding raw bits, by element width (``TensorSpec.bits_dtype`` costs a torch call per tensor)
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 
 
-def _kind(spec: TensorSpec) -> tuple[int, bool]:
-    """(element width, rotated?) of a tensor: its group kind."""
-    return spec.dtype.itemsize, spec.dtype in MANTISSA_BITS
+_KINDS: dict[torch.dtype, tuple[int, bool]] = {dt: (dt.itemsize, dt in MANTISSA_BITS) for dt in
+                                               (torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                                torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+                                                torch.bool)}
 
 
-@dataclass
+def _kind(dtype: torch.dtype) -> tuple[int, bool]:
+    """(element width, rotated?) of a dtype: its group kind."""
+    k = _KINDS.get(dtype)
+    return k if k is not None else (dtype.itemsize, dtype in MANTISSA_BITS)
+
+
 class _Group:
     """Tensors laid out back to back: member ``i`` is ``names[i]``, ``sizes[i]`` elements from ``offsets[i]``."""
 
-    width: int
-    rotate: bool
-    names: list[str] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    total: int = 0
+    def __init__(self, width: int, rotate: bool, names: list[str], sizes: list[int]):
+        self.width, self.rotate, self.names = width, rotate, names
+        self.sizes = np.array(sizes, dtype=np.int64)
+        self.offsets = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(self.sizes[:-1], out=self.offsets[1:])
+        self.total = int(self.sizes.sum())
+        self.addrs = np.zeros(len(sizes), dtype=np.uint64)  # filled by the encoder / decoder
 
-    def add(self, name: str, numel: int) -> None:
-        self.names.append(name)
-        self.sizes.append(numel)
-        self.offsets.append(self.total)
-        self.total += numel
-
-    def segments(self, start: int, stop: int) -> list[tuple[str, int, int, int]]:
-        """``(name, a, b, offset)`` for each member with elements ``[a, b)`` (group coordinates) in ``[start, stop)``."""
-        first = max(0, bisect.bisect_right(self.offsets, start) - 1)
-        last = bisect.bisect_left(self.offsets, stop)
-        out = []
-        for i in range(first, max(first, last)):
-            off = self.offsets[i]
-            a, b = max(start, off), min(stop, off + self.sizes[i])
-            if a < b:
-                out.append((self.names[i], a, b, off))
-        return out
+    def segments(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Members holding elements of ``[start, stop)``: (member indices, addresses of their first such
+        element, element counts, starts relative to ``start``). Vectorised: no per-tensor Python."""
+        lo = max(0, int(np.searchsorted(self.offsets, start, "right")) - 1)
+        hi = int(np.searchsorted(self.offsets, stop, "left"))
+        off, size = self.offsets[lo:hi], self.sizes[lo:hi]
+        a, b = np.maximum(off, start), np.minimum(off + size, stop)
+        keep = np.nonzero(a < b)[0]
+        a, b, off = a[keep], b[keep], off[keep]
+        addrs = self.addrs[lo:hi][keep] + ((a - off) * self.width).astype(np.uint64)
+        return keep + lo, addrs, b - a, a - start
 
 
 def make_groups(specs: Sequence[TensorSpec], chunk: int) -> list[_Group]:
     """Format 2.1's grouping of ``specs`` (already in name order); see the module docstring."""
-    groups: list[_Group] = []
-    open_: dict[tuple[int, bool], _Group] = {}
+    order: list[list[Any]] = []  # [width, rotate, names, sizes, total] in order of their first tensor
+    open_: dict[tuple[int, bool], list[Any]] = {}
     for s in specs:
-        kind = _kind(s)
-        n = s.numel
+        kind = _kind(s.dtype)
+        n = math.prod(s.shape)
         if n >= chunk:
-            groups.append(_Group(*kind))
-            groups[-1].add(s.name, n)
+            order.append([*kind, [s.name], [n], n])
             continue
         g = open_.get(kind)
-        if g is None or g.total + n > chunk:
-            g = open_[kind] = _Group(*kind)
-            groups.append(g)
-        g.add(s.name, n)
-    return groups
+        if g is None or g[4] + n > chunk:
+            g = open_[kind] = [*kind, [], [], 0]
+            order.append(g)
+        g[2].append(s.name)
+        g[3].append(n)
+        g[4] += n
+    return [_Group(w, r, names, sizes) for w, r, names, sizes, _ in order]
 
 
-def _seg_arrays(segs: list[tuple[str, int, int, int]], start: int, width: int,
-                addr: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(addresses, counts, plane starts) of segments ``(name, a, b, offset)`` of a unit starting at ``start``."""
-    addrs = np.array([addr[name] + (a - off) * width for name, a, _, off in segs], dtype=np.uint64)
-    counts = np.array([b - a for _, a, b, _ in segs], dtype=np.int64)
-    starts = np.array([a - start for _, a, _, _ in segs], dtype=np.int64)
-    return addrs, counts, starts
+def _scratch(width: int, count: int) -> list[np.ndarray]:
+    """This thread's reusable plane buffers (``width`` rows of ``count`` bytes): no fresh pages per unit."""
+    buf = getattr(_tls, "planes", None)
+    if buf is None or buf.size < width * count:
+        buf = _tls.planes = np.empty(width * count, np.uint8)
+    return [buf[j * count:(j + 1) * count] for j in range(width)]
 
 
-def _encode_unit(g: _Group, start: int, count: int, srcs: dict[str, torch.Tensor], addr: dict[str, int],
-                 level: int, hash_log: int | None) -> list[tuple[list[Any], Any]]:
-    """Frames (index entry, bytes) of elements ``[start, start + count)`` of group ``g``."""
-    segs = g.segments(start, start + count)
-    if g.width == 1 and len(segs) == 1 and segs[0][2] - segs[0][1] == count:
-        name, a, b, off = segs[0]  # a single byte plane is the tensor itself: no copy
-        planes = [srcs[name].numpy()[a - off:b - off]]
-    else:
-        rows = np.empty((g.width, count), np.uint8)
-        planes = list(rows)
-        _planes.split_segments(g.width, g.rotate, *_seg_arrays(segs, start, g.width, addr), planes)
-    out = []
-    for j, p in enumerate(planes):
-        stored, data = _compress_plane(p, level, hash_log)
-        out.append(([j, start, count, len(data), stored], data))
-    return out
+@dataclass
+class _Unit:
+    """Elements ``[start, start + count)`` of a group: one frame per plane."""
+
+    group: _Group
+    start: int
+    count: int
+    stored: list[str] = field(default_factory=list)
+    #: the zstd frame of each compressed plane (None for a raw one, which is split again into the object)
+    frames: list[bytes | None] = field(default_factory=list)
+
+    def nbytes(self, j: int) -> int:
+        f = self.frames[j]
+        return self.count if f is None else len(f)
 
 
-def _src(u: Update) -> torch.Tensor:
-    """An update's bits as a flat contiguous CPU integer tensor (a copy only when they are not one already)."""
-    t = u.bits.detach()
-    if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.cpu().contiguous()
-    t = t.reshape(-1)
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        t = t.view(_TORCH_BITS[t.dtype.itemsize])
-    return t
+class _Encoder:
+    """Two passes over the units, so the object is written once, straight into its final memory.
+
+    1. (parallel) split each unit into this thread's scratch planes and compress
+       the planes zstd shrinks; raw planes are dropped, not copied;
+    2. the index (all sizes now known) gives every frame's offset; the object
+       is allocated once (:func:`new_bytes`) and (parallel) each unit copies
+       its zstd frames in and splits its raw planes straight into place.
+    """
+
+    def __init__(self, codec: DenseCodec, ups: list[Update]):
+        self.codec = codec
+        self.srcs = {u.spec.name: _src(u.bits) for u in ups}
+        self.names = [u.spec.name for u in ups]
+        self.groups = make_groups([u.spec for u in ups], codec.chunk)
+        for g in self.groups:
+            g.addrs[:] = [self.srcs[name].data_ptr() for name in g.names]
+        self.units = [_Unit(g, start, min(codec.chunk, g.total - start))
+                      for g in self.groups for start in range(0, g.total, codec.chunk)]
+
+    def _split(self, u: _Unit, planes: list[np.ndarray]) -> None:
+        g = u.group
+        _, addrs, counts, starts = g.segments(u.start, u.start + u.count)
+        _planes.split_segments(g.width, g.rotate, addrs, counts, starts, planes)
+
+    def _single_plane(self, u: _Unit) -> np.ndarray | None:
+        """For a 1-byte group of one tensor, the plane is the tensor's own bytes (no split needed)."""
+        g = u.group
+        if g.width != 1 or len(g.names) != 1:
+            return None
+        return self.srcs[g.names[0]].detach().reshape(-1).view(torch.uint8).numpy()[u.start:u.start + u.count]
+
+    def compress(self, i: int) -> None:
+        u = self.units[i]
+        one = self._single_plane(u)
+        if one is not None:
+            planes = [one]
+        else:
+            planes = _scratch(u.group.width, u.count)
+            self._split(u, planes)
+        for p in planes:
+            stored, data = _compress_plane(p, self.codec.level, self.codec.hash_log)
+            u.stored.append(stored)
+            u.frames.append(data if stored == "z" else None)
+
+    def write(self) -> bytes:
+        _parallel(len(self.units), self.compress)
+        index, offsets, off, k = [], [], 0, 0
+        for g in self.groups:
+            entries = []
+            while k < len(self.units) and self.units[k].group is g:
+                u = self.units[k]
+                offs = []
+                for j in range(g.width):
+                    entries.append([j, u.start, u.count, u.nbytes(j), u.stored[j]])
+                    offs.append(off)
+                    off += u.nbytes(j)
+                offsets.append(offs)
+                k += 1
+            index.append({"tensors": g.names, "frames": entries})
+        meta = {"deltastore.codec": self.codec.codec_id, "deltastore.codec_version": PLANES_VERSION,
+                "deltastore.names": names_digest(self.names), _GROUPS_KEY: json.dumps(index, separators=(",", ":"))}
+        head = u8_header({"frames": off}, meta)
+        out, buf = new_bytes(len(head) + off)
+        buf[:len(head)] = np.frombuffer(head, np.uint8)
+        body = buf[len(head):]
+
+        def place(i: int) -> None:
+            u = self.units[i]
+            dest = [body[o:o + u.nbytes(j)] for j, o in enumerate(offsets[i])]
+            for j, f in enumerate(u.frames):
+                if f is not None:
+                    dest[j][:] = np.frombuffer(f, np.uint8)
+            if all(f is not None for f in u.frames):
+                return
+            one = self._single_plane(u)
+            if one is not None:
+                dest[0][:] = one
+                return
+            scratch = _scratch(u.group.width, u.count)
+            self._split(u, [dest[j] if f is None else scratch[j] for j, f in enumerate(u.frames)])
+
+        _parallel(len(self.units), place)
+        return out
+
+
+def _src(bits: torch.Tensor) -> torch.Tensor:
+    """Bits as a contiguous CPU tensor (a copy only when they are not one already; no per-tensor view calls)."""
+    if bits.device.type != "cpu" or not bits.is_contiguous():
+        bits = bits.detach().cpu().contiguous()
+    return bits
 
 
 def _parallel(n: int, fn: Any) -> list[Any]:
@@ -281,24 +363,7 @@ class DenseCodec(Codec):
         ups = sorted(updates, key=lambda u: u.spec.name)
         if len({u.spec.name for u in ups}) != len(ups):
             raise ValueError("dense: duplicate tensor names")
-        srcs = {u.spec.name: _src(u) for u in ups}
-        groups = make_groups([u.spec for u in ups], self.chunk)
-        units = [(g, start, min(self.chunk, g.total - start)) for g in groups for start in range(0, g.total, self.chunk)]
-        addr = {name: t.data_ptr() for name, t in srcs.items()}
-        frames = _parallel(len(units), lambda i: _encode_unit(*units[i], srcs, addr, self.level, self.hash_log))
-        index, pieces, k = [], [], 0
-        for g in groups:
-            entries = []
-            for _ in range(-(-g.total // self.chunk)):
-                for entry, data in frames[k]:
-                    entries.append(entry)
-                    pieces.append(data)
-                k += 1
-            index.append({"tensors": g.names, "frames": entries})
-        meta = {"deltastore.codec": self.codec_id, "deltastore.codec_version": PLANES_VERSION,
-                "deltastore.names": names_digest([u.spec.name for u in ups]),
-                _GROUPS_KEY: json.dumps(index, separators=(",", ":"))}
-        return pack_u8({"frames": pieces}, meta)
+        return _Encoder(self, ups).write()
 
     # --- decode ------------------------------------------------------------------------------------
 
@@ -324,12 +389,12 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
         raise CorruptObjectError(f"dense: a {PLANES_VERSION} object holds one 1-D uint8 tensor 'frames', "
                                  f"found {sorted(tensors)}")
     payload = tensors["frames"][2]
-    by_name = {s.name: s for s in specs}
-    if len(by_name) != len(specs):
+    info: dict[str, tuple[int, tuple[int, bool]]] = {s.name: (math.prod(s.shape), _kind(s.dtype)) for s in specs}
+    if len(info) != len(specs):
         raise CorruptObjectError("dense: duplicate tensor names in the specs")
-    if meta.get("deltastore.names") != names_digest(sorted(by_name)):
-        raise CorruptObjectError(f"dense: object holds tensors {meta.get('deltastore.names')!r}, "
-                                 f"manifest expects {names_digest(sorted(by_name))!r}")
+    want = names_digest(sorted(info))
+    if meta.get("deltastore.names") != want:
+        raise CorruptObjectError(f"dense: object holds tensors {meta.get('deltastore.names')!r}, manifest expects {want!r}")
     try:
         doc = json.loads(meta[_GROUPS_KEY])
     except (KeyError, ValueError) as e:
@@ -343,35 +408,36 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
     for gd in doc:
         if not isinstance(gd, dict) or not isinstance(gd.get("tensors"), list) or not isinstance(gd.get("frames"), list):
             raise CorruptObjectError(f"dense: bad group entry {str(gd)[:200]}")
-        g: _Group | None = None
-        for name in gd["tensors"]:
-            if not isinstance(name, str) or name not in by_name or name in seen:
-                raise CorruptObjectError(f"dense: group names {str(name)[:200]!r}, unknown or listed twice")
-            seen.add(name)
-            s = by_name[name]
-            kind = _kind(s)
-            if g is None:
-                g = _Group(*kind)
-            elif kind != (g.width, g.rotate):
-                raise CorruptObjectError(f"dense: {name!r} ({s.dtype}) does not fit its group's element kind")
-            g.add(name, s.numel)
-        if g is None:
+        names = gd["tensors"]
+        if not names:
             raise CorruptObjectError("dense: empty group")
+        if not all(type(n) is str for n in names) or not info.keys() >= set(names):
+            bad = next(n for n in names if type(n) is not str or n not in info)
+            raise CorruptObjectError(f"dense: group names {str(bad)[:200]!r}, not a tensor of this object")
+        before = len(seen)
+        seen.update(names)
+        if len(seen) != before + len(names):
+            raise CorruptObjectError(f"dense: a tensor of the group of {names[0]!r} is listed twice")
+        members = [info[n] for n in names]
+        kind = members[0][1]
+        if any(m[1] != kind for m in members):
+            raise CorruptObjectError(f"dense: the group of {names[0]!r} mixes element kinds")
+        g = _Group(*kind, names, [m[0] for m in members])
         frames, w, at = gd["frames"], g.width, 0
         if len(frames) % w:
-            raise CorruptObjectError(f"dense: group of {g.names[0]!r} has {len(frames)} frames for {w} planes")
+            raise CorruptObjectError(f"dense: group of {names[0]!r} has {len(frames)} frames for {w} planes")
         for k in range(0, len(frames), w):
             planes = []
             count = -1
             for j, e in enumerate(frames[k:k + w]):
                 if (not isinstance(e, list) or len(e) != 5 or e[4] not in ("z", "r")
-                        or not all(isinstance(x, int) and not isinstance(x, bool) for x in e[:4])):
+                        or not all(type(x) is int for x in e[:4])):
                     raise CorruptObjectError(f"dense: bad frame entry {str(e)[:200]}")
                 plane, start, cnt, nbytes, stored = e
                 if count < 0:
                     count = cnt
                 if plane != j or start != at or cnt != count or cnt <= 0 or start + cnt > g.total or nbytes < 0:
-                    raise CorruptObjectError(f"dense: frame {e!r} out of place in the group of {g.names[0]!r}")
+                    raise CorruptObjectError(f"dense: frame {e!r} out of place in the group of {names[0]!r}")
                 if stored == "r" and nbytes != cnt:
                     raise CorruptObjectError(f"dense: raw frame {e!r} must hold {cnt} bytes")
                 if off + nbytes > payload.nbytes:
@@ -381,16 +447,16 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
             units.append((g, at, count, planes))
             at += count
         if at != g.total:
-            raise CorruptObjectError(f"dense: frames of the group of {g.names[0]!r} cover {at} of "
-                                     f"{g.total} elements")
+            raise CorruptObjectError(f"dense: frames of the group of {names[0]!r} cover {at} of {g.total} elements")
         groups.append(g)
-    if seen != set(by_name):
-        raise CorruptObjectError(f"dense: object lacks tensors {sorted(set(by_name) - seen)[:5]}")
+    if len(seen) != len(info):
+        raise CorruptObjectError(f"dense: object lacks tensors {sorted(info.keys() - seen)[:5]}")
     if off != payload.nbytes:
         raise CorruptObjectError(f"dense: {payload.nbytes - off} bytes after the last frame")
 
-    outs = {s.name: torch.empty(s.numel, dtype=_TORCH_BITS[s.dtype.itemsize]) for s in specs}
-    addr = {name: t.data_ptr() for name, t in outs.items()}
+    outs = {name: _empty(n, kind[0]) for name, (n, kind) in info.items()}
+    for g in groups:
+        g.addrs[:] = [outs[name].data_ptr() for name in g.names]
 
     def one(i: int) -> None:
         g, start, count, frames = units[i]
@@ -401,11 +467,23 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
             else:
                 raw = _decompress(payload[o:o + nbytes], count, f"dense frame at {o}")
                 planes.append(np.frombuffer(raw, np.uint8))
-        addrs, counts, starts = _seg_arrays(g.segments(start, start + count), start, g.width, addr)
+        _, addrs, counts, starts = g.segments(start, start + count)
         _planes.join_segments(g.width, g.rotate, planes, starts, counts, addrs)
 
     _parallel(len(units), one)
     return {s.name: Update(s, outs[s.name]) for s in specs}
+
+
+#: below this many bytes torch.empty is cheaper; above, numpy's buffers (advised onto transparent huge pages)
+#: take far fewer page faults when first written
+_HUGE = 1 << 20
+
+
+def _empty(n: int, width: int) -> torch.Tensor:
+    """A new flat tensor of ``n`` raw-bits elements of ``width`` bytes (uninitialised)."""
+    if n * width < _HUGE:
+        return torch.empty(n, dtype=_TORCH_BITS[width])
+    return torch.from_numpy(np.empty(n, _NP_BITS[width]))
 
 
 def _decode_v20(raw: dict[str, torch.Tensor], meta: dict[str, str], specs: Sequence[TensorSpec]) -> dict[str, Update]:
