@@ -6,9 +6,13 @@ Starts the OpenAI server with the worker extension and the "deltastore"
 weight-transfer backend, then drives it only through HTTP with
 ``deltastore.integrations.vllm.HTTPControl`` + ``Follower``: first sync (anchor
 route) over ``/collective_rpc``, a later version over the standard weight-transfer
-routes, the ``max_lag`` rule, ``/weight_info``, served-weight verification, a
-corrupt version refused while the server keeps serving, and a completion after
-every resume. Writes WORKDIR/result.json; exit 0 when every check passed.
+routes, the ``max_lag`` rule, ``/weight_info``, served-weight verification, and
+a corrupt version refused while the server keeps serving exactly what it served
+before: the greedy completion (token ids and their logprobs) after the refusal
+equals the one taken before it, and the served weights still verify against
+version 8. The completion at version 8 must differ from the base model's, so
+the pulls really reached the served weights. Writes WORKDIR/result.json; exit 0
+when every check passed.
 """
 
 from __future__ import annotations
@@ -90,12 +94,18 @@ def main(work: str) -> int:
         res["server_start_s"] = round(time.time() - t0, 1)
         log(f"server up in {res['server_start_s']}s")
 
-        def complete() -> list:
-            out = http("POST", srv_url + "/v1/completions", {"model": base, "prompt": [1, 2, 3, 4], "max_tokens": 4,
-                                                             "temperature": 0, "return_token_ids": True})
-            return out["choices"][0].get("token_ids") or out["choices"][0].get("text")
+        def complete() -> dict:
+            """Greedy completion of a fixed prompt: generated token ids and their logprobs (exact floats)."""
+            out = http("POST", srv_url + "/v1/completions", {
+                "model": base, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+                "logprobs": 1, "return_tokens_as_token_ids": True})
+            choice = out["choices"][0]
+            ids, lps = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+            assert isinstance(ids, list) and len(ids) == 4 and isinstance(lps, list) and len(lps) == 4, choice
+            return {"token_ids": [int(t) for t in ids], "logprobs": [float(x) for x in lps]}
 
-        checks["completion_before"] = complete() is not None
+        completion_base = complete()
+        checks["completion_before"] = completion_base
         status_file = os.path.join(work, "served.json")
         rpc = dv.HTTPControl(srv_url, transport="rpc")
         fol = dv.Follower(rpc, uri, poll_interval=0.2, max_lag=0, status_file=status_file)
@@ -131,6 +141,10 @@ def main(work: str) -> int:
         report = dv.combine_verify(rpc._rpc("deltastore_verify", {"raise_errors": "false"}))
         assert report["ok"] and report["step"] == 8, report
         checks["verify_8"] = report
+        completion_8 = complete()
+        checks["completion_8"] = completion_8
+        checks["completion_changed_0_to_8"] = completion_8 != completion_base
+        assert checks["completion_changed_0_to_8"], "versions 0 and 8 serve the same completion: no update arrived"
 
         publish_next(9)
         for o in ds.Subscriber(uri).manifest(9).objects:
@@ -153,7 +167,13 @@ def main(work: str) -> int:
             checks["corrupt_refused_weight_transfer"] = str(e)[:300]
         assert rpc.served()["step"] == 8
         assert http("GET", srv_url + "/is_paused").get("is_paused") is False
-        checks["completion_after_refusal"] = complete() is not None
+        after = complete()
+        checks["completion_after_refusal"] = after
+        checks["completion_unchanged_after_refusal"] = after == completion_8
+        assert after == completion_8, f"the server serves something else after refusing version 9: {after}"
+        report = dv.combine_verify(rpc._rpc("deltastore_verify", {"raise_errors": "false"}))
+        checks["verify_after_refusal"] = report
+        assert report["ok"] and report["step"] == 8, report
         logf.flush()
         served_log = [line.strip() for line in open(os.path.join(work, "server.log"))
                       if "deltastore: serving step" in line]

@@ -82,5 +82,8 @@ def test_vllm_serve_follows_store_over_http(tmp_path):
     assert checks["weight_transfer_6"]["served"]["step"] == 6
     assert checks["max_lag_waits"] and checks["max_lag_applies_8"]["versions_applied"] == [7, 8]
     assert checks["verify_8"]["ok"]
+    assert checks["completion_changed_0_to_8"]                 # the pulls reached the served weights
     assert checks["corrupt_refused"].startswith("CorruptObjectError")
-    assert checks["completion_after_refusal"]
+    assert checks["completion_unchanged_after_refusal"]         # token ids and logprobs, exact
+    assert checks["completion_after_refusal"] == checks["completion_8"]
+    assert checks["verify_after_refusal"]["ok"] and checks["verify_after_refusal"]["step"] == 8
