@@ -1,0 +1,72 @@
+"""bench/scale.py at its smallest size (--quick): it completes and reports every figure.
+
+Correctness only: no timing is asserted (speed lives in the benchmark itself).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, TRACES, _trace_module
+
+RUNS = {"cold-lr1e-6": "cold", "dither-lr1e-5": "dither"}
+PER_RUN = ["publish_sync", "publish_background", "pull", "download_vs_bound", "publisher_rss_sync",
+           "publisher_rss_background", "publisher_rss_anchor_peak", "subscriber_rss_steady",
+           "subscriber_rss_anchor_peak"]
+GLOBAL = ["many_delta_publish", "many_delta_pull", "many_anchor_publish", "many_anchor_pull", "dense_encode_gbps",
+          "dense_decode_gbps", "dense_size_pct"]
+CODECS = ["auto", "ulp", "zstd", "raw"]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_scale_quick_reports_every_figure(tmp_path):
+    _trace_module()  # skips without the trace locally; fails under CI=true
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--json", str(out), "--workdir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "## Targets" in proc.stdout and "PROJECTION (not measured)" in proc.stdout
+
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == []
+    assert doc["config"]["quick"] is True and doc["config"]["runs"] == list(RUNS)
+    figures = doc["figures"]
+    want = [f"{k}.{r}" for r in RUNS.values() for k in PER_RUN] + GLOBAL
+    assert set(want) <= set(figures), sorted(set(want) - set(figures))
+    for key in want:
+        f = figures[key]
+        assert _finite(f["value"]), (key, f["value"])
+        # extra RSS can legitimately be ~0; everything else (ratios, throughput, sizes) is positive
+        assert f["value"] >= 0 if "rss" in key else f["value"] > 0, (key, f["value"])
+        assert _finite(f["target"]) and f["target"] > 0 and f["op"] in ("<=", ">=")
+        assert isinstance(f["met"], bool)
+        assert f["label"] and f"| {f['label']} |" in proc.stdout  # printed next to its target
+        if f.get("cpu") is not None:
+            assert _finite(f["cpu"]) and f["cpu"] > 0, key
+        if f.get("spread"):
+            lo, hi = f["spread"]
+            assert _finite(lo) and _finite(hi) and 0 < lo <= hi, key
+    assert 30 < figures["dense_size_pct"]["value"] < 100  # a compressed anchor, never bigger than raw
+    for r in RUNS.values():  # the replicated runs keep their densities (~0.2 % and ~2 %)
+        assert 0 < doc["densities"][r] < 0.1
+    assert doc["densities"]["cold"] < doc["densities"]["dither"]
+
+    for codec in CODECS:
+        for r in RUNS.values():
+            row = doc["throughput"][f"{codec}.{r}"]
+            for k in ("publish_mbps_core", "pull_mbps_core", "publish_mbps", "pull_mbps", "bytes_per_changed"):
+                assert _finite(row[k]) and row[k] > 0, (codec, r, k, row.get(k))
+    for what in ("publish", "pull", "compare", "dense copy"):
+        for r in RUNS.values():
+            for model in ("7B", "70B"):
+                p = doc["projection"][f"{what}.{r}.{model}"]
+                assert _finite(p["cpu_s"]) and p["cpu_s"] > 0 and _finite(p["wall_s_16_cores"]), (what, r, model)
