@@ -214,9 +214,30 @@ def test_a_20_reader_refuses_a_21_object():
     assert meta["deltastore.codec_version"] == "2.1" and "deltastore.dense" not in meta
 
 
-def test_update_count_must_match_spec():
+def test_update_count_and_width_must_match_spec():
     with pytest.raises(ValueError):
         _codec().encode([Update(TensorSpec("a", torch.bfloat16, (5,)), torch.zeros(4, dtype=torch.int16))])
+    with pytest.raises(ValueError):  # the kernels read spec-width elements: a narrower buffer must be refused
+        _codec().encode([Update(TensorSpec("a", torch.float32, (4,)), torch.zeros(4, dtype=torch.int16))])
+    with pytest.raises(ValueError):
+        _codec().encode([Update(TensorSpec("a", torch.float32, (4,)), torch.zeros(4, dtype=torch.int32))] * 2)
+
+
+def test_concurrent_encodes_and_decodes_from_many_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    states = [{f"w{i}.{k}": _random(torch.bfloat16, (n,), seed=10 * i + k) for k, n in enumerate([5000, 70, 3, 20000])}
+              for i in range(8)]
+    c = _codec(chunk=4096)
+
+    def one(state):
+        specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+        data = c.encode([Update(s, bits_view(state[s.name])) for s in specs])
+        out = c.decode(data, specs)
+        return all(torch.equal(out[s.name].bits, bits_view(state[s.name])) for s in specs)
+
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(one, states * 3))
 
 
 # --- format 2.0 objects (written by deltastore 0.1) still decode -------------------------------------

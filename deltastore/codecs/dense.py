@@ -355,8 +355,9 @@ class DenseCodec(Codec):
         if any(u.positions is not None for u in updates):
             raise ValueError("dense encodes whole tensors only")
         for u in updates:
-            if u.bits.numel() != u.spec.numel:
-                raise ValueError(f"dense: {u.spec.name} has {u.bits.numel()} elements, spec says {u.spec.numel}")
+            if u.bits.numel() != u.spec.numel or u.bits.element_size() != u.spec.dtype.itemsize:
+                raise ValueError(f"dense: {u.spec.name} bits are {u.bits.numel()} x {u.bits.element_size()} bytes, "
+                                 f"its spec says {u.spec.numel} x {u.spec.dtype.itemsize}")
         if not self.planes:
             plain = {u.spec.name: u.bits.view(u.spec.dtype).reshape(u.spec.shape) for u in updates}
             return pack_meta(plain, self.codec_id, "1.0", {})
