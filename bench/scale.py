@@ -780,6 +780,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if not (_trace.TRACES / "weight_trace.py").exists():
+        sys.exit(f"weight trace not found at {_trace.TRACES}; set DELTASTORE_TRACES")
     cfg = {"size": a.size, "runs": a.runs, "repeat": a.repeat, "warmup": 1, "tensors": a.tensors,
            "tensors_mb": a.tensors_mb, "codecs": a.codecs, "threads": a.threads, "quick": a.quick}
     print(f"bench/scale.py: size {a.size} GB, runs {' '.join(a.runs)}, repeat {a.repeat} (+1 warm-up), "
