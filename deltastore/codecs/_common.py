@@ -1,4 +1,12 @@
-"""Helpers shared by the built-in sparse codecs: framing of multi-tensor objects, dtype facts, zstd."""
+"""Framing shared by the built-in codecs: one object = safetensors with codec metadata.
+
+Here: the object frame (``pack_meta`` / ``unpack_meta``, the tensor-names
+digest ``check_object``), bomb-safe zstd (``zstd_decompress`` refuses any
+frame whose declared size is not the expected one), the LEB128 header and
+gap-coded position stream of ``zstd`` and ``ulp``, the zstd ``level`` config,
+numpy views of bit tensors, and the per-tensor thread map. Bit streams live
+in ``_bits``; no codec imports another codec's module.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import torch
 import zstandard
 
 from ..errors import CorruptObjectError
+from . import _bits as B
 from .base import TensorSpec, Update
 
 T = TypeVar("T")
@@ -142,3 +151,86 @@ def as_bytes(t: torch.Tensor, codec_id: str, key: str) -> bytes:
     if t.dtype != torch.uint8 or t.dim() != 1:
         raise CorruptObjectError(f"{codec_id}: {key} is {t.dtype}{tuple(t.shape)}, expected 1-D uint8")
     return t.numpy().tobytes()
+
+
+# -- gap-coded positions and LEB128 headers (zstd, ulp) ---------------------------------------
+def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
+    """LEB128 gap stream of several sorted position arrays, one after the other (one vectorised pass)."""
+    if not positions:
+        return b""
+    cat = np.concatenate([np.asarray(p, dtype=np.int64) for p in positions])
+    gaps = np.diff(cat, prepend=-1) - 1
+    starts = np.cumsum([0] + [len(p) for p in positions[:-1]])
+    starts = starts[starts < cat.size]
+    gaps[starts] = cat[starts]  # each array's first gap is its first position
+    return B.uvarint_encode(gaps.astype(np.uint64))
+
+
+def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
+    """Inverse of :func:`encode_positions`, checking each array stays inside its tensor."""
+    total = sum(counts)
+    gaps, used = B.uvarint_decode(stream, total)
+    if used != len(stream):
+        raise CorruptObjectError(f"{codec_id}: position stream has trailing bytes")
+    if total == 0:
+        return [np.zeros(0, np.int64) for _ in counts]
+    if int(gaps.max()) >= max(numels):
+        raise CorruptObjectError(f"{codec_id}: position gap beyond the tensor")
+    counts_a = np.asarray(counts, dtype=np.int64)
+    cs = np.cumsum(gaps.astype(np.int64) + 1)
+    ends = np.cumsum(counts_a)
+    base = np.concatenate(([0], cs[ends[:-1] - 1])) if len(counts) > 1 else np.zeros(1, np.int64)
+    base = np.where(np.concatenate(([0], ends[:-1])) > 0, base, 0)
+    p = cs - 1 - np.repeat(base, counts_a)
+    nonempty = counts_a > 0
+    last = p[ends[nonempty] - 1]
+    if np.any(last >= np.asarray(numels, dtype=np.int64)[nonempty]):
+        raise CorruptObjectError(f"{codec_id}: position beyond the tensor")
+    return np.split(p, ends[:-1])
+
+
+def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,
+                extra: int) -> tuple[list[int], list[int]]:
+    """Per-tensor counts and ``extra`` trailing integers from the ``header`` tensor."""
+    if "header" not in raw:
+        raise CorruptObjectError(f"{codec_id}: object lacks its header")
+    hdr = as_bytes(raw["header"], codec_id, "header")
+    vals, used = B.uvarint_decode(hdr, len(specs) + extra)
+    if used != len(hdr):
+        raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
+    ints = [int(v) for v in vals]
+    counts = ints[:len(specs)]
+    for c, s in zip(counts, specs):
+        if c > s.numel:
+            raise CorruptObjectError(f"{codec_id}: {c} changes in {s.name!r} of {s.numel} elements")
+    return counts, ints[len(specs):]
+
+
+def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
+                   codec_id: str) -> list[np.ndarray]:
+    if raw_len > 10 * sum(counts):
+        raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
+    if "positions" not in raw:
+        raise CorruptObjectError(f"{codec_id}: object lacks its positions")
+    stream = zstd_decompress(as_bytes(raw["positions"], codec_id, "positions"), raw_len, f"{codec_id} positions")
+    return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
+
+
+class ZstdLevel:
+    """Config shared by the zstd-based codecs: ``level`` (zstd level, default 1)."""
+
+    def __init__(self, level: int = 1):
+        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
+            raise ValueError(f"level must be an integer in [-7, 22], got {level!r}")
+        self.level = level
+
+    def get_config(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+
+def position_bits(numel: int, changed: int) -> float:
+    """Bits per changed element of an ideal code for ``changed`` independent positions among ``numel``."""
+    if changed <= 0 or changed >= numel:
+        return 0.0
+    p = changed / numel
+    return float(-(p * np.log2(p) + (1 - p) * np.log2(1 - p)) / p)

@@ -39,10 +39,6 @@ from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
 from .base import Codec, OldBits, TensorSpec, Update
-from .ctx import CtxCodec
-from .dense import DenseCodec
-from .ulp import UlpCodec
-from .zstd import ZstdCodec
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -85,8 +81,10 @@ class AutoCodec(Codec):
             raise ValueError(f"link_mbps must be a positive number or None, got {link_mbps!r}")
         self.dense_above = float(dense_above)
         self.link_mbps = None if link_mbps is None else float(link_mbps)
-        self._codecs: dict[str, Codec] = {"ctx": CtxCodec(), "ulp": UlpCodec(), "zstd": ZstdCodec(),
-                                          "dense": DenseCodec(planes=True)}
+        from . import get_codec  # the parts are built-in codecs, found by name like any other
+
+        self._codecs: dict[str, Codec] = {cid: get_codec(cid) for cid in ("ctx", "ulp", "zstd")}
+        self._codecs["dense"] = get_codec({"id": "dense", "config": {"planes": True}})
 
     def get_config(self) -> dict[str, Any]:
         # link_mbps is recorded only when it is not the default (older readers know dense_above only)
@@ -94,6 +92,11 @@ class AutoCodec(Codec):
         if self.link_mbps != DEFAULT_LINK_MBPS:
             cfg["link_mbps"] = self.link_mbps
         return cfg
+
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        """The estimate of the part this tensor would get with the sender holding the old tensor."""
+        pays = ctx_pays_off(spec.numel, changed, self.link_mbps, threads())
+        return self._codecs["ctx" if pays else "ulp"].estimate_size(spec, changed)
 
     def _sparse_choice(self, u: Update) -> str:
         if u.old_tensor is not None and (u.old_bits is None

@@ -113,6 +113,22 @@ class Codec(abc.ABC):
         """The manifest's codec record: id, format version and config."""
         return {"id": self.codec_id, "version": self.format_version, "config": self.get_config()}
 
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        """Bytes this codec is expected to store for one tensor of ``spec``.
+
+        ``changed`` is the number of changed elements (sparse codecs); dense
+        codecs store every element and may ignore it. Callers (the Publisher's
+        sparse-or-whole choice) compare estimates instead of knowing any
+        codec's layout. The default is the raw layout: the new bits plus an
+        int32 (int64 past 2**31 elements) index per changed element, or the
+        whole tensor's bits for a dense codec. It is an upper bound for the
+        built-in codecs, not a measurement; codecs that compress override it.
+        """
+        item = spec.bits_dtype.itemsize
+        if self.dense:
+            return spec.numel * item
+        return changed * (item + (4 if spec.numel < 2**31 else 8))
+
     @abc.abstractmethod
     def encode(self, updates: Sequence[Update]) -> bytes:
         """Bytes of one object holding ``updates`` (all dense or all sparse, per ``self.dense``)."""

@@ -27,7 +27,7 @@ import torch
 from ..errors import CorruptObjectError
 from ..kernels import ranks as R
 from . import _bits as B
-from ._common import (MANTISSA_BITS, as_bytes, check_object, names_digest, np_bits, np_bits_dtype, pack_meta,
+from ._common import (MANTISSA_BITS, as_bytes, position_bits, check_object, names_digest, np_bits, pack_meta,
                       parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta)
 from .base import Codec, OldBits, TensorSpec, Update
 
@@ -258,6 +258,10 @@ class CtxCodec(Codec):
 
     def get_config(self) -> dict[str, Any]:
         return {"buckets": self.buckets}
+
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        # measured on the traces: 0.45-0.75 x the independent-position bound; the upper end
+        return int(changed * 0.75 * (position_bits(spec.numel, changed) + 1.6) / 8) + 64
 
     # -- encode --------------------------------------------------------------------------
     def encode(self, updates: Sequence[Update]) -> bytes:

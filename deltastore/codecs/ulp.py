@@ -25,10 +25,10 @@ import torch
 
 from ..errors import CorruptObjectError
 from . import _bits as B
-from ._common import (MANTISSA_BITS, as_bytes, check_object, names_digest, np_bits, pack_meta, sorted_specs,
-                      sorted_updates, to_torch_bits, u8, unpack_meta, zstd_compress, zstd_decompress)
+from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
+                      pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
+                      unpack_meta, zstd_compress, zstd_decompress)
 from .base import Codec, OldBits, TensorSpec, Update
-from .zstd import ZstdLevel, encode_positions, read_header, read_positions
 
 
 def _by_kind(ups: Sequence[Update]) -> list[tuple[bool, np.ndarray, list[Update]]]:
@@ -53,6 +53,10 @@ class UlpCodec(ZstdLevel, Codec):
     codec_id = "ulp"
     format_version = "1.0"
     receiver_needs = "old_bits"
+
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        # positions as zstd's; an RL step's ulp steps cost ~0.35 B each after zstd (86-92 % are +-1)
+        return int(changed * (1.15 * position_bits(spec.numel, changed) / 8 + 0.35)) + 64
 
     def encode(self, updates: Sequence[Update]) -> bytes:
         ups = sorted_updates(updates)

@@ -15,90 +15,15 @@ The decoder needs nothing from the receiver.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
 import torch
 
 from ..errors import CorruptObjectError
 from . import _bits as B
-from ._common import (as_bytes, check_object, names_digest, np_bits, np_bits_dtype, pack_meta, sorted_specs,
-                      sorted_updates, to_torch_bits, u8, unpack_meta, zstd_compress, zstd_decompress)
+from ._common import (ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits, np_bits_dtype, pack_meta,
+                      read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta,
+                      zstd_compress, as_bytes)
 from .base import Codec, OldBits, TensorSpec, Update
-
-
-def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
-    """LEB128 gap stream of several sorted position arrays, one after the other (one vectorised pass)."""
-    if not positions:
-        return b""
-    cat = np.concatenate([np.asarray(p, dtype=np.int64) for p in positions])
-    gaps = np.diff(cat, prepend=-1) - 1
-    starts = np.cumsum([0] + [len(p) for p in positions[:-1]])
-    starts = starts[starts < cat.size]
-    gaps[starts] = cat[starts]  # each array's first gap is its first position
-    return B.uvarint_encode(gaps.astype(np.uint64))
-
-
-def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
-    """Inverse of :func:`encode_positions`, checking each array stays inside its tensor."""
-    total = sum(counts)
-    gaps, used = B.uvarint_decode(stream, total)
-    if used != len(stream):
-        raise CorruptObjectError(f"{codec_id}: position stream has trailing bytes")
-    if total == 0:
-        return [np.zeros(0, np.int64) for _ in counts]
-    if int(gaps.max()) >= max(numels):
-        raise CorruptObjectError(f"{codec_id}: position gap beyond the tensor")
-    counts_a = np.asarray(counts, dtype=np.int64)
-    cs = np.cumsum(gaps.astype(np.int64) + 1)
-    ends = np.cumsum(counts_a)
-    base = np.concatenate(([0], cs[ends[:-1] - 1])) if len(counts) > 1 else np.zeros(1, np.int64)
-    base = np.where(np.concatenate(([0], ends[:-1])) > 0, base, 0)
-    p = cs - 1 - np.repeat(base, counts_a)
-    nonempty = counts_a > 0
-    last = p[ends[nonempty] - 1]
-    if np.any(last >= np.asarray(numels, dtype=np.int64)[nonempty]):
-        raise CorruptObjectError(f"{codec_id}: position beyond the tensor")
-    return np.split(p, ends[:-1])
-
-
-def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,
-                extra: int) -> tuple[list[int], list[int]]:
-    """Per-tensor counts and ``extra`` trailing integers from the ``header`` tensor."""
-    if "header" not in raw:
-        raise CorruptObjectError(f"{codec_id}: object lacks its header")
-    hdr = as_bytes(raw["header"], codec_id, "header")
-    vals, used = B.uvarint_decode(hdr, len(specs) + extra)
-    if used != len(hdr):
-        raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
-    ints = [int(v) for v in vals]
-    counts = ints[:len(specs)]
-    for c, s in zip(counts, specs):
-        if c > s.numel:
-            raise CorruptObjectError(f"{codec_id}: {c} changes in {s.name!r} of {s.numel} elements")
-    return counts, ints[len(specs):]
-
-
-def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
-                   codec_id: str) -> list[np.ndarray]:
-    if raw_len > 10 * sum(counts):
-        raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
-    if "positions" not in raw:
-        raise CorruptObjectError(f"{codec_id}: object lacks its positions")
-    stream = zstd_decompress(as_bytes(raw["positions"], codec_id, "positions"), raw_len, f"{codec_id} positions")
-    return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
-
-
-class ZstdLevel:
-    """Config shared by the zstd-based codecs: ``level`` (zstd level, default 1)."""
-
-    def __init__(self, level: int = 1):
-        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
-            raise ValueError(f"level must be an integer in [-7, 22], got {level!r}")
-        self.level = level
-
-    def get_config(self) -> dict[str, Any]:
-        return {"level": self.level}
 
 
 class ZstdCodec(ZstdLevel, Codec):
@@ -106,6 +31,10 @@ class ZstdCodec(ZstdLevel, Codec):
 
     codec_id = "zstd"
     format_version = "1.0"
+
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        # gap-coded positions come within ~15 % of the ideal code on the traces; values are stored raw
+        return int(changed * (1.15 * position_bits(spec.numel, changed) / 8 + spec.bits_dtype.itemsize)) + 64
 
     def encode(self, updates: Sequence[Update]) -> bytes:
         ups = sorted_updates(updates)
