@@ -786,7 +786,8 @@ def main(argv=None) -> int:
            "tensors_mb": a.tensors_mb, "codecs": a.codecs, "threads": a.threads, "quick": a.quick}
     print(f"bench/scale.py: size {a.size} GB, runs {' '.join(a.runs)}, repeat {a.repeat} (+1 warm-up), "
           f"many-tensors {a.tensors} x {a.tensors_mb:g} MB, codecs {' '.join(a.codecs)}, threads {a.threads}, "
-          f"trace {_trace.TRACES}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}", flush=True)
+          f"trace {_trace.TRACES}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"deltastore from {Path(ds.__file__).parent}", flush=True)
     run_case = Runner(cfg)
     res: dict = {}
     with tempfile.TemporaryDirectory(dir=a.workdir, prefix="deltastore-scale-") as work:
@@ -838,9 +839,10 @@ def main(argv=None) -> int:
     if run_case.errors:
         print(f"\n{len(run_case.errors)} case(s) failed:", *run_case.errors, sep="\n", file=sys.stderr)
     if a.json:
-        commit = os.popen(f"git -C {Path(__file__).resolve().parent} rev-parse --short HEAD 2>/dev/null").read()
+        commit = os.popen(f"git -C {Path(ds.__file__).parent} rev-parse --short HEAD 2>/dev/null").read()
         doc = {"config": cfg, "commit": commit.strip(), "figures": figs.rows, **extra, "errors": run_case.errors,
                "load_average": run_case.loads, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+               "deltastore": str(Path(ds.__file__).parent),
                "raw": {" ".join(k) if isinstance(k, tuple) else k: v for k, v in res.items()}}
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1, default=float)
