@@ -33,8 +33,8 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: elements per thread chunk (below two of these a tensor is hashed inline, no thread hop)
 _MIN_CHUNK = 1 << 18
-#: elements per torch (device) pass; bounds the int64 temporaries to a few times 8 * this many bytes
-_TORCH_CHUNK = 1 << 24
+#: elements per torch (device) pass: at most three int64 temporaries of this many elements (96 MiB) at once
+_TORCH_CHUNK = 1 << 22
 
 
 def tensor_key(name: str) -> int:
@@ -70,9 +70,11 @@ def _signed(c: np.uint64) -> int:
 _T1, _T2, _T3 = _signed(_k.C1), _signed(_k.C2), _signed(_k.C3)
 
 
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 ``x`` by ``s`` (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+def _xor_srl(x: torch.Tensor, s: int) -> None:
+    """``x ^= x >>> s`` in place on int64 ``x`` (logical shift: torch's ``>>`` is arithmetic, so mask it)."""
+    t = x >> s
+    t &= (1 << (64 - s)) - 1
+    x ^= t
 
 
 def torch_mix_sum(key: int, positions: torch.Tensor | None, bits: torch.Tensor, start: int = 0) -> int:
@@ -99,18 +101,19 @@ def torch_mix_sum(key: int, positions: torch.Tensor | None, bits: torch.Tensor, 
         if positions is None:
             x = torch.arange(start + i, start + j, dtype=torch.int64, device=b.device)
         else:
-            x = positions.detach().reshape(-1)[i:j].to(device=b.device, dtype=torch.int64)
-        x = x * _T1
+            x = positions.detach().reshape(-1)[i:j].to(device=b.device, dtype=torch.int64, copy=True)
+        x *= _T1
         v = b[i:j].to(torch.int64)
         if width < 8:
             v &= mask
         x ^= v
+        del v
         x += k
-        x ^= _srl(x, 30)
+        _xor_srl(x, 30)
         x *= _T2
-        x ^= _srl(x, 27)
+        _xor_srl(x, 27)
         x *= _T3
-        x ^= _srl(x, 31)
+        _xor_srl(x, 31)
         total += x.sum()
     return int(total.item()) & _M64
 

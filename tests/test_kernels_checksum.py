@@ -169,7 +169,9 @@ def test_torch_path_matches_reference_sparse(dtype, monkeypatch):
     pos = torch.from_numpy(g.integers(-(1 << 62), 1 << 62, 777, dtype=np.int64))
     bits = _random(dtype, 777, seed=6)
     key = cs.tensor_key("y")
+    before = pos.clone(), bits.clone()
     assert cs.torch_mix_sum(key, pos, bits) == ref_sparse_sum(key, pos, bits)
+    assert torch.equal(pos, before[0]) and torch.equal(bits, before[1])  # inputs are never modified
 
 
 def test_kernel_threads_split_work(monkeypatch):
