@@ -112,17 +112,16 @@ def _advise_huge(addr: int, n: int) -> None:
         _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 14)  # MADV_HUGEPAGE; a failure is harmless
 
 
-def view(data: bytes | memoryview, codec_id: str) -> tuple[dict[str, tuple[str, tuple[int, ...], memoryview]],
-                                                         dict[str, str]]:
-    """Parse a safetensors file without copying: ``({name: (dtype, shape, bytes view)}, metadata)``.
+Header = tuple[dict, dict[str, str], memoryview]
 
-    Checks what the safetensors library checks (header length and JSON, known
-    dtypes, sizes matching shapes, data offsets contiguous from 0 and covering
-    the data exactly); any failure is :class:`CorruptObjectError`. The views
-    share ``data``'s memory.
+
+def header(data: bytes | memoryview, codec_id: str) -> Header:
+    """``(tensor entries, metadata, data section)`` of a safetensors file, the entries not yet checked.
+
+    Checks the header length and JSON and the metadata (a dict of strings);
+    any failure is :class:`CorruptObjectError`. No copy of the data.
     """
     import json
-    import math
 
     buf = memoryview(data).cast("B")
     if buf.nbytes < 8:
@@ -131,17 +130,32 @@ def view(data: bytes | memoryview, codec_id: str) -> tuple[dict[str, tuple[str, 
     if n > MAX_HEADER or 8 + n > buf.nbytes:
         raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: header of {n} bytes")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        head = json.loads(bytes(buf[8:8 + n]))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: bad header ({e})") from None
-    if not isinstance(header, dict):
+    if not isinstance(head, dict):
         raise CorruptObjectError(f"{codec_id} object is not a valid safetensors file: header is not an object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = head.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptObjectError(f"{codec_id} object has bad safetensors metadata")
-    body = buf[8 + n:]
+    return head, meta, buf[8 + n:]
+
+
+def view(data: bytes | memoryview, codec_id: str, parsed: Header | None = None
+         ) -> tuple[dict[str, tuple[str, tuple[int, ...], memoryview]], dict[str, str]]:
+    """Parse a safetensors file without copying: ``({name: (dtype, shape, bytes view)}, metadata)``.
+
+    Checks what the safetensors library checks (header length and JSON, known
+    dtypes, sizes matching shapes, data offsets contiguous from 0 and covering
+    the data exactly); any failure is :class:`CorruptObjectError`. The views
+    share ``data``'s memory. ``parsed``: :func:`header`'s result for ``data``
+    when the caller already has it.
+    """
+    import math
+
+    head, meta, body = parsed if parsed is not None else header(data, codec_id)
     entries = []
-    for name, info in header.items():
+    for name, info in head.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
             ok = (dtype in _DTYPE_SIZES and isinstance(shape, list)

@@ -58,7 +58,7 @@ from ..kernels import planes as _planes
 from ..kernels.parallel import chunked
 from ._common import MANTISSA_BITS, names_digest, np_bits_dtype, pack_meta, parallel_map, to_torch_bits
 from ._common import unpack_meta, zstd_decompress
-from ._safetensors import new_bytes, take, u8_header, view
+from ._safetensors import header, new_bytes, take, u8_header, view
 from .base import Codec, OldBits, TensorSpec, Update
 
 #: format written with ``planes=True``
@@ -369,11 +369,13 @@ class DenseCodec(Codec):
     # --- decode ------------------------------------------------------------------------------------
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
-        tensors, meta = view(data, self.codec_id)
+        parsed = header(data, self.codec_id)
+        meta = parsed[1]
         if meta.get("deltastore.codec", self.codec_id) != self.codec_id:
             raise CorruptObjectError(f"dense: object was written by codec {meta.get('deltastore.codec')!r}")
         version = meta.get("deltastore.codec_version", "1.0")
         if version == PLANES_VERSION:
+            tensors, meta = view(data, self.codec_id, parsed)
             return _decode_v21(tensors, meta, specs)
         raw, meta = unpack_meta(data, self.codec_id)
         if version.split(".")[0] == "1":
