@@ -15,17 +15,37 @@ tensors already written are restored from the saved bits and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from .checksum import full_checksum, updated_checksum
+from . import segments
+from .checksum import full_checksum, tensor_key, updated_checksum
 from .codecs import TensorSpec, Update
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_view, dtype_name
+
+_M64 = (1 << 64) - 1
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _key(name: str) -> int:
+    return tensor_key(name)
+
+
+def plain_cpu(t: torch.Tensor) -> bool:
+    """Whether the kernels may read and write ``t`` by address: a plain (not subclassed) CPU tensor.
+
+    Subclasses (DTensor, fakes, instrumented tensors) always go through torch
+    ops, so whatever they intercept still sees every write.
+    """
+    return type(t) in _PLAIN and t.is_cpu
 
 
 def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict[str, list[str]]:
@@ -101,6 +121,15 @@ class FullState:
             self.checksums[rec.name] = int(rec.checksum, 16)
             self.bits[rec.name] = b
 
+    @classmethod
+    def from_bits(cls, manifest: Manifest, bits: Mapping[str, torch.Tensor]) -> FullState:
+        """A state over already verified flat bits (an anchor streamed in); the tensors are used, not copied."""
+        self = cls.__new__(cls)
+        self.specs = {r.name: r.spec for r in manifest.tensors}
+        self.bits = {r.name: bits[r.name] for r in manifest.tensors}
+        self.checksums = {r.name: int(r.checksum, 16) for r in manifest.tensors}
+        return self
+
     def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
         """Bits at ``positions``; ``None``: the whole flat tensor (read-only for the caller)."""
         return self.bits[name] if positions is None else self.bits[name][positions]
@@ -121,7 +150,7 @@ class FullState:
             staged.append((rec.name, u, cs))
         for name, u, cs in staged:
             if u.positions is None:
-                self.bits[name] = u.bits
+                self.bits[name].copy_(u.bits)  # in place: the bits may be a caller's buffer
             else:
                 self.bits[name][u.positions] = u.bits
             self.checksums[name] = cs
@@ -140,16 +169,17 @@ class _Pending:
 
 Reader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
 """``reader(name, positions) -> bits`` a target holds at flat ``positions`` (CPU, integer view);
-``positions=None`` asks for a CPU copy of the whole flat tensor."""
+``positions=None`` asks for the whole flat tensor on the CPU, which the caller only reads (a view of a
+CPU target's own storage, or a copy)."""
 
 
 def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
-    """A :data:`Reader` over a mapping of tensors (any device)."""
+    """A :data:`Reader` over a mapping of tensors (any device); whole CPU tensors are given as views."""
 
     def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
         flat = bits_view(target[name])
         if positions is None:
-            return flat.to("cpu", copy=True)
+            return flat if flat.is_cpu else flat.cpu()
         return flat[positions.to(flat.device)].cpu()
 
     return read
@@ -160,26 +190,36 @@ class SparseOverlay:
 
     ``reader`` gives the bits the target holds now; ``base`` is the manifest
     of the version it holds (its checksums start the O(changed) checks).
+    ``tensors`` (optional): the target's flat bit views by name; for plain CPU
+    tensors among them, the old bits of every tensor a delta touches first
+    are gathered, and the checksums checked, in one kernel pass per element
+    width instead of a call per tensor.
     """
 
-    def __init__(self, reader: Reader, base: Manifest):
+    def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None):
         self.reader = reader
         self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
         self.pending: dict[str, _Pending] = {}
+        self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
 
     def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         return self.reader(name, positions)
 
     def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
-        """Bits at ``positions`` (``None``: the whole flat tensor, a CPU copy) as of the deltas applied so far."""
+        """Bits at ``positions`` as of the deltas applied so far.
+
+        ``None``: the whole flat tensor, read-only: the target's own bits (a
+        view for a CPU target) when no staged delta touched it yet, else a
+        copy with the staged bits in.
+        """
+        p = self.pending.get(name)
         if positions is None:
             whole = self.reader(name, None)
-            p = self.pending.get(name)
             if p is not None and p.positions.numel():
+                whole = whole.clone()
                 whole[p.positions] = p.bits
             return whole
         old = self._target_bits(name, positions)
-        p = self.pending.get(name)
         if p is not None and p.positions.numel():
             loc = torch.searchsorted(p.positions, positions).clamp_(max=p.positions.numel() - 1)
             hit = p.positions[loc] == positions
@@ -188,15 +228,31 @@ class SparseOverlay:
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         staged = []
+        batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
         for rec in manifest.tensors:
             u = updates.get(rec.name)
             if u is None:
+                continue
+            if u.positions is not None and rec.name in self._fast and rec.name not in self.pending:
+                batch.setdefault(u.bits.element_size(), []).append((rec, u))
                 continue
             positions = u.positions if u.positions is not None else torch.arange(rec.numel)
             old = self.old_bits(rec.name, positions)
             cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
             _expect(rec, cs, manifest.step, "applying the delta to the target")
             staged.append((rec.name, positions, u.bits, old, cs))
+        for group in batch.values():  # first touches of plain CPU tensors: one gather + one checksum pass
+            bounds = segments.bounds_of([u.count for _, u in group])
+            pos = torch.cat([u.positions for _, u in group]) if len(group) > 1 else group[0][1].positions
+            new = torch.cat([u.bits for _, u in group]) if len(group) > 1 else group[0][1].bits
+            old = segments.gather([self._fast[r.name] for r, _ in group], pos, bounds)
+            keys = np.fromiter((_key(r.name) for r, _ in group), dtype=np.uint64, count=len(group))
+            deltas = segments.mix_delta(pos, old, new, bounds, keys)
+            for i, (rec, u) in enumerate(group):
+                cs = (self.checksums[rec.name] + int(deltas[i])) & _M64
+                _expect(rec, cs, manifest.step, "applying the delta to the target")
+                a, b = int(bounds[i]), int(bounds[i + 1])
+                staged.append((rec.name, u.positions, u.bits, old[a:b], cs))
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
@@ -204,7 +260,7 @@ class SparseOverlay:
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
         if p is None:  # first touch: the bits before this delta are the target's own
-            self.pending[name] = _Pending(positions, bits.clone(), old)
+            self.pending[name] = _Pending(positions, bits, old)
             return
         union, inverse = torch.unique(torch.cat([p.positions, positions]), sorted=True, return_inverse=True)
         merged = torch.empty(union.numel(), dtype=bits.dtype)
@@ -241,16 +297,37 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState,
 
 def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                  copies: Mapping[str, list[str]] | None = None) -> None:
-    """Write the overlay's net changes into ``target``; restore the touched elements on failure."""
+    """Write the overlay's net changes into ``target``; restore the touched elements on failure.
+
+    Plain CPU tensors are written by one kernel scatter per element width;
+    every other tensor (accelerator, subclass) through a torch index write.
+    """
     undo: list[Callable[[], object]] = []
     try:
         with torch.no_grad():
+            batch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
             for name, p, dest in _destinations(overlay.pending, copies):
-                flat = bits_view(target[dest])
+                if not p.positions.numel():
+                    continue
+                t = target[dest]
+                flat = bits_view(t)
+                if plain_cpu(t):
+                    tl, pl, bl, ol = batch.setdefault(flat.element_size(), ([], [], [], []))
+                    tl.append(flat)
+                    pl.append(p.positions)
+                    bl.append(p.bits)
+                    ol.append(p.original if dest == name else flat[p.positions])
+                    continue
                 pos = p.positions.to(flat.device)
                 orig = p.original if dest == name else flat[pos].cpu()
                 undo.append(lambda flat=flat, pos=pos, orig=orig: flat.index_put_((pos,), orig.to(flat.device)))
                 flat[pos] = p.bits.to(flat.device)
+            for tl, pl, bl, ol in batch.values():
+                bounds = segments.bounds_of([q.numel() for q in pl])
+                pos, bits, orig = torch.cat(pl), torch.cat(bl), torch.cat(ol)
+                undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
+                segments.scatter(tl, pos, bounds, bits)
+                torch.autograd.graph.increment_version(tl)
     except Exception as e:
         _rollback(undo, e)
 

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from .anchors import ChainState
 from .checksum import format_checksum, full_checksum, sparse_sum, tensor_key
 from .codecs import TensorSpec
-from .diff import Change, find_changes
+from .diff import Change
 from .drift import DriftTracker
 from .errors import DeltaStoreError, StepOrderError, TargetMismatchError, VersionExistsError
 from .manifest import MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
-from .publisher import Publisher, VersionInfo, _apply_changes
+from .publish.mirror import Diff, Mirror
+from .publish.upload import Job, store_jobs
+from .publisher import Publisher, VersionInfo
 from .tensors import dtype_name
 
 _M64 = (1 << 64) - 1
@@ -90,21 +92,24 @@ class ShardedPublisher:
         error: BaseException | None = None
         summary: dict[str, tuple[int, int]] = {}
         changes: dict[str, Change] = {}
-        fresh = None
+        diff: Diff | None = None
+        mirror = e._mirror
         proposed = None
         try:
             self._check_step(step)
+            mine = {n: local[n][0] for n in owned}
             if same_layout:
-                assert e._mirror is not None
-                for n in owned:
-                    changes[n] = find_changes(e._mirror[n], local[n][0], chunk_elems=e.chunk_elems,
-                                              dtype=specs[n].dtype)
+                assert mirror is not None
+                diff = mirror.diff(mine, chunk_elems=e.chunk_elems)
+                changes = diff.changes
             else:
-                fresh = {n: e._host_bits(local[n][0], specs[n]) for n in owned}
+                mirror = Mirror.capture(mine, specs, e.mirror_device)
             for n in owned:
                 off = local[n][1]
-                if fresh is not None:
-                    summary[n] = (specs[n].numel, _partial_full(n, fresh[n], off))
+                if diff is None:
+                    summary[n] = (specs[n].numel, _partial_full(n, mirror.view(n), off))
+                elif off == 0:
+                    summary[n] = (changes[n].count, diff.sums[n])
                 else:
                     ch = changes[n]
                     k = tensor_key(n)
@@ -131,23 +136,38 @@ class ShardedPublisher:
         records: list[ObjectRecord] = []
         parts: list[tuple[str, str, Part]] = []  # (role, name, part with a local object index)
         diff_changes: dict[str, Change] = {}
+        advanced = False
+        assert mirror is not None
         try:
-            jobs_by_role = []
+            by_role: list[tuple[str, dict[str, list[Part]], list[Job]]] = []
+            whole: list[tuple[str, dict[str, list[Part]]]] = []
+            delta_of: dict[str, list[Part]] = {}
+            diff_of: dict[str, list[Part]] = {}
+            full_of: dict[str, list[Part]] = {}
             if same_layout:
-                jobs_by_role.append(("delta", e._sparse_jobs(specs, changes, {}, base=None)))
+                by_role.append(("delta", delta_of, e._sparse_jobs(specs, changes, mirror, delta_of, whole, None)))
             if with_diff:
                 assert proposed is not None
                 diff_changes = DriftTracker.differential(proposed)
-                jobs_by_role.append(("diff", e._sparse_jobs(specs, diff_changes, {}, base=proposed)))
+                by_role.append(("diff", diff_of, e._sparse_jobs(specs, diff_changes, mirror, diff_of, whole,
+                                                                proposed)))
+            for _, _, jobs in by_role:  # against the parent's bits
+                records += store_jobs(e._pool, e.store, jobs, inflight=e.max_workers, first_index=len(records))
+            if diff is not None:
+                mirror.advance(diff)
+                advanced = True
+            object_bytes, inflight = e._anchor_streaming(specs)
+            later: list[Job] = []
+            for index_of in (delta_of, diff_of):
+                names = [n for n, ix in whole if ix is index_of]
+                if names:
+                    later += e._dense_jobs(specs, names, mirror, index_of, object_bytes)
             if is_anchor:
-                jobs_by_role.append(("full", e._full_jobs(specs, changes, fresh, {})))
-            for role, jobs in jobs_by_role:
-                index_of: dict[str, list[Part]] = {}
-                jobs = [(codec, make, index_of) for codec, make, _ in jobs]
-                base = len(records)
-                records += e._store_objects(jobs)
+                later += e._dense_jobs(specs, list(specs), mirror, full_of, object_bytes)
+            records += store_jobs(e._pool, e.store, later, inflight=inflight, first_index=len(records))
+            for role, index_of in (("delta", delta_of), ("diff", diff_of), ("full", full_of)):
                 for n, plist in index_of.items():
-                    parts += [(role, n, Part(p.object + base, p.offset + local[n][1], p.numel)) for p in plist]
+                    parts += [(role, n, Part(p.object, p.offset + local[n][1], p.numel)) for p in plist]
         except BaseException as exc:
             error = exc
         diff_counts = {n: ch.count for n, ch in diff_changes.items()}
@@ -162,6 +182,9 @@ class ShardedPublisher:
                               else None)
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0][0] == "error":
+            if advanced:
+                assert diff is not None
+                mirror.revert(diff)
             if error is not None:
                 raise error
             exc = outcome[0][2]
@@ -169,17 +192,15 @@ class ShardedPublisher:
         info: VersionInfo = outcome[0][1]
         last: VersionRef = outcome[0][2]
         anchor: VersionRef | None = outcome[0][3]
-        # Committed everywhere: move this rank's mirror and drift forward.
-        if fresh is not None:
-            e._mirror = {n: e._to_mirror(b) for n, b in fresh.items()}
+        # Committed everywhere: this rank's mirror (already advanced) and drift move forward.
+        mirror.version = step
+        e._mirror = mirror
+        if diff is None:
             e._drift.reset()
-        else:
-            assert e._mirror is not None
-            _apply_changes(e._mirror, changes)
-            if is_anchor:
-                e._drift.reset()
-            elif proposed is not None:
-                e._drift.commit(proposed)
+        elif is_anchor:
+            e._drift.reset()
+        elif proposed is not None:
+            e._drift.commit(proposed)
         self._layout = layout
         self._last_step = step
         e._last, e._anchor = last, anchor

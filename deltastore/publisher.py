@@ -23,28 +23,36 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
 import queue
 import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._memory import release_memory
 from ._version import __version__
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
-from .checksum import format_checksum, full_checksum, updated_checksum
+from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
 from .errors import ManifestError, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
+from .publish.mirror import Diff, Mirror, Pending
+from .publish.upload import Job, store_jobs
 from .store import DeltaStore, open_store
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
+#: whole tensors (anchors) are cut into objects of about model / 64 bytes, within these bounds, so that
+#: an anchor streams through memory (encode, upload, free) a few objects at a time
+ANCHOR_OBJECT_MIN = 16 << 20
+ANCHOR_OBJECT_MAX = 256 << 20
+_M64 = (1 << 64) - 1
 #: anchors: exponent and mantissa byte planes, zstd-compressed (~68 % of raw bf16)
 DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True}}
 #: files copied from ``source_dir`` so that ``materialize`` writes a loadable model folder.
@@ -55,25 +63,22 @@ SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 @dataclass
 class _Captured:
-    """What publish() captured: everything the write half needs, no reference to the caller's tensors."""
+    """What publish() captured: everything the write half needs, no reference to the caller's tensors.
+
+    ``mirror`` is the mirror this version was compared against (``diff`` set),
+    or, for a new chain (``diff`` None), a new mirror holding this version.
+    """
 
     step: int
     specs: dict[str, TensorSpec]
     aliases: dict[str, str]
-    changes: dict[str, Change]
-    fresh: dict[str, torch.Tensor] | None
+    mirror: Mirror
+    diff: Diff | None
     captured: float
 
-
-def _apply_changes(mirror: dict[str, torch.Tensor], changes: Mapping[str, Change]) -> None:
-    for name, ch in changes.items():
-        if ch.count:
-            m = mirror[name]
-            m[ch.positions.to(m.device)] = ch.new_bits.to(m.device)
-
-
-#: a unit of upload work: the codec, a function building ``(offset, update)`` pairs, and where to note the parts
-_Job = tuple[Codec, Callable[[], list[tuple[int, Update]]], dict[str, list[Part]]]
+    @property
+    def fresh(self) -> bool:
+        return self.diff is None
 
 
 @dataclass(frozen=True)
@@ -175,8 +180,9 @@ class Publisher:
         self.retention = retention
         self.gc_grace = gc_grace
         self.writer_id = uuid.uuid4().hex
-        self._pool = ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="deltastore-put")
-        self._mirror: dict[str, torch.Tensor] | None = None
+        self.max_workers = max(1, max_workers)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="deltastore-put")
+        self._mirror: Mirror | None = None  # the committed version's bits (the writer's, in background mode)
         self._specs: dict[str, TensorSpec] = {}
         self._aliases: dict[str, str] = {}
         self._checksums: dict[str, int] = {}
@@ -188,7 +194,10 @@ class Publisher:
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
-        self._capture_mirror: dict[str, torch.Tensor] | None = None
+        # Background mode: the capture side compares against the same mirror object (which the
+        # writer advances after each commit) corrected by what the queued versions changed.
+        self._capture_mirror: Mirror | None = None
+        self._pending = Pending()
         self._capture_specs: dict[str, TensorSpec] = {}
         self._capture_aliases: dict[str, str] = {}
         self._bg_error: BaseException | None = None
@@ -201,12 +210,9 @@ class Publisher:
             self._files = self._record_files(source_dir)
         self._capture_specs, self._capture_aliases = self._specs, self._aliases
         if background:
-            if self._mirror is not None:
-                self._capture_mirror = {n: self._to_mirror(b.clone()) for n, b in self._mirror.items()}
+            self._capture_mirror = self._mirror
             self._writer = threading.Thread(target=self._run_writer, name="deltastore-writer", daemon=True)
             self._writer.start()
-        elif self._mirror is not None:
-            self._mirror = {n: self._to_mirror(b) for n, b in self._mirror.items()}
 
     # -- public ------------------------------------------------------------------
     @property
@@ -246,33 +252,36 @@ class Publisher:
             self._raise_background_error()
         self._check_step(step)
         tensors, specs, aliases = self._normalise(state)
-        mirror = self._capture_mirror if self._writer is not None else self._mirror
+        background = self._writer is not None
+        mirror = self._capture_mirror if background else self._mirror
         same_layout = mirror is not None and specs == self._capture_specs and aliases == self._capture_aliases
-        changes: dict[str, Change] = {}
-        fresh = None  # a new chain needs a private host copy of every tensor anyway (the next mirror)
         if same_layout:
             assert mirror is not None
-            for name, t in tensors.items():
-                changes[name] = find_changes(mirror[name], t, chunk_elems=self.chunk_elems,
-                                             dtype=specs[name].dtype)
-        else:
-            fresh = {name: self._host_bits(t, specs[name]) for name, t in tensors.items()}
-        captured = _Captured(step, specs, aliases, changes, fresh, time.time())
+            if background:
+                self._pending.prune(mirror.version)  # what the writer has written in already
+            diff = mirror.diff(tensors, chunk_elems=self.chunk_elems, pending=self._pending if background else None)
+            captured = _Captured(step, specs, aliases, mirror, diff, time.time())
+        else:  # a new chain: a private copy of every tensor, which becomes the mirror
+            if background:
+                self._capture_mirror = self._mirror = None  # queued versions keep what they need
+            fresh = Mirror.capture(tensors, specs, self.mirror_device)
+            fresh.version = step
+            captured = _Captured(step, specs, aliases, fresh, None, time.time())
         self._capture_specs, self._capture_aliases = specs, aliases
         self._last_step = step
-        if self._writer is None:
+        if not background:
             try:
                 return self._write(captured)
             except BaseException:
                 self._last_step = self._last.step if self._last is not None else self.store.latest()
                 self._capture_specs, self._capture_aliases = self._specs, self._aliases
                 raise
-        # Background: move the capture side forward now, hand the rest to the writer.
-        if fresh is not None:
-            self._capture_mirror = {n: self._to_mirror(b.clone()) for n, b in fresh.items()}
+        # Background: note what this version changed (the writer advances the mirror after its commit).
+        if captured.diff is None:
+            self._capture_mirror = captured.mirror
+            self._pending.clear()
         else:
-            assert mirror is not None
-            _apply_changes(mirror, changes)
+            self._pending.add(captured.diff.changes, step)
         future: Future[VersionInfo] = Future()
         self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
         return future
@@ -312,9 +321,17 @@ class Publisher:
 
     # -- writing -----------------------------------------------------------------
     def _write(self, c: _Captured) -> VersionInfo:
-        """Decide, encode, upload and commit one captured version; then move the committed state forward."""
-        step, specs, aliases, changes, fresh = c.step, c.specs, c.aliases, c.changes, c.fresh
-        same_layout = fresh is None
+        """Decide, encode, upload and commit one captured version; then move the committed state forward.
+
+        Objects that need the parent's bits (sparse deltas, differentials) are
+        encoded first, against the mirror as it is; then the mirror is
+        advanced to this version and what needs its bits (anchors, tensors
+        stored whole) is encoded from views of it; if anything fails before
+        the commit, the mirror is moved back.
+        """
+        step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
+        same_layout = c.diff is not None
+        changes = c.diff.changes if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
         proposed = self._drift.propose(changes) if same_layout and self.policy.tracks_drift else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
@@ -328,46 +345,60 @@ class Publisher:
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
         diff_changes: dict[str, Change] = {}
-        jobs: list[_Job] = []
+        whole: list[tuple[str, dict[str, list[Part]]]] = []  # tensors stored whole, and in which role
+        jobs: list[Job] = []
         if same_layout:
-            jobs += self._sparse_jobs(specs, changes, delta_of, base=None)
+            jobs += self._sparse_jobs(specs, changes, mirror, delta_of, whole, base=None)
         if with_diff:
             assert proposed is not None
             diff_changes = DriftTracker.differential(proposed)
-            jobs += self._sparse_jobs(specs, diff_changes, diff_of, base=proposed)
-        if is_anchor:
-            jobs += self._full_jobs(specs, changes, fresh, full_of)
-        objects = self._store_objects(jobs)
+            jobs += self._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, base=proposed)
+        objects = store_jobs(self._pool, self.store, jobs, inflight=self.max_workers)
+        advanced = False
+        try:
+            if c.diff is not None:
+                mirror.advance(c.diff)  # from here on the mirror holds this version
+                advanced = True
+            object_bytes, inflight = self._anchor_streaming(specs)
+            later: list[Job] = []
+            for role_index in {id(ix): ix for _, ix in whole}.values():
+                names = [n for n, ix in whole if ix is role_index]
+                later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
+            if is_anchor:
+                later += self._dense_jobs(specs, list(specs), mirror, full_of, object_bytes)
+            objects += store_jobs(self._pool, self.store, later, inflight=inflight, first_index=len(objects))
+            checksums = self._new_checksums(c)
+            records = []
+            for name, spec in specs.items():
+                changed = changes[name].count if same_layout else spec.numel
+                dc = diff_changes[name].count if name in diff_changes else 0
+                records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
+                                            format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
+                                            tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
+            manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
+                                parent=self._last if same_layout else None, tensors=tuple(records),
+                                objects=tuple(objects), created=time.time(),
+                                producer={**self._producer(), "captured": c.captured},
+                                metadata=self.metadata, aliases=aliases,
+                                differential=self._anchor if with_diff else None, files=self._files)
+            data, digest = self.store.commit(manifest)
+        except BaseException:
+            if advanced:
+                assert c.diff is not None
+                mirror.revert(c.diff)
+            raise
 
-        checksums = self._new_checksums(changes, fresh)
-        records = []
-        for name, spec in specs.items():
-            changed = changes[name].count if same_layout else spec.numel
-            dc = diff_changes[name].count if name in diff_changes else 0
-            records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
-                                        format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
-                                        tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
-        manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
-                            parent=self._last if same_layout else None, tensors=tuple(records),
-                            objects=tuple(objects), created=time.time(),
-                            producer={**self._producer(), "captured": c.captured},
-                            metadata=self.metadata, aliases=aliases,
-                            differential=self._anchor if with_diff else None, files=self._files)
-        data, digest = self.store.commit(manifest)
-
-        # Committed: now (and only now) move the mirror and the chain state forward.
-        if fresh is None:
-            assert self._mirror is not None
-            _apply_changes(self._mirror, changes)
-        else:
-            self._mirror, self._specs, self._aliases = fresh, specs, aliases
-            if self._writer is None:
-                self._mirror = {n: self._to_mirror(b) for n, b in fresh.items()}
+        # Committed: now (and only now) the chain state moves forward.
+        mirror.version = step
+        if c.fresh:
+            self._specs, self._aliases = specs, aliases
+        self._mirror = mirror
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
         if self.retention is not None:
             self._apply_retention()
+        release_memory()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                            differential=with_diff)
@@ -401,15 +432,10 @@ class Publisher:
         self._bg_error = None
         self._capture_mirror = None
         self._mirror = None
+        self._pending.clear()
         self._drift.reset()
         self._last_step = self.store.latest()
         raise error
-
-    def _to_mirror(self, bits: torch.Tensor) -> torch.Tensor:
-        """Place a host copy of published bits where the diff runs (``mirror_device``)."""
-        if self.mirror_device is None or self.mirror_device.type == "cpu":
-            return bits
-        return bits.to(self.mirror_device)
 
     # -- inputs ------------------------------------------------------------------
     def _check_step(self, step: int) -> None:
@@ -438,84 +464,58 @@ class Publisher:
     def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
-    @staticmethod
-    def _host_bits(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-        """A private CPU copy of ``t``'s bits in the published dtype."""
-        if t.dtype == spec.dtype:
-            return bits_view(t).to("cpu", copy=True)
-        return bits_view(t.detach().to("cpu", spec.dtype).contiguous())
-
     # -- objects -----------------------------------------------------------------
-    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
-                     index_of: dict[str, list[Part]], base: Any) -> list[_Job]:
-        """Jobs that encode ``changes`` against the mirror (``base`` None) or against the anchor.
+    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change], mirror: Mirror,
+                     index_of: dict[str, list[Part]], whole: list[tuple[str, dict[str, list[Part]]]],
+                     base: Any) -> list[Job]:
+        """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
-        A tensor whose sparse form would be larger than the whole tensor is
-        stored whole with the anchor codec.
+        Runs while ``mirror`` still holds the parent version. A tensor whose
+        sparse form would be larger than the whole tensor is added to
+        ``whole`` instead (stored with the anchor codec once the mirror holds
+        this version).
         """
         sparse: list[tuple[int, str]] = []
-        dense: list[tuple[int, str]] = []
         for name, ch in changes.items():
             if not ch.count:
                 continue
             spec = specs[name]
             item = spec.bits_dtype.itemsize
             sparse_bytes = ch.count * (item + (4 if spec.numel < 2**31 else 8))
-            (sparse if sparse_bytes < spec.numel * item else dense).append((sparse_bytes, name))
+            if sparse_bytes < spec.numel * item:
+                sparse.append((sparse_bytes, name))
+            else:
+                whole.append((name, index_of))
 
         def old_tensor(name: str) -> torch.Tensor:
-            assert self._mirror is not None
-            mirror = self._mirror[name].cpu()
             if base is None:
-                return mirror
-            # the anchor's tensor: the mirror with the anchor's bits where it changed since
-            t = mirror.clone()
-            since = base.get(name)
-            if since is not None:
-                t[since.positions] = since.anchor_bits
-            return t
-
-        def new_tensor(name: str) -> torch.Tensor:
-            t = old_tensor(name).clone()
-            t[changes[name].positions] = changes[name].new_bits
-            return t
+                return mirror.host_view(name)  # a view: the codec only reads it
+            since = base.get(name)  # the anchor's tensor: the mirror with the anchor's bits where it changed
+            return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
+                else mirror.host_view(name)
 
         needs_old = self.codec.receiver_needs == "old_tensor"
-        jobs: list[_Job] = []
-        for group in self._groups(sparse):
+        jobs: list[Job] = []
+        for group in self._groups(sparse, self.max_object_bytes):
             def make(group: list[str] = group) -> list[tuple[int, Update]]:
                 return [(0, Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
                                    old_tensor(n) if needs_old else None)) for n in group]
             jobs.append((self.codec, make, index_of))
-        whole = {n: new_tensor for _, n in dense}
-        jobs += self._dense_jobs(specs, [n for _, n in dense], lambda n: whole[n](n), index_of)
         return jobs
 
-    def _full_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change],
-                   host: Mapping[str, torch.Tensor] | None, index_of: dict[str, list[Part]]) -> list[_Job]:
-        # Whole tensors after this version: the fresh host copies of a new chain, or the
-        # mirror (still the parent's bits) with this version's changes, copied per slice.
-        def bits(name: str) -> torch.Tensor:
-            if host is not None:
-                return host[name]
-            assert self._mirror is not None
-            t = self._mirror[name].cpu().clone()
-            ch = changes[name]
-            if ch.count:
-                t[ch.positions] = ch.new_bits
-            return t
-
-        return self._dense_jobs(specs, list(specs), bits, index_of)
-
-    def _dense_jobs(self, specs: Mapping[str, TensorSpec], names: list[str], bits: Callable[[str], torch.Tensor],
-                    index_of: dict[str, list[Part]]) -> list[_Job]:
-        """Whole tensors with the anchor codec; a tensor larger than an object is cut into flat slices."""
+    def _dense_jobs(self, specs: Mapping[str, TensorSpec], names: list[str], mirror: Mirror,
+                    index_of: dict[str, list[Part]], object_bytes: int) -> list[Job]:
+        """Whole tensors (views of the mirror) with the anchor codec; a tensor larger than an object is cut
+        into flat slices."""
         items: list[tuple[int, tuple[str, int, int]]] = []
         for name in names:
             spec = specs[name]
             item = spec.bits_dtype.itemsize
-            step = max(1, self.max_object_bytes // item)
-            for offset in range(0, max(spec.numel, 1), step):
+            step = max(1, object_bytes // item)
+            if spec.numel <= step:
+                items.append((spec.numel * item, (name, 0, spec.numel)))
+                continue
+            for offset in range(0, spec.numel, step):
                 numel = min(step, spec.numel - offset)
                 items.append((numel * item, (name, offset, numel)))
 
@@ -523,20 +523,30 @@ class Publisher:
             out = []
             for name, offset, numel in group:
                 spec = specs[name]
+                bits = mirror.host_view(name)
                 if numel == spec.numel:
-                    out.append((0, Update(spec, bits(name))))
+                    out.append((0, Update(spec, bits)))
                 else:
-                    part = TensorSpec(name, spec.dtype, (numel,))
-                    out.append((offset, Update(part, bits(name)[offset:offset + numel].clone())))
+                    out.append((offset, Update(TensorSpec(name, spec.dtype, (numel,)), bits[offset:offset + numel])))
             return out
 
-        return [(self.anchor_codec, lambda group=group: make(group), index_of) for group in self._groups(items)]
+        return [(self.anchor_codec, lambda group=group: make(group), index_of)
+                for group in self._groups(items, object_bytes)]
 
-    def _groups(self, items: list[tuple[int, Any]]) -> Iterator[list[Any]]:
+    def _anchor_streaming(self, specs: Mapping[str, TensorSpec]) -> tuple[int, int]:
+        """``(object bytes, objects in flight)`` for whole tensors: small enough objects, few enough at once
+        that an anchor streams through a bounded amount of memory (about a tenth of the model)."""
+        total = sum(s.numel * s.bits_dtype.itemsize for s in specs.values())
+        object_bytes = min(self.max_object_bytes, max(ANCHOR_OBJECT_MIN, min(ANCHOR_OBJECT_MAX, total // 64)))
+        inflight = max(1, min(self.max_workers, int(0.1 * total) // max(1, object_bytes)))
+        return object_bytes, inflight
+
+    @staticmethod
+    def _groups(items: list[tuple[int, Any]], limit: int) -> Iterator[list[Any]]:
         group: list[Any] = []
         size = 0
         for nbytes, item in items:
-            if group and size + nbytes > self.max_object_bytes:
+            if group and size + nbytes > limit:
                 yield group
                 group, size = [], 0
             group.append(item)
@@ -544,36 +554,12 @@ class Publisher:
         if group:
             yield group
 
-    def _store_objects(self, jobs: list[_Job]) -> list[ObjectRecord]:
-        """Encode and upload every job in parallel; records come back in job order, parts are noted."""
-
-        def run(job: _Job) -> tuple[ObjectRecord, list[tuple[str, int, int]]]:
-            codec, make, _ = job
-            made = make()
-            data = codec.encode([u for _, u in made])
-            record = ObjectRecord(self.store.put_object(data), len(data), codec.describe())
-            return record, [(u.spec.name, offset, u.spec.numel) for offset, u in made]
-
-        objects = []
-        for (_, _, index_of), (record, parts) in zip(jobs, self._pool.map(run, jobs)):
-            objects.append(record)
-            for name, offset, numel in parts:
-                index_of.setdefault(name, []).append(Part(len(objects) - 1, offset, numel))
-        for parts in {id(j[2]): j[2] for j in jobs}.values():
-            for plist in parts.values():
-                plist.sort(key=lambda p: p.offset)
-        return objects
-
     # -- chain state -----------------------------------------------------------------
-    def _new_checksums(self, changes: Mapping[str, Change], fresh: Mapping[str, torch.Tensor] | None
-                       ) -> dict[str, int]:
-        if fresh is not None:
-            return {name: full_checksum(name, bits) for name, bits in fresh.items()}
-        out = {}
-        for name, ch in changes.items():
-            before = self._checksums[name]
-            out[name] = updated_checksum(name, before, ch.positions, ch.old_bits, ch.new_bits) if ch.count else before
-        return out
+    def _new_checksums(self, c: _Captured) -> dict[str, int]:
+        """Every tensor's checksum after version ``c`` (the mirror already holds it)."""
+        if c.diff is None:
+            return c.mirror.checksums()
+        return {name: (self._checksums[name] + delta) & _M64 for name, delta in c.diff.sums.items()}
 
     def _advance_chain(self, manifest: Manifest, is_anchor: bool, with_diff: bool, proposed: Any,
                        drift_elements: int, total: int) -> None:
@@ -600,10 +586,11 @@ class Publisher:
         from .subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
 
         sub = Subscriber(self.store)
-        result = sub.pull(step=latest)
         manifest = self.store.manifest(latest)
-        self._mirror = {name: bits_view(t) for name, t in result.state.items()}
         self._specs = {t.name: t.spec for t in manifest.tensors}
+        self._mirror = Mirror(self._specs, self.mirror_device)
+        sub._pull_scratch({n: self._mirror.view(n) for n in self._specs}, latest)
+        self._mirror.version = latest
         self._aliases = dict(manifest.aliases)
         self._checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
         self._files = dict(manifest.files)
@@ -623,7 +610,9 @@ class Publisher:
         drift_elements = 0
         if self.policy.tracks_drift and since:
             anchor_state = sub.pull(step=m.step).state
-            changes = {n: find_changes(bits_view(anchor_state[n]), self._mirror[n]) for n in self._mirror}
+            mirror = self._mirror
+            changes = {n: find_changes(bits_view(anchor_state[n]), mirror.view(n)) for n in self._specs}
+            del anchor_state
             proposed = self._drift.propose(changes)
             self._drift.commit(proposed)
             drift_elements = DriftTracker.count(proposed)

@@ -14,15 +14,19 @@ from typing import Any, Literal
 import torch
 
 from . import tracking
-from .apply import (FullState, Reader, SparseOverlay, check_layout, check_update, mapping_reader, write_full,
-                    write_sparse)
+from ._memory import release_memory
+from .apply import FullState, Reader, SparseOverlay, check_layout, mapping_reader, write_sparse
 from .checksum import full_checksum
-from .codecs import OldBits, TensorSpec, Update, get_codec
-from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, ManifestError, ObjectNotFoundError,
-                     ParentMismatchError, StaleVersionError, VersionNotFoundError)
+from .codecs import OldBits, Update
+from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
+                     ParentMismatchError,
+                     StaleVersionError, VersionNotFoundError)
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
+from .pull.anchor import WriteFailed, stream_anchor
+from .pull.objects import decode_object, object_index
 from .store import DeltaStore, open_store
-from .tensors import named_tensors
+from .tensors import bits_view, named_tensors
+from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None
 
@@ -117,16 +121,24 @@ class Subscriber:
             this many versions behind the latest; :meth:`sync` pulls only when
             the target is more than this far behind.
         max_workers: objects downloaded in parallel.
+        journal_dir: where an anchor pull into a live target saves the target's old
+            bits beyond ``journal_memory`` bytes (its undo journal; default: the
+            system temp directory). Needs up to the target's size in free space.
+        journal_memory: old bits an anchor pull keeps in memory before it spills
+            to ``journal_dir``.
     """
 
     def __init__(self, uri: Any, *, storage_options: dict[str, Any] | None = None, verify_anchors: bool = True,
-                 max_lag: int | None = None, max_workers: int = 4):
+                 max_lag: int | None = None, max_workers: int = 4, journal_dir: str | None = None,
+                 journal_memory: int = DEFAULT_MEMORY_BYTES):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.verify_anchors = verify_anchors
         if max_lag is not None and (not isinstance(max_lag, int) or max_lag < 0):
             raise ValueError(f"max_lag must be a non-negative integer, got {max_lag!r}")
         self.max_lag = max_lag
         self.max_workers = max(1, max_workers)
+        self.journal_dir = journal_dir
+        self.journal_memory = journal_memory
         self.replans = 0  # pulls that had to plan again because GC removed part of their path
 
     # -- discovery ---------------------------------------------------------------
@@ -297,16 +309,36 @@ class Subscriber:
         ``current``: O(changed) checksum checks and codecs that read old
         values); without it only paths that start at an anchor are possible.
         Integrations whose targets are not a mapping of tensors (vLLM's fused
-        parameters) use this and write :attr:`Staged.state` themselves. Raises
-        the same typed errors as :meth:`pull`.
+        parameters) use this and write :attr:`Staged.state` themselves (an
+        anchor path is staged whole in host memory). Raises the same typed
+        errors as :meth:`pull`.
         """
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         if current == ref:
             return Staged(ref, manifest, None, None)
+        plan = self._plan_for(step, current if reader is not None else None, allow_anchor, avoid)
+        fetched = 0
+        state: FullState | SparseOverlay
+        if plan.anchor is not None:
+            self._prefetch(plan)
+            am = self.store.manifest(plan.anchor)
+            bits = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am),
+                                 verify=self.verify_anchors)
+            assert bits is not None
+            fetched = am.object_bytes(am.full_objects)
+            state = FullState.from_bits(am, bits)
+        else:
+            assert reader is not None and current is not None
+            self._prefetch(plan)
+            state = SparseOverlay(reader, self.store.manifest(current.step))
+        fetched += self._apply_steps(plan, state)
+        return Staged(ref, manifest, plan, state, fetched)
+
+    def _plan_for(self, step: int, current: VersionRef | None, allow_anchor: bool,
+                  avoid: frozenset[str]) -> Plan:
         try:
-            plan = self.plan(step, current if reader is not None else None, allow_anchor=allow_anchor,
-                             avoid=avoid)
+            plan = self.plan(step, current, allow_anchor=allow_anchor, avoid=avoid)
         except VersionNotFoundError:
             if allow_anchor or not self.store.has_version(step):
                 raise
@@ -315,16 +347,11 @@ class Subscriber:
             raise ParentMismatchError(
                 f"target holds {_describe(current)}, which is not on the delta chain of version {step}; "
                 "pull with allow_anchor=True to start from an anchor")
-        self._prefetch(plan)
+        return plan
+
+    def _apply_steps(self, plan: Plan, state: FullState | SparseOverlay) -> int:
+        """Fetch, decode and stage the plan's differential and deltas; returns the bytes read."""
         fetched = 0
-        state: FullState | SparseOverlay
-        if plan.anchor is not None:
-            am = self.store.manifest(plan.anchor)
-            updates, fetched = self.fetch_updates(am, "full", None)
-            state = FullState(am, updates, verify=self.verify_anchors)
-        else:
-            assert reader is not None and current is not None
-            state = SparseOverlay(reader, self.store.manifest(current.step))
         steps: list[tuple[int, Role]] = [(plan.differential, "diff")] if plan.differential is not None else []
         steps += [(s, "delta") for s in plan.deltas]
         for s, role in steps:
@@ -332,45 +359,128 @@ class Subscriber:
             updates, n = self.fetch_updates(m, role, state.old_bits)
             fetched += n
             state.apply(m, updates)
-        return Staged(ref, manifest, plan, state, fetched)
+        return fetched
+
+    def _ahead(self, am: Manifest) -> int:
+        """Anchor objects downloaded ahead of the one being decoded: about a tenth of the model in flight."""
+        full = am.full_objects
+        if not full:
+            return 1
+        per = am.object_bytes(full) / len(full)
+        model = sum(r.numel * r.spec.bits_dtype.itemsize for r in am.tensors)
+        return max(1, min(self.max_workers, int(0.1 * model / max(per, 1.0))))
 
     def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int,
               avoid: frozenset[str] = frozenset()) -> PullResult:
-        manifest = self.store.manifest(step)
+        manifest, digest = self.store.manifest_with_digest(step)
+        ref = VersionRef(step, digest)
+        created = manifest.created
         tensors = named_tensors(target) if target is not None else None
         copies = check_layout(tensors, manifest) if tensors is not None else {}
         current = tracking.get_version(target) if target is not None else None
-        staged = self.stage(step, current, mapping_reader(tensors) if tensors is not None else None,
-                            allow_anchor=allow_anchor, avoid=avoid)
-        ref, state = staged.ref, staged.state
-        created = staged.manifest.created
-        if state is None:
+        if current == ref:
             return PullResult(step, target, path="none", digest=ref.digest, lag=lag, created=created)
-        applied = staged.plan.steps if staged.plan is not None else []
-        if isinstance(state, FullState):
-            if tensors is None:
-                return PullResult(step, state.as_tensors(), staged.bytes_fetched, applied, "anchor", ref.digest,
-                                  lag=lag, created=created)
-            written = {n: b.numel() for n, b in state.bits.items()}
-            write = lambda: write_full(tensors, state, copies)  # noqa: E731
+        plan = self._plan_for(step, current if tensors is not None else None, allow_anchor, avoid)
+        applied = plan.steps
+        if plan.anchor is not None and tensors is None:  # a new dict: stream the anchor into new tensors
+            staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid)
+            assert isinstance(staged.state, FullState)
+            result = staged.state.as_tensors()
+            release_memory()
+            return PullResult(step, result, staged.bytes_fetched, applied, "anchor", ref.digest, lag=lag,
+                              created=created)
+        assert tensors is not None
+        if plan.anchor is not None:
+            fetched, written = self._pull_anchor(target, tensors, copies, plan, current)
+            path: Literal["anchor", "delta", "none"] = "anchor"
         else:
-            assert tensors is not None
-            written = {n: p.positions.numel() for n, p in state.pending.items()}
-            write = lambda: write_sparse(tensors, state, copies)  # noqa: E731
+            assert current is not None
+            self._prefetch(plan)
+            flat = {r.name: bits_view(tensors[r.name]) for r in manifest.tensors}
+            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), flat)
+            fetched = self._apply_steps(plan, overlay)
+            written = {n: p.positions.numel() for n, p in overlay.pending.items()}
+            tracking.set_version(target, None)  # unknown while writing
+            try:
+                write_sparse(tensors, overlay, copies)
+            except ApplyError as e:
+                tracking.set_version(target, current if e.restored else None)
+                raise
+            path = "delta"
+        tracking.set_version(target, ref)
+        release_memory()
+        return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
+
+    def _pull_anchor(self, target: Target, tensors: dict[str, torch.Tensor], copies: dict[str, list[str]],
+                     plan: Plan, current: VersionRef | None) -> tuple[int, dict[str, int]]:
+        """Stream the plan's anchor into the live target, then its differential and deltas; all or nothing.
+
+        Every target tensor's old bits go to an undo journal just before the
+        anchor overwrites them; if anything fails (a corrupt or missing
+        object, a checksum, a write), the journal puts them back and the
+        error is raised: typed as it was when the target is restored, else
+        :class:`ApplyError` with ``restored = False``.
+        """
+        assert plan.anchor is not None
+        am = self.store.manifest(plan.anchor)
+        self._prefetch(plan)
+        dests = {r.name: [bits_view(tensors[r.name])] + [bits_view(tensors[a]) for a in copies.get(r.name, ())]
+                 for r in am.tensors}
+        journal = UndoJournal(self.journal_dir, self.journal_memory)
         tracking.set_version(target, None)  # unknown while writing
         try:
-            write()
-        except ApplyError as e:
-            tracking.set_version(target, current if e.restored else None)
-            raise
-        tracking.set_version(target, ref)
-        return PullResult(step, target, staged.bytes_fetched, applied, staged.path, ref.digest, written, lag,
-                          created)
+            stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=dests,
+                          journal=journal, verify=self.verify_anchors)
+            fetched = am.object_bytes(am.full_objects)
+            overlay = SparseOverlay(mapping_reader(tensors), am, {n: d[0] for n, d in dests.items()})
+            fetched += self._apply_steps(plan, overlay)
+            write_sparse(tensors, overlay, copies)
+        except BaseException as e:
+            failed = journal.restore()
+            journal.close()
+            restored = failed == 0 and not (isinstance(e, ApplyError) and not e.restored)
+            tracking.set_version(target, current if restored else None)
+            if restored and isinstance(e, DeltaStoreError) and not isinstance(e, ApplyError):
+                raise  # nothing changed: the typed error stands (a corrupt object is planned around)
+            if restored and not isinstance(e, (Exception, WriteFailed)):
+                raise  # KeyboardInterrupt & co., after the restore
+            cause = e.__cause__ if isinstance(e, WriteFailed) and e.__cause__ is not None else e
+            if restored:
+                err = ApplyError(f"writing into the target failed ({cause!r}); the target was restored")
+            else:
+                err = ApplyError(f"writing into the target failed ({cause!r}) and {max(failed, 1)} tensor(s) "
+                                 "refused the restore; the target's version is unknown: pull again (from an "
+                                 "anchor) to repair it")
+            err.restored = restored
+            raise err from cause
+        journal.close()
+        return fetched, {r.name: r.numel for r in am.tensors}
+
+    def _pull_scratch(self, dests: dict[str, torch.Tensor], step: int) -> None:
+        """Write version ``step`` into ``dests`` (flat bit views whose current content does not matter).
+
+        No undo journal and no tracking: for buffers that are filled from
+        scratch (the Publisher's mirror on resume). Raises what :meth:`pull` raises.
+        """
+        plan = self._plan_for(step, None, True, frozenset())
+        assert plan.anchor is not None
+        am = self.store.manifest(plan.anchor)
+        self._prefetch(plan)
+        stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am),
+                      dests={n: [d] for n, d in dests.items()}, verify=self.verify_anchors)
+        state = FullState.from_bits(am, dests)
+        self._apply_steps(plan, state)
+        release_memory()
 
     def _prefetch(self, plan: Plan) -> None:
-        """Download every object of the plan in parallel into the store's read cache."""
+        """Download the plan's differential and delta objects in parallel into the store's read cache.
+
+        The anchor's full objects are not prefetched: they are streamed, a few at a time.
+        """
         wanted = []
         for s in plan.steps:
+            if s == plan.anchor:
+                continue
             m = self.store.manifest(s)
             role: Role = "full" if s == plan.anchor else "diff" if s == plan.differential else "delta"
             wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(m.objects_for(role))]
@@ -430,54 +540,19 @@ class Subscriber:
         """
         pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
-        for i in sorted(manifest.objects_for(role)):
+        for i, pairs in object_index(manifest, role).items():
             rec = manifest.objects[i]
-            codec = get_codec(rec.codec)
             data = self.store.get_object(rec.digest, rec.size)
             fetched += len(data)
-            pairs = manifest.object_parts(i, role)
-            names = [t.name for t, _ in pairs]
-            if len(set(names)) != len(names):
-                raise ManifestError(f"version {manifest.step}: object {i} holds two parts of one tensor")
-            offsets = {t.name: p for t, p in pairs}
-            specs = [t.spec if t.is_whole(p) else TensorSpec(t.name, t.spec.dtype, (p.numel,)) for t, p in pairs]
-            try:
-                decoded = codec.decode(data, specs, _part_reader(old, offsets) if old is not None else None)
-            except (CorruptObjectError, ChecksumMismatchError):
-                raise
-            except Exception as e:  # a codec bug or hostile content must not escape untyped
-                raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
-                                         f"{rec.digest}: {e!r}", digest=rec.digest) from e
-            if set(decoded) != set(names):
-                raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
-                                         f"{sorted(decoded)[:5]}, manifest expects {names[:5]}", digest=rec.digest)
-            for (t, p), spec in zip(pairs, specs):
-                u = decoded[t.name]
-                part_rec = t if t.is_whole(p) else replace(t, shape=spec.shape)
-                dense = role == "full" or codec.dense or u.positions is None
-                check_update(u, part_rec, dense=dense, step=manifest.step,
-                             expected=u.count if len(getattr(t, role)) > 1 or dense else
-                             (t.diff_changed if role == "diff" else t.changed))
+            for t, p, u in decode_object(manifest, i, data, pairs, role, old):
                 pieces.setdefault(t.name, []).append((p, u))
+            del data
         updates = {}
         for t in manifest.tensors:
             got = pieces.get(t.name)
             if got is not None:
                 updates[t.name] = _join(t, got, role, manifest.step)
         return updates, fetched
-
-
-def _part_reader(old: OldBits, parts: dict[str, Part]) -> OldBits:
-    """``old`` seen from inside parts: positions relative to each part's offset."""
-
-    def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
-        p = parts[name]
-        if positions is None:
-            whole = old(name, None)
-            return whole if p.offset == 0 and whole.numel() == p.numel else whole[p.offset:p.offset + p.numel]
-        return old(name, positions + p.offset if p.offset else positions)
-
-    return read
 
 
 def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: int) -> Update:

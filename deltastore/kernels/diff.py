@@ -1,0 +1,233 @@
+"""Kernels of the publish and pull paths: fused compare, gather, scatter and checksum over many tensors.
+
+The tensors a kernel reads are given by address (``int64`` arrays of data
+pointers, one per *segment* = tensor), so one call covers any number of
+tensors without concatenating them and without a per-tensor Python call.
+Work is described as *items*: ``(segment, start, stop)`` element ranges, a
+big tensor cut into several items, many small tensors one item each; a thread
+takes a contiguous run of items (:func:`split_items`).
+
+* :func:`diff_items` — compare a mirror against new bits and, in the same
+  pass, gather the changed elements' positions, new and old bits and add up
+  each item's checksum delta (``sum mix(new) - sum mix(old)``, the
+  :mod:`deltastore.checksum` formula through its own kernel). Narrow
+  elements are compared 8 bytes at a time where both addresses allow it.
+* :func:`gather_items` / :func:`scatter_items` — read or write bits at
+  per-segment positions.
+* :func:`mix_delta_segments` — the checksum delta of given changes, per segment;
+  :func:`mix_full_items` — whole-tensor checksums.
+* :func:`check_segments` — positions strictly increasing and in range, per segment.
+
+Callers validate addresses and sizes (the kernels trust them) and pass
+unsigned bit arrays (``np.uint8/16/32/64``), so widening zero-extends as the
+checksum requires.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .checksum import mix_sum_dense, mix_sum_sparse
+
+
+@intrinsic
+def _voidptr(typingctx, addr):  # noqa: ANN001, ANN202 - numba intrinsic
+    """An integer address as a ``void*`` (for ``numba.carray``)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(addr), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _at(addr, n, like):  # noqa: ANN001, ANN202
+    return numba.carray(_voidptr(addr), (n,), like.dtype)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _at64(addr, n):  # noqa: ANN001, ANN202
+    return numba.carray(_voidptr(addr), (n,), np.uint64)
+
+
+@njit(nogil=True, cache=True)
+def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, i0, i1, e_resume, pos, new, old, counts, sums):
+    """Compare items ``i0 .. i1 - 1`` (the first from element ``e_resume``, if above its start).
+
+    Segment ``s``: ``lens[s]`` elements at ``optr[s]`` (old) and ``nptr[s]``
+    (new), of ``like``'s unsigned dtype; ``keys[s]`` its checksum key. Writes
+    the changed elements' local positions, new and old bits into ``pos``,
+    ``new``, ``old`` from index 0, adds each item's count to ``counts[i]`` and
+    its checksum delta to ``sums[i]``. Stops early (at a word boundary) when the
+    buffers could overflow. Returns ``(written, next item, next element)``:
+    ``next item == i1`` when every item is done.
+    """
+    width = like.itemsize
+    k = 8 // width
+    cap = pos.size
+    c = 0
+    for i in range(i0, i1):
+        s = iseg[i]
+        a = istart[i]
+        if i == i0 and e_resume > a:
+            a = e_resume
+        b = istop[i]
+        o = _at(optr[s], lens[s], like)
+        n = _at(nptr[s], lens[s], like)
+        c0 = c
+        j = a
+        if k > 1 and (optr[s] - nptr[s]) % 8 == 0:
+            while j < b and (optr[s] + j * width) % 8 != 0:  # head up to an 8-byte boundary
+                if c == cap:
+                    break
+                if o[j] != n[j]:
+                    pos[c] = j
+                    new[c] = n[j]
+                    old[c] = o[j]
+                    c += 1
+                j += 1
+            nw = (b - j) // k
+            if nw > 0 and c + k <= cap:
+                ow = _at64(optr[s] + j * width, nw)
+                vw = _at64(nptr[s] + j * width, nw)
+                w = 0
+                while w < nw:
+                    if ow[w] != vw[w]:
+                        if c + k > cap:
+                            break
+                        e = j + w * k
+                        for q in range(e, e + k):  # branch-free: store always, advance on a change
+                            pos[c] = q
+                            new[c] = n[q]
+                            old[c] = o[q]
+                            c += o[q] != n[q]
+                    w += 1
+                j += w * k
+        while j < b:  # tail (or everything, when the addresses do not allow words)
+            if c == cap:
+                break
+            if o[j] != n[j]:
+                pos[c] = j
+                new[c] = n[j]
+                old[c] = o[j]
+                c += 1
+            j += 1
+        if c > c0:
+            counts[i] += c - c0
+            sums[i] += mix_sum_sparse(pos, new, c0, c, keys[s]) - mix_sum_sparse(pos, old, c0, c, keys[s])
+        if j < b:
+            return c, i, j
+    return c, i1, 0
+
+
+@njit(nogil=True, cache=True)
+def gather_items(like, ptr, lens, pos, bounds, s0, s1, out):
+    """``out[i] = segment s's bits at pos[i]`` for ``i`` in ``bounds[s] .. bounds[s + 1]``, segments ``s0 .. s1 - 1``."""
+    for s in range(s0, s1):
+        a = _at(ptr[s], lens[s], like)
+        for i in range(bounds[s], bounds[s + 1]):
+            out[i] = a[pos[i]]
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def scatter_items(like, ptr, lens, pos, bounds, s0, s1, vals):
+    """``segment s's bits at pos[i] = vals[i]`` for ``i`` in ``bounds[s] .. bounds[s + 1]``, segments ``s0 .. s1 - 1``."""
+    for s in range(s0, s1):
+        a = _at(ptr[s], lens[s], like)
+        for i in range(bounds[s], bounds[s + 1]):
+            a[pos[i]] = vals[i]
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def copy_items(like, src, dst, iseg, istart, istop, i0, i1):
+    """Copy elements ``[istart[i], istop[i])`` of segment ``iseg[i]`` from ``src`` to ``dst`` addresses."""
+    for i in range(i0, i1):
+        s = iseg[i]
+        n = istop[i]
+        a = _at(src[s], n, like)
+        b = _at(dst[s], n, like)
+        for j in range(istart[i], n):
+            b[j] = a[j]
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def mix_full_items(like, ptr, lens, keys, iseg, istart, istop, i0, i1, out):
+    """``out[i] = sum mix(key, p, bits[p])`` over elements ``[istart[i], istop[i])`` of segment ``iseg[i]``."""
+    for i in range(i0, i1):
+        s = iseg[i]
+        out[i] = mix_sum_dense(_at(ptr[s], lens[s], like), istart[i], istop[i], keys[s])
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def mix_delta_segments(pos, old, new, bounds, keys, s0, s1, out):
+    """``out[s] = sum mix(key_s, p, new) - sum mix(key_s, p, old)`` over segment ``s``'s changes (mod 2**64)."""
+    for s in range(s0, s1):
+        a = bounds[s]
+        b = bounds[s + 1]
+        if b > a:
+            out[s] = mix_sum_sparse(pos, new, a, b, keys[s]) - mix_sum_sparse(pos, old, a, b, keys[s])
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def check_segments(pos, bounds, numels):
+    """The first segment whose positions are not strictly increasing in ``[0, numel)``, or -1."""
+    for s in range(bounds.size - 1):
+        last = -1
+        n = numels[s]
+        for i in range(bounds[s], bounds[s + 1]):
+            p = pos[i]
+            if p <= last or p >= n:
+                return s
+            last = p
+    return -1
+
+
+def split_items(lens: np.ndarray, pieces: int, min_chunk: int = 1 << 18
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Items covering every segment (big segments cut to about ``total / pieces``) and per-thread item runs.
+
+    Returns ``(iseg, istart, istop, runs)``; ``runs`` is a list of ``(i0, i1)``
+    contiguous item ranges of about equal element counts (one per thread).
+    Zero-length segments get no item.
+    """
+    lens = lens.astype(np.int64, copy=False)
+    total = int(lens.sum())
+    if total == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty, []
+    pieces = max(1, min(pieces, total // max(1, min_chunk)))
+    piece = -(-total // pieces)
+    nsplit = np.where(lens > 0, -(-lens // piece), 0)
+    iseg = np.repeat(np.arange(lens.size, dtype=np.int64), nsplit)
+    first = np.repeat(np.cumsum(nsplit) - nsplit, nsplit)
+    istart = (np.arange(iseg.size, dtype=np.int64) - first) * piece
+    istop = np.minimum(istart + piece, lens[iseg])
+    if pieces == 1:
+        return iseg, istart, istop, [(0, int(iseg.size))]
+    ends = np.cumsum(istop - istart)
+    cuts = np.searchsorted(ends, np.arange(1, pieces, dtype=np.int64) * piece, side="left") + 1
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < iseg.size)), int(iseg.size)]
+    return iseg, istart, istop, [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def segment_runs(bounds: np.ndarray, pieces: int, min_chunk: int = 1 << 16) -> list[tuple[int, int]]:
+    """Contiguous segment ranges of about equal element counts (``bounds``: cumulative, length segments + 1)."""
+    nseg = bounds.size - 1
+    total = int(bounds[-1]) if nseg > 0 else 0
+    pieces = max(1, min(pieces, total // max(1, min_chunk), nseg))
+    if pieces <= 1:
+        return [(0, nseg)] if nseg > 0 else []
+    cuts = np.searchsorted(bounds, np.arange(1, pieces, dtype=np.int64) * (total // pieces), side="left")
+    edges = [0, *sorted(set(int(c) for c in cuts if 0 < c < nseg)), nseg]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]

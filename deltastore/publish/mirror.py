@@ -1,0 +1,343 @@
+"""The mirror: the last published bits of every tensor, and the compare against a new state.
+
+Memory: one flat buffer per element width (tensors back to back, each at a
+64-byte boundary), so the mirror costs the published model's size and
+nothing per tensor; :meth:`Mirror.view` gives a tensor's flat bits (a view).
+
+Compare (:meth:`Mirror.diff`): CPU tensors of the published dtype are
+compared by the fused kernel of :mod:`deltastore.kernels.diff` — every tensor
+of one width in one call per thread, which also gathers positions, new and
+old bits and the checksum deltas in the same pass. Anything else (a tensor on
+another device, a dtype cast such as an fp32 master published as bf16, a
+mirror on an accelerator) goes through :func:`deltastore.diff.find_changes`
+chunk by chunk on the mirror's device.
+
+Advance / revert: the publisher moves the mirror forward by a version's
+changes (:meth:`Mirror.advance`) before it encodes what needs the new bits
+(anchors, tensors stored whole) and moves it back (:meth:`Mirror.revert`, the
+old bits at the same positions) if the version is not committed, so a failed
+publish leaves the mirror as it was without a second copy.
+
+Background publishing (:class:`Pending`): the writer thread owns the mirror
+and advances it after each commit, while the caller already captures later
+versions. The capture side compares against the mirror (which may be some
+versions behind) and corrects the result with :class:`Pending`: for every
+position a queued version changed, the newest bits. A position outside it
+holds the same bits in the mirror and in the last captured version, so only
+the pending positions need a second look, O(changed) per version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import segments
+from ..checksum import full_checksum, sparse_sum, tensor_key
+from ..codecs import TensorSpec
+from ..diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
+from ..errors import TargetMismatchError
+from ..tensors import bits_view
+
+_M64 = (1 << 64) - 1
+_ALIGN = 64  # bytes: every tensor starts on a cache line (the compare reads 8-byte words)
+_EMPTY: dict[torch.dtype, Change] = {}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def empty_change(bits: torch.dtype) -> Change:
+    """A shared, immutable "nothing changed" for tensors of integer view dtype ``bits``."""
+    ch = _EMPTY.get(bits)
+    if ch is None:
+        e = torch.empty(0, dtype=bits)
+        ch = _EMPTY[bits] = Change(torch.empty(0, dtype=torch.int64), e, e)
+    return ch
+
+
+@dataclass
+class Diff:
+    """What :meth:`Mirror.diff` found: per tensor the changes and their checksum delta (mod 2**64).
+
+    ``flat`` keeps the kernel's flat arrays (per element width: names in
+    order, :class:`~deltastore.segments.FlatChanges`) so that advance and
+    revert write every tensor in one call; it is dropped when a change was
+    corrected afterwards.
+    """
+
+    changes: dict[str, Change]
+    sums: dict[str, int]
+    flat: list[tuple[list[str], segments.FlatChanges]] = field(default_factory=list)
+
+    @property
+    def changed(self) -> int:
+        return sum(ch.count for ch in self.changes.values())
+
+
+class Mirror:
+    """Host (or accelerator) copy of the last published bits of ``specs``, in flat buffers.
+
+    ``version`` is the step whose bits it holds (kept by the owner).
+    """
+
+    def __init__(self, specs: Mapping[str, TensorSpec], device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.specs = dict(specs)
+        self.version: int | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._buffers: list[torch.Tensor] = []
+        self._groups: dict[int, list[str]] = {}  # element width -> names, in buffer order
+        layout: dict[int, list[tuple[str, int, int]]] = {}
+        ends: dict[int, int] = {}
+        for name, spec in self.specs.items():
+            dt = spec.bits_dtype
+            w = torch.empty((), dtype=dt).element_size()
+            at = ends.get(w, 0)
+            layout.setdefault(w, []).append((name, at, spec.numel))
+            ends[w] = at + -(-spec.numel * w // _ALIGN) * _ALIGN // w
+        for w, items in layout.items():
+            buf = torch.empty(max(1, ends[w]), dtype=_BITS[w], device=self.device)
+            self._buffers.append(buf)
+            self._groups[w] = [n for n, _, _ in items]
+            for name, at, numel in items:
+                self._views[name] = buf[at:at + numel]
+        self._keys = {w: np.fromiter((tensor_key(n) for n in names), dtype=np.uint64, count=len(names))
+                      for w, names in self._groups.items()}
+        self._hint = 1 / 64
+
+    # -- building ------------------------------------------------------------------
+    @classmethod
+    def capture(cls, tensors: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
+                device: torch.device | str | None = None) -> Mirror:
+        """A new mirror holding the bits of ``tensors`` (cast to each spec's dtype)."""
+        m = cls(specs, device)
+        m.fill(tensors)
+        return m
+
+    def fill(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy every tensor's bits in (a cast to the spec's dtype where it differs)."""
+        fast: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for name, spec in self.specs.items():
+                t = tensors[name]
+                dst = self._views[name]
+                if t.dtype == spec.dtype and t.is_cpu and dst.is_cpu and t.is_contiguous():
+                    src, dsts = fast.setdefault(dst.element_size(), ([], []))
+                    src.append(t)
+                    dsts.append(dst)
+                elif t.dtype == spec.dtype:
+                    dst.copy_(bits_view(t))
+                else:
+                    dst.copy_(bits_view(t.detach().to(spec.dtype).contiguous()))
+        for src, dsts in fast.values():
+            segments.copy(src, dsts)
+
+    # -- reading -------------------------------------------------------------------
+    def view(self, name: str) -> torch.Tensor:
+        """The flat bits of ``name`` (a view into the mirror: callers must not modify it)."""
+        return self._views[name]
+
+    def host_view(self, name: str) -> torch.Tensor:
+        """:meth:`view` on the host (a copy when the mirror lives on an accelerator)."""
+        v = self._views[name]
+        return v if v.is_cpu else v.cpu()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def checksums(self) -> dict[str, int]:
+        """Every tensor's whole checksum (:mod:`deltastore.checksum`), one kernel pass per element width."""
+        out: dict[str, int] = {}
+        for w, names in self._groups.items():
+            views = [self._views[n] for n in names]
+            if self.device.type == "cpu":
+                sums = segments.full_sums(views, self._keys[w])
+                out.update((n, int(v)) for n, v in zip(names, sums))
+            else:
+                out.update((n, full_checksum(n, v)) for n, v in zip(names, views))
+        return {n: out[n] for n in self.specs}
+
+    def keys(self) -> dict[str, int]:
+        return {n: int(k) for w, names in self._groups.items() for n, k in zip(names, self._keys[w])}
+
+    # -- compare -------------------------------------------------------------------
+    def diff(self, tensors: Mapping[str, torch.Tensor], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+             pending: Pending | None = None) -> Diff:
+        """Changes of ``tensors`` (same names and specs as the mirror) against the last published bits.
+
+        With ``pending`` (background mode), the result is against the last
+        *captured* version: the mirror plus the pending overlay.
+        """
+        changes: dict[str, Change] = {}
+        sums: dict[str, int] = {}
+        flat: list[tuple[list[str], segments.FlatChanges]] = []
+        slow: list[str] = []
+        total = changed = 0
+        for w, names in self._groups.items():
+            fast_names, olds, news, keys = [], [], [], []
+            wkeys = self._keys[w]
+            for i, name in enumerate(names):
+                t = tensors[name]
+                spec = self.specs[name]
+                if t.numel() != spec.numel:
+                    raise TargetMismatchError(f"{name!r} has {t.numel()} elements, the mirror {spec.numel}")
+                if not t.is_contiguous():
+                    raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
+                if t.dtype == spec.dtype and t.is_cpu and self.device.type == "cpu":
+                    fast_names.append(name)
+                    olds.append(self._views[name])
+                    news.append(t)
+                    keys.append(wkeys[i])
+                else:
+                    slow.append(name)
+            if fast_names:
+                fc = segments.diff_segments(olds, news, np.array(keys, dtype=np.uint64), hint=self._hint)
+                flat.append((fast_names, fc))
+                bits_dt = fc.new_bits.dtype
+                for i, name in enumerate(fast_names):
+                    a, b = fc.bounds[i], fc.bounds[i + 1]
+                    changes[name] = fc.change(i) if b > a else empty_change(bits_dt)
+                    sums[name] = int(fc.sums[i])
+                changed += int(fc.bounds[-1])
+                total += sum(o.numel() for o in olds)
+        for name in slow:
+            spec = self.specs[name]
+            ch = find_changes(self._views[name], tensors[name], chunk_elems=chunk_elems, dtype=spec.dtype)
+            changes[name] = ch
+            sums[name] = _sum_delta(name, ch)
+            changed += ch.count
+            total += spec.numel
+        # keep the tensor order of the specs (the manifest's order)
+        out = Diff({n: changes[n] for n in self.specs}, {n: sums[n] for n in self.specs}, flat)
+        if total:
+            self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
+        if pending is not None and pending.entries:
+            pending.correct(out, tensors, self)
+        return out
+
+    # -- moving ----------------------------------------------------------------------
+    def advance(self, diff: Diff) -> None:
+        """Write the changes' new bits in."""
+        self._write(diff, new=True)
+
+    def revert(self, diff: Diff) -> None:
+        """Write the changes' old bits back (undo :meth:`advance`)."""
+        self._write(diff, new=False)
+
+    def _write(self, diff: Diff, *, new: bool) -> None:
+        done: set[str] = set()
+        for names, fc in diff.flat:
+            if self.device.type == "cpu":
+                segments.scatter([self._views[n] for n in names], fc.positions, fc.bounds,
+                                 fc.new_bits if new else fc.old_bits)
+                done.update(names)
+        with torch.no_grad():
+            for name, ch in diff.changes.items():
+                if ch.count and name not in done:
+                    v = self._views[name]
+                    v[ch.positions.to(v.device)] = (ch.new_bits if new else ch.old_bits).to(v.device)
+
+    def at_anchor(self, name: str, positions: torch.Tensor, anchor_bits: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``name`` with ``anchor_bits`` at ``positions`` (the anchor's tensor, for differentials)."""
+        t = self._views[name].to("cpu", copy=True)
+        if positions.numel():
+            t[positions] = anchor_bits
+        return t
+
+
+def _sum_delta(name: str, ch: Change) -> int:
+    if not ch.count:
+        return 0
+    key = tensor_key(name)
+    return (sparse_sum(key, ch.positions, ch.new_bits) - sparse_sum(key, ch.positions, ch.old_bits)) & _M64
+
+
+class Pending:
+    """Positions changed by versions captured but not yet written into the mirror, with their newest bits.
+
+    Kept by the capture side only. Per tensor: sorted positions, the bits of
+    the last captured version there, and the step that last changed each
+    (entries of steps the mirror already holds are dropped by :meth:`prune`).
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self.entries = {}
+
+    def prune(self, upto: int | None) -> None:
+        """Forget what versions up to ``upto`` changed (the mirror holds them now)."""
+        if upto is None:
+            return
+        out = {}
+        for name, (pos, bits, steps) in self.entries.items():
+            keep = steps > upto
+            if bool(keep.all()):
+                out[name] = (pos, bits, steps)
+            elif bool(keep.any()):
+                out[name] = (pos[keep], bits[keep], steps[keep])
+        self.entries = out
+
+    def add(self, changes: Mapping[str, Change], step: int) -> None:
+        """Record version ``step``'s changes (after it was captured)."""
+        for name, ch in changes.items():
+            if not ch.count:
+                continue
+            stamp = torch.full((ch.count,), step, dtype=torch.int64)
+            prev = self.entries.get(name)
+            if prev is None:
+                self.entries[name] = (ch.positions, ch.new_bits, stamp)
+                continue
+            pos, bits, steps = prev
+            union, inverse = torch.unique(torch.cat([pos, ch.positions]), sorted=True, return_inverse=True)
+            n = pos.numel()
+            ub = torch.empty(union.numel(), dtype=bits.dtype)
+            us = torch.empty(union.numel(), dtype=torch.int64)
+            ub[inverse[:n]] = bits
+            us[inverse[:n]] = steps
+            ub[inverse[n:]] = ch.new_bits  # the newer version wins
+            us[inverse[n:]] = step
+            self.entries[name] = (union, ub, us)
+
+    def correct(self, diff: Diff, tensors: Mapping[str, torch.Tensor], mirror: Mirror) -> None:
+        """Turn ``diff`` (against the mirror) into the changes against the last captured version."""
+        touched = False
+        for name, (pos, bits, _) in self.entries.items():
+            ch = diff.changes[name]
+            spec = mirror.specs[name]
+            cand = torch.unique(torch.cat([ch.positions, pos]), sorted=True)
+            in_p, ip = _member(pos, cand)
+            in_d, id_ = _member(ch.positions, cand)
+            old = torch.empty(cand.numel(), dtype=bits.dtype)
+            old[in_p] = bits[ip[in_p]]
+            rest = ~in_p  # not pending: the mirror's bits there are stable, read by the compare
+            old[rest] = ch.old_bits[id_[rest]]
+            new = torch.empty_like(old)
+            new[in_d] = ch.new_bits[id_[in_d]]
+            miss = ~in_d  # pending but equal to the mirror in the compare: read the new bits themselves
+            if bool(miss.any()):
+                t = tensors[name].detach().reshape(-1)
+                at = cand[miss]
+                vals = t[at.to(t.device)]
+                if vals.dtype != spec.dtype:
+                    vals = vals.to(spec.dtype)
+                new[miss] = bits_view(vals.contiguous()).cpu()
+            keep = new != old
+            fixed = Change(cand[keep], new[keep], old[keep])
+            diff.changes[name] = fixed
+            diff.sums[name] = _sum_delta(name, fixed)
+            touched = True
+        if touched:
+            diff.flat = []
+
+
+def _member(sorted_values: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(found, index)``: whether each query value is in ``sorted_values`` and where."""
+    if sorted_values.numel() == 0:
+        return torch.zeros(query.numel(), dtype=torch.bool), torch.zeros(query.numel(), dtype=torch.int64)
+    idx = torch.searchsorted(sorted_values, query).clamp_(max=sorted_values.numel() - 1)
+    return sorted_values[idx] == query, idx

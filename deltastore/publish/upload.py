@@ -1,0 +1,80 @@
+"""Encode and upload object jobs with a bounded number in flight.
+
+A *job* is one future object: its codec, a function that builds the
+``(offset, update)`` pairs it holds (called on the worker, so the inputs exist
+only while that object is encoded), and the ``name -> [Part]`` index where
+its parts are noted. :func:`store_jobs` submits jobs to a thread pool, at most
+``inflight`` at a time, so an anchor streams through memory object by object:
+build the updates (views of the mirror), encode, upload, drop the bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..codecs import Codec, Update
+from ..manifest import ObjectRecord, Part
+from ..store import DeltaStore
+
+Job = tuple[Codec, Callable[[], list[tuple[int, Update]]], dict[str, list[Part]]]
+
+
+def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job], *, inflight: int,
+               first_index: int = 0) -> list[ObjectRecord]:
+    """Encode and upload every job; returns the object records in job order and notes each job's parts.
+
+    Object ``i`` of the result gets manifest index ``first_index + i``. At
+    most ``inflight`` jobs are built, encoded or uploaded at once. On the
+    first failure no further job starts; the error is raised once the jobs
+    already running have finished.
+    """
+
+    def run(job: Job) -> tuple[ObjectRecord, list[tuple[str, int, int]]]:
+        codec, make, _ = job
+        made = make()
+        parts = [(u.spec.name, offset, u.spec.numel) for offset, u in made]
+        data = codec.encode([u for _, u in made])
+        del made
+        record = ObjectRecord(store.put_object(data), len(data), codec.describe())
+        return record, parts
+
+    slots = threading.BoundedSemaphore(max(1, inflight))
+    failed = threading.Event()
+    futures: list[Future] = []
+
+    def release(f: Future) -> None:
+        if f.exception() is not None:
+            failed.set()
+        slots.release()
+
+    for job in jobs:
+        slots.acquire()
+        if failed.is_set():
+            slots.release()
+            break
+        fut = pool.submit(run, job)
+        fut.add_done_callback(release)
+        futures.append(fut)
+    error: BaseException | None = None
+    results = []
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after every started job finished
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
+    objects = []
+    touched: dict[int, dict[str, list[Part]]] = {}
+    for (_, _, index_of), (record, parts) in zip(jobs, results):
+        objects.append(record)
+        for name, offset, numel in parts:
+            index_of.setdefault(name, []).append(Part(first_index + len(objects) - 1, offset, numel))
+        touched[id(index_of)] = index_of
+    for index_of in touched.values():
+        for plist in index_of.values():
+            plist.sort(key=lambda p: p.offset)
+    return objects

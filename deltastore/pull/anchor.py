@@ -1,0 +1,97 @@
+"""An anchor, streamed object by object into its destination.
+
+:func:`stream_anchor` fetches the anchor's full objects with a bounded
+read-ahead, decodes each, writes its tensors (or parts of tensors) where they
+go and drops the object, so a pull holds a few objects at a time:
+
+* into a live target (``dests``: per tensor the flat bit views to write,
+  the tensor itself and any alias copies): each view's old bits are saved in
+  an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
+  caller can put the target back if anything fails later;
+* into new tensors (``dests`` None): the decoded bits become the result.
+
+Every tensor's full checksum is compared with the manifest once all its parts
+are in (read back from where they were written), in one kernel pass per
+object for CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .. import segments
+from ..apply import _key, plain_cpu
+from ..checksum import full_checksum
+from ..errors import ChecksumMismatchError, ManifestError
+from ..manifest import Manifest
+from ..store import DeltaStore
+from ..undo import UndoJournal
+from .objects import decode_object, object_index, stream_objects
+
+
+class WriteFailed(Exception):
+    """A write into the target raised (the cause is chained); the caller restores and reports it."""
+
+
+def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
+                  dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
+                  verify: bool = True) -> dict[str, torch.Tensor] | None:
+    """Write anchor ``am``'s whole tensors into ``dests`` (or return them as new flat bit tensors)."""
+    index = object_index(am, "full")
+    records = am.tensor_map()
+    received = dict.fromkeys(records, 0)
+    out: dict[str, torch.Tensor] = {}
+    for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
+        decoded = decode_object(am, i, data, index[i], "full", None)
+        del data
+        complete = []
+        for t, p, u in decoded:
+            whole = t.is_whole(p)
+            if dests is None:
+                if whole:
+                    out[t.name] = u.bits
+                else:
+                    buf = out.get(t.name)
+                    if buf is None:
+                        buf = out[t.name] = torch.empty(t.numel, dtype=u.bits.dtype)
+                    buf[p.offset:p.offset + p.numel].copy_(u.bits)
+            else:
+                for flat in dests[t.name]:
+                    if journal is not None:
+                        journal.save(flat)
+                    try:
+                        with torch.no_grad():
+                            (flat if whole else flat[p.offset:p.offset + p.numel]).copy_(u.bits)
+                    except Exception as e:
+                        raise WriteFailed(f"writing {t.name!r} into the target failed: {e!r}") from e
+            received[t.name] += p.numel
+            if received[t.name] == t.numel:
+                complete.append(t.name)
+        del decoded
+        if verify and complete:
+            _verify(am, records, complete, out if dests is None else {n: dests[n][0] for n in complete})
+    missing = [n for n, got in received.items() if got != records[n].numel]
+    if missing:
+        raise ManifestError(f"anchor {am.step} does not hold every element of {missing[:5]}")
+    return out if dests is None else None
+
+
+def _verify(am: Manifest, records: Mapping, names: list[str], where: Mapping[str, torch.Tensor]) -> None:
+    fast = [n for n in names if plain_cpu(where[n])]
+    sums: dict[str, int] = {}
+    by_width: dict[int, list[str]] = {}
+    for n in fast:
+        by_width.setdefault(where[n].element_size(), []).append(n)
+    for group in by_width.values():
+        keys = np.fromiter((_key(n) for n in group), dtype=np.uint64, count=len(group))
+        got = segments.full_sums([where[n] for n in group], keys)
+        sums.update((n, int(v)) for n, v in zip(group, got))
+    for n in names:
+        cs = sums[n] if n in sums else full_checksum(n, where[n])
+        if cs != int(records[n].checksum, 16):
+            raise ChecksumMismatchError(
+                f"version {am.step}, tensor {n!r}: checksum after decoding the anchor does not match the manifest "
+                f"(the base it was applied to differs from the publisher's, or the data is corrupt)")

@@ -1,0 +1,108 @@
+"""Undo journal: the old bits of target tensors, saved before an anchor overwrites them.
+
+An anchor pull into a live target writes every tensor whole. To keep the
+pull all-or-nothing without holding a second copy of the model in memory,
+each tensor's old bits are saved just before its first write and put back if
+the pull fails (a corrupt object met half-way, a checksum mismatch, a failed
+write). Where they are saved:
+
+* a tensor that holds only zeros (a freshly allocated target) costs nothing:
+  the journal notes "zeros" and restores with ``zero_()``;
+* otherwise in memory up to ``memory_bytes`` in all, then in an unnamed
+  temporary file (``directory``, default the system temp dir), written
+  straight from and read straight back into a CPU tensor's storage.
+
+So an anchor pull into a live target costs, beyond the decode buffers, at
+most ``memory_bytes`` of RAM and the target's size in temporary disk space
+(page cache), never a second resident copy. A tensor is saved once per
+journal however many parts are written into it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import IO
+
+import numpy as np
+import torch
+
+from .segments import unsigned
+
+#: old bits kept in RAM before the journal spills to disk
+DEFAULT_MEMORY_BYTES = 32 << 20
+
+
+class UndoJournal:
+    """Old bits of the tensors written so far; :meth:`restore` puts them back, newest first."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, memory_bytes: int = DEFAULT_MEMORY_BYTES):
+        self.directory = directory
+        self.memory_bytes = memory_bytes
+        self._in_memory = 0
+        self._file: IO[bytes] | None = None
+        self._offset = 0
+        self._entries: list[tuple[torch.Tensor, str, object]] = []
+        self._saved: set[tuple[int, int]] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def save(self, flat: torch.Tensor) -> None:
+        """Remember ``flat``'s current bits (a flat integer view of a target tensor), once."""
+        key = (flat.data_ptr(), flat.numel())
+        if key in self._saved or flat.numel() == 0:
+            return
+        self._saved.add(key)
+        if not bool(flat.any()):
+            self._entries.append((flat, "zeros", None))
+            return
+        nbytes = flat.numel() * flat.element_size()
+        if self._in_memory + nbytes <= self.memory_bytes:
+            self._entries.append((flat, "copy", flat.to("cpu", copy=True)))
+            self._in_memory += nbytes
+            return
+        host = flat if flat.is_cpu else flat.cpu()
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-")
+        self._file.write(memoryview(unsigned(host)).cast("B"))
+        self._entries.append((flat, "file", (self._offset, nbytes)))
+        self._offset += nbytes
+
+    def restore(self) -> int:
+        """Put every saved tensor back (newest first); returns how many refused."""
+        failed = 0
+        with torch.no_grad():
+            for flat, kind, where in reversed(self._entries):
+                try:
+                    if kind == "zeros":
+                        flat.zero_()
+                    elif kind == "copy":
+                        assert isinstance(where, torch.Tensor)
+                        flat.copy_(where.to(flat.device))
+                    else:
+                        assert self._file is not None and isinstance(where, tuple)
+                        offset, nbytes = where
+                        self._file.seek(offset)
+                        buf = np.empty(nbytes, np.uint8)
+                        if self._file.readinto(memoryview(buf)) != nbytes:
+                            raise OSError("undo journal is truncated")
+                        flat.copy_(torch.from_numpy(buf).view(flat.dtype).to(flat.device))
+                except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
+                    failed += 1
+        return failed
+
+    def close(self) -> None:
+        """Forget everything (after success or restore); deletes the temporary file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._entries = []
+        self._saved = set()
+        self._in_memory = 0
+
+    def __enter__(self) -> UndoJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
