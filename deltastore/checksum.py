@@ -20,16 +20,17 @@ ops (:func:`torch_mix_sum`), which wrap mod 2**64 and give the same value.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from .errors import TargetMismatchError
 from .kernels import checksum as _k
 from .kernels.parallel import chunked
 from .tensors import bits_view
 
 _M64 = (1 << 64) - 1
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: elements per thread chunk (below two of these a tensor is hashed inline, no thread hop)
 _MIN_CHUNK = 1 << 18
@@ -40,26 +41,6 @@ _TORCH_CHUNK = 1 << 22
 def tensor_key(name: str) -> int:
     """The per-tensor key mixed into every element hash."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-
-
-def _np_unsigned(t: torch.Tensor) -> np.ndarray:
-    """A flat unsigned numpy view of a CPU tensor's raw bits (no copy when ``t`` is contiguous)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    t = t.reshape(-1)
-    width = t.element_size()
-    if t.dtype != _SIGNED_BITS[width] and t.dtype != torch.uint8:
-        t = t.view(_SIGNED_BITS[width])
-    return t.numpy().view(_UNSIGNED[width])
-
-
-def _np_positions(positions: torch.Tensor) -> np.ndarray:
-    """Flat int32/int64 numpy positions of a CPU tensor (converted only when another dtype)."""
-    p = positions.detach().reshape(-1)
-    if p.dtype not in (torch.int64, torch.int32):
-        p = p.to(torch.int64)
-    return p.contiguous().numpy()
 
 
 def _signed(c: np.uint64) -> int:
@@ -121,18 +102,38 @@ def torch_mix_sum(key: int, positions: torch.Tensor | None, bits: torch.Tensor, 
 def sparse_sum(key: int, positions: torch.Tensor, bits: torch.Tensor) -> int:
     """``sum(mix(key, p, b))`` over paired flat positions and raw bits (any device, int view).
 
-    CPU tensors are hashed in place by the nogil kernel in parallel chunks;
-    when ``bits`` lives on another device the sum runs there (positions are
-    moved to it). Raises ``ValueError`` when the lengths differ.
+    CPU tensors are hashed in place (by address) by the nogil kernel, in
+    parallel chunks when large; when ``bits`` lives on another device the sum
+    runs there (positions are moved to it). Raises ``ValueError`` when the
+    lengths differ.
     """
     if bits.device.type != "cpu":
         return torch_mix_sum(key, positions, bits)
-    b = _np_unsigned(bits)
-    p = _np_positions(positions.cpu() if positions.device.type != "cpu" else positions)
-    if p.size != b.size:
-        raise ValueError(f"{p.size} positions for {b.size} bits")
-    k = np.uint64(key & _M64)
-    parts = chunked(b.size, lambda s, e: _k.mix_sum_sparse(p, b, s, e, k), min_chunk=_MIN_CHUNK)
+    n = bits.numel()
+    if positions.numel() != n:
+        raise ValueError(f"{positions.numel()} positions for {n} bits")
+    if n == 0:
+        return 0
+    if positions.device.type != "cpu" or positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.detach().to("cpu", torch.int64).contiguous()
+    if not bits.is_contiguous():
+        bits = bits.contiguous()
+    fn, paddr, baddr, k = _k.SPARSE_AT[bits.element_size()], positions.data_ptr(), bits.data_ptr(), np.uint64(key & _M64)
+    if n < 2 * _MIN_CHUNK:
+        return int(fn(paddr, baddr, 0, n, k))
+    parts = chunked(n, lambda s, e: fn(paddr, baddr, s, e, k), min_chunk=_MIN_CHUNK)
+    return sum(int(x) for x in parts) & _M64
+
+
+def _dense_cpu(key: int, flat: torch.Tensor) -> int:
+    """The dense sum of a contiguous CPU tensor, read in place (parallel chunks when large)."""
+    n = flat.numel()
+    if n == 0:
+        return 0
+    fn, addr, k = _k.DENSE_AT[flat.element_size()], flat.data_ptr(), np.uint64(key)
+    if n < 2 * _MIN_CHUNK:
+        return int(fn(addr, 0, n, k))
+    parts = chunked(n, lambda s, e: fn(addr, s, e, k), min_chunk=_MIN_CHUNK)
     return sum(int(x) for x in parts) & _M64
 
 
@@ -143,14 +144,45 @@ def full_checksum(name: str, tensor: torch.Tensor) -> int:
     tensor is read in place, on every kernel thread; a CUDA tensor is hashed on
     its device.
     """
-    flat = bits_view(tensor)
+    if not tensor.is_contiguous():
+        raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
     key = tensor_key(name)
-    if flat.device.type != "cpu":
-        return torch_mix_sum(key, None, flat)
-    b = _np_unsigned(flat)
-    k = np.uint64(key)
-    parts = chunked(b.size, lambda s, e: _k.mix_sum_dense(b, s, e, k), min_chunk=_MIN_CHUNK)
-    return sum(int(x) for x in parts) & _M64
+    if tensor.device.type != "cpu":
+        return torch_mix_sum(key, None, bits_view(tensor))
+    return _dense_cpu(key, tensor)
+
+
+def full_checksums(items: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
+    """``[full_checksum(name, t) for name, t in items]``, with the per-tensor cost of many small tensors removed.
+
+    Small CPU tensors of one element width are hashed in one kernel call per
+    group of them (by address, in parallel over tensors); large ones and
+    device tensors go through :func:`full_checksum`. Same values, same errors.
+    """
+    items = list(items)
+    out = [0] * len(items)
+    small: dict[int, list[tuple[int, int, int, int]]] = {}  # width -> (index, address, numel, key); items keeps them alive
+    for i, (name, t) in enumerate(items):
+        n = t.numel()
+        if t.device.type != "cpu" or n >= 2 * _MIN_CHUNK:
+            out[i] = full_checksum(name, t)
+            continue
+        if not t.is_contiguous():
+            raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
+        if n:
+            small.setdefault(t.element_size(), []).append((i, t.data_ptr(), n, tensor_key(name)))
+    for width, rows in small.items():
+        addrs = np.array([r[1] for r in rows], np.uint64)
+        counts = np.array([r[2] for r in rows], np.int64)
+        keys = np.array([r[3] for r in rows], np.uint64)
+        sums = np.empty(len(rows), np.uint64)
+        fn = _k.MANY[width]
+        per = max(1, -(-int(counts.sum()) // max(1, len(rows))))  # mean size: ~_MIN_CHUNK elements per piece
+        chunked(len(rows), lambda s, e: fn(addrs[s:e], counts[s:e], keys[s:e], sums[s:e]),
+                min_chunk=max(1, _MIN_CHUNK // per))
+        for r, v in zip(rows, sums.tolist()):
+            out[r[0]] = v
+    return out
 
 
 def updated_checksum(name: str, before: int, positions: torch.Tensor, old_bits: torch.Tensor,

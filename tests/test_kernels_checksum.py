@@ -179,3 +179,23 @@ def test_kernel_threads_split_work(monkeypatch):
     assert len(parallel.bounds(1 << 20, cs._MIN_CHUNK)) == 2
     t = _random(torch.float32, 1 << 20, seed=11)
     assert cs.full_checksum("f", t) == ref_full_checksum("f", t)
+
+
+def test_full_checksums_batch_equals_one_by_one(monkeypatch):
+    monkeypatch.setattr(cs, "_MIN_CHUNK", 64)  # small and "large" (parallel) tensors both present
+    items = [(f"t{i}", _random(dt, n, seed=i)) for i, (dt, n) in enumerate(
+        (dt, n) for dt in DTYPES for n in (0, 1, 5, 100, 1000))]
+    items.append(("view", _random(torch.bfloat16, 500, seed=99)[100:300]))
+    want = [ref_full_checksum(name, t) for name, t in items]
+    assert cs.full_checksums(items) == want
+    assert [cs.full_checksum(name, t) for name, t in items] == want
+    with pytest.raises(TargetMismatchError):
+        cs.full_checksums([("nc", torch.zeros(4, 4, dtype=torch.int16).t())])
+
+
+def test_sparse_sum_noncontiguous_and_device_agnostic_inputs():
+    bits = _random(torch.int16, 2000, seed=5)[::2]  # not contiguous
+    pos = torch.arange(0, 3000, 3)[:1000].to(torch.int32)[::1]
+    key = cs.tensor_key("nc")
+    assert cs.sparse_sum(key, pos, bits) == ref_sparse_sum(key, pos, bits.contiguous())
+    assert cs.sparse_sum(key, pos, bits.view(torch.bfloat16)) == ref_sparse_sum(key, pos, bits.contiguous())

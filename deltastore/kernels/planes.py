@@ -33,11 +33,13 @@ _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint3
 
 
 def _pointer_intrinsic(elem: types.Type):
-    """An intrinsic turning a uint64 address into a ``CPointer(elem)`` (for ``numba.carray``)."""
+    """An intrinsic turning a 64-bit integer address into a ``CPointer(elem)`` (for ``numba.carray``)."""
 
     @intrinsic
     def ptr(typingctx, addr):  # type: ignore[no-untyped-def]
-        sig = types.CPointer(elem)(types.uint64)
+        if not isinstance(addr, types.Integer) or addr.bitwidth != 64:
+            return None
+        sig = types.CPointer(elem)(addr)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
