@@ -186,14 +186,6 @@ def make_groups(specs: Sequence[TensorSpec], chunk: int) -> list[_Group]:
     return [_Group(w, r, names, sizes) for w, r, names, sizes, _ in order]
 
 
-def _scratch(width: int, count: int) -> list[np.ndarray]:
-    """This thread's reusable plane buffers (``width`` rows of ``count`` bytes): no fresh pages per unit."""
-    buf = getattr(_tls, "planes", None)
-    if buf is None or buf.size < width * count:
-        buf = _tls.planes = np.empty(width * count, np.uint8)
-    return [buf[j * count:(j + 1) * count] for j in range(width)]
-
-
 @dataclass
 class _Unit:
     """Elements ``[start, start + count)`` of a group: one frame per plane."""
@@ -229,6 +221,16 @@ class _Encoder:
             g.addrs[:] = [self.srcs[name].data_ptr() for name in g.names]
         self.units = [_Unit(g, start, min(codec.chunk, g.total - start))
                       for g in self.groups for start in range(0, g.total, codec.chunk)]
+        self._scratch: dict[int, np.ndarray] = {}  # per thread, for this encode only (freed with it)
+        self._scratch_size = max((u.group.width * u.count for u in self.units), default=0)
+
+    def scratch(self, width: int, count: int) -> list[np.ndarray]:
+        """This thread's plane buffers (``width`` rows of ``count`` bytes), reused across its units."""
+        me = threading.get_ident()
+        buf = self._scratch.get(me)
+        if buf is None or buf.size < width * count:
+            buf = self._scratch[me] = np.empty(max(width * count, self._scratch_size), np.uint8)
+        return [buf[j * count:(j + 1) * count] for j in range(width)]
 
     def _split(self, u: _Unit, planes: list[np.ndarray]) -> None:
         g = u.group
@@ -248,7 +250,7 @@ class _Encoder:
         if one is not None:
             planes = [one]
         else:
-            planes = _scratch(u.group.width, u.count)
+            planes = self.scratch(u.group.width, u.count)
             self._split(u, planes)
         for p in planes:
             stored, data = _compress_plane(p, self.codec.level, self.codec.hash_log)
@@ -289,7 +291,7 @@ class _Encoder:
             if one is not None:
                 dest[0][:] = one
                 return
-            scratch = _scratch(u.group.width, u.count)
+            scratch = self.scratch(u.group.width, u.count)
             self._split(u, [dest[j] if f is None else scratch[j] for j, f in enumerate(u.frames)])
 
         _parallel(len(self.units), place)
