@@ -10,11 +10,12 @@ and the applier update it from the changed elements, so verifying a 1 %-density
 step costs 1 % of a full hash. It detects accidental corruption and drift, not
 an adversary (objects are protected by sha256 for that).
 
-Where it runs: a CPU tensor is read in place (a flat unsigned view of its
-storage, no copy) by the nogil kernels of :mod:`deltastore.kernels.checksum`,
-in parallel over contiguous chunks (:func:`deltastore.kernels.parallel.chunked`);
-a tensor on another device (CUDA) is hashed on that device with int64 torch
-ops (:func:`torch_mix_sum`), which wrap mod 2**64 and give the same value.
+Where it runs: a CPU tensor is read in place (by address, no copy, no view)
+by the nogil kernels of :mod:`deltastore.kernels.checksum`, in parallel over
+contiguous chunks (:func:`deltastore.kernels.parallel.chunked`) when large;
+:func:`full_checksums` hashes many small tensors in one kernel call. A tensor
+on another device (CUDA) is hashed on that device with int64 torch ops
+(:func:`torch_mix_sum`), which wrap mod 2**64 and give the same value.
 """
 
 from __future__ import annotations
