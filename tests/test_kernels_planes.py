@@ -195,6 +195,16 @@ def test_mantissa_planes_are_stored_raw_and_exponents_compressed():
     assert [f[4] for f in g["frames"]] == ["r", "z"]
 
 
+def test_size_estimate_is_close_on_real_weights():
+    w = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
+    spec = TensorSpec("w", torch.bfloat16, (1 << 20,))
+    c = _codec()
+    real = len(c.encode([Update(spec, bits_view(w))]))
+    assert 0.9 * real <= c.estimate_size(spec, 0) <= 1.1 * real
+    assert get_codec("dense").estimate_size(spec, 0) == 2 << 20  # 1.0: the raw bits
+    assert c.estimate_size(TensorSpec("i", torch.int32, (10,)), 0) == 40 + 1 + 40
+
+
 def test_config_and_describe():
     c = _codec(chunk=1000, hash_log=None)
     assert c.describe() == {"id": "dense", "version": "2.1",

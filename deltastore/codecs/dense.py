@@ -351,6 +351,20 @@ class DenseCodec(Codec):
         return {"id": self.codec_id, "version": PLANES_VERSION if self.planes else "1.0",
                 "config": self.get_config()}
 
+    def estimate_size(self, spec: TensorSpec, changed: int) -> int:
+        """Expected object bytes for ``spec`` stored whole (``changed`` is ignored).
+
+        Format 1.0: the raw bits. Format 2.1: float tensors keep all planes but
+        the exponent raw and the exponent plane shrinks to about a third
+        (33.6 % on the trace's bf16 weights; 0.36 is assumed), plus the
+        tensor's index entry; integer tensors are counted raw.
+        """
+        if not self.planes:
+            return super().estimate_size(spec, changed)
+        n, w = spec.numel, spec.dtype.itemsize
+        body = n * (w - 1) + int(0.36 * n) if spec.dtype in MANTISSA_BITS else n * w
+        return body + len(spec.name) + 40
+
     # --- encode ------------------------------------------------------------------------------------
 
     def encode(self, updates: Sequence[Update]) -> bytes:
