@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -66,11 +67,14 @@ import _trace  # noqa: E402
 import reference_encoders as ref  # noqa: E402
 import deltastore as ds  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
-from deltastore.publisher import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES  # noqa: E402
 from deltastore.tensors import DTYPES  # noqa: E402
 
 GB = 1e9
 MB = 1e6
+_PUBLISHER_DEFAULTS = {k: v.default for k, v in inspect.signature(ds.Publisher).parameters.items()}
+#: the Publisher's default anchor codec and object size (read from its signature: the public defaults)
+DEFAULT_ANCHOR_CODEC = _PUBLISHER_DEFAULTS["anchor_codec"]
+DEFAULT_MAX_OBJECT_BYTES = _PUBLISHER_DEFAULTS["max_object_bytes"]
 #: Llama-style tensor counts for the projection (layers x 9 + embed, final norm, lm_head)
 PROJECT = {"7B": (7.0e9, 32 * 9 + 3), "70B": (70.0e9, 80 * 9 + 3)}
 PROJECT_CORES = 16
@@ -655,6 +659,9 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
                 st = q["steps"][cfg["warmup"]:]
                 cpu, wall = statistics.median(s["cpu"] for s in st), statistics.median(s["wall"] for s in st)
                 row.update(pull_mbps_core=q["model_bytes"] / MB / cpu, pull_mbps=q["model_bytes"] / MB / wall)
+                if p:  # what the follower downloads (objects), per changed element of the same steps
+                    row["download_per_changed"] = (sum(s["bytes_fetched"] for s in st)
+                                                   / sum(s["changed"] for s in p["steps"][cfg["warmup"]:]))
             if row:
                 extra["throughput"][f"{codec}.{r}"] = row
     extra["projection"] = projection(cfg, res)
@@ -724,14 +731,16 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
                           for k, v in extra["anchors"].items()))
     if extra["throughput"]:
         print("\n## Model MB/s per core (model bytes / process CPU s of one call; wall MB/s in brackets)\n")
-        print("| codec | run | publish MB/s/core | pull MB/s/core | stored B/changed el |")
-        print("|---|---|---:|---:|---:|")
+        print("| codec | run | publish MB/s/core | pull MB/s/core | stored B/changed el (objects + manifest, "
+              "differentials included) | follower download B/changed el |")
+        print("|---|---|---:|---:|---:|---:|")
         for k, v in extra["throughput"].items():
             codec, run = k.split(".", 1)
             pub = f"{v['publish_mbps_core']:.0f} [{v['publish_mbps']:.0f}]" if "publish_mbps_core" in v else ""
             pull = f"{v['pull_mbps_core']:.0f} [{v['pull_mbps']:.0f}]" if "pull_mbps_core" in v else ""
             bpe = f"{v['bytes_per_changed']:.3f}" if "bytes_per_changed" in v else ""
-            print(f"| {codec} | {run} | {pub} | {pull} | {bpe} |")
+            dl = f"{v['download_per_changed']:.3f}" if "download_per_changed" in v else ""
+            print(f"| {codec} | {run} | {pub} | {pull} | {bpe} | {dl} |")
     if extra["projection"]:
         print(f"\n## PROJECTION (not measured): CPU s per step = a x elements + b x tensors, a and b fitted from the "
               f"big and {cfg['tensors']}-tensor layouts above; Llama-style layouts (7B: {PROJECT['7B'][1]} tensors, "

@@ -63,7 +63,8 @@ def test_scale_quick_reports_every_figure(tmp_path):
     for codec in CODECS:
         for r in RUNS.values():
             row = doc["throughput"][f"{codec}.{r}"]
-            for k in ("publish_mbps_core", "pull_mbps_core", "publish_mbps", "pull_mbps", "bytes_per_changed"):
+            for k in ("publish_mbps_core", "pull_mbps_core", "publish_mbps", "pull_mbps", "bytes_per_changed",
+                      "download_per_changed"):
                 assert _finite(row[k]) and row[k] > 0, (codec, r, k, row.get(k))
     for what in ("publish", "pull", "compare", "dense copy"):
         for r in RUNS.values():
