@@ -210,63 +210,111 @@ def test_target_with_wrong_layout(published, mutate):
     assert isinstance(err, ValueError) and ("'a'" in str(err) or "'b'" in str(err))
 
 
-class _WriteFails(torch.Tensor):
-    """A tensor whose in-place writes fail (a device error in the middle of an apply)."""
+_WRITES = (torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.index_put_)
+
+
+class _SecondTensorFails(torch.Tensor):
+    """In-place writes into the first tensor written land; writes into any other tensor fail (a device error
+    in the middle of an apply), every time (``once=False``: the restore is refused too) or only the first time.
+
+    Whatever order the library writes tensors in, one tensor has been written when another fails, so the
+    restore has something to undo (``landed`` and ``failed`` prove it).
+    """
+
+    first: int | None = None
+    once = False
+    landed = 0
+    failed = 0
+
+    @classmethod
+    def reset(cls, once: bool) -> None:
+        cls.first, cls.once, cls.landed, cls.failed = None, once, 0, 0
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__setitem__, torch.Tensor.copy_, torch.Tensor.index_put_):
-            raise RuntimeError("injected write failure")
+        if func in _WRITES:
+            with torch._C.DisableTorchFunctionSubclass():
+                ptr = args[0].untyped_storage().data_ptr()
+            cls.first = ptr if cls.first is None else cls.first
+            if ptr != cls.first and not (cls.once and cls.failed):
+                cls.failed += 1
+                raise RuntimeError("injected write failure")
+            if ptr == cls.first:
+                cls.landed += 1
         return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _subclassed(target):
+    return {k: v.as_subclass(_SecondTensorFails) for k, v in target.items()}
+
+
+def _plain(target):
+    return {k: v.as_subclass(torch.Tensor) for k, v in target.items()}
 
 
 def test_interrupted_write_restores_the_target(published):
     uri, states, sub, _ = published
     target = sub.pull(step=0).state
     sub.pull(target, step=3)
-    # "a" is written first, then writing "b" fails: "a" must be restored.
-    target["b"] = target["b"].as_subclass(_WriteFails)
-    assert list(target) == ["a", "b"]
+    target.update(_subclassed(target))  # same storages, writes go through torch (and fail on the second tensor)
+    _SecondTensorFails.reset(once=False)
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
     assert isinstance(e.value, RuntimeError) and "injected" in str(e.value)
-    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[3])
-    # "b" refused its restore as it refused the write, so its state is not provable: unknown version
+    assert _SecondTensorFails.landed >= 1 and _SecondTensorFails.failed >= 1  # one tensor written, then a failure
+    assert bits_equal(_plain(target), states[3])  # the written tensor was restored
+    # the failing tensor refused its restore as it refused the write, so its state is not provable
     assert e.value.restored is False and sub.version_of(target) is None
     # the anchor path restores too
-    fresh = {k: torch.zeros_like(v) for k, v in states[3].items()}
-    fresh["b"] = fresh["b"].as_subclass(_WriteFails)
+    fresh = _subclassed({k: torch.zeros_like(v) for k, v in states[3].items()})
+    _SecondTensorFails.reset(once=False)
     with pytest.raises(ApplyError):
         sub.pull(fresh, step=4)
-    assert not any(bool(v.as_subclass(torch.Tensor).view(torch.int16).any()) for v in fresh.values())
-
-
-class _WriteFailsOnce(torch.Tensor):
-    """Fails the first in-place write only (the restore then succeeds)."""
-
-    armed = True
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if cls.armed and func in (torch.Tensor.__setitem__, torch.Tensor.copy_):
-            cls.armed = False
-            raise RuntimeError("injected transient failure")
-        return super().__torch_function__(func, types, args, kwargs or {})
+    assert _SecondTensorFails.landed >= 1 and _SecondTensorFails.failed >= 1
+    assert not any(bool(v.view(torch.int16).any()) for v in _plain(fresh).values())
 
 
 def test_interrupted_write_with_successful_restore_keeps_the_version(published):
     uri, states, sub, _ = published
     target = sub.pull(step=0).state
     sub.pull(target, step=3)
-    target["b"] = target["b"].as_subclass(_WriteFailsOnce)
-    _WriteFailsOnce.armed = True
+    target.update(_subclassed(target))
+    _SecondTensorFails.reset(once=True)
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
+    assert _SecondTensorFails.landed >= 1 and _SecondTensorFails.failed == 1
     assert e.value.restored is True and sub.version_of(target).step == 3
-    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[3])
+    assert bits_equal(_plain(target), states[3])
     res = sub.pull(target, step=4)  # and the retry goes through the delta
     assert res.path == "delta"
-    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[4])
+    assert bits_equal(_plain(target), states[4])
+
+
+def test_interrupted_write_of_plain_cpu_tensors_is_undone(published, monkeypatch):
+    """Plain CPU tensors are written by the library's batched scatter, not through torch: a failure right after
+    it landed must be undone too."""
+    import deltastore.apply as apply_mod
+
+    uri, states, sub, _ = published
+    target = sub.pull(step=0).state
+    sub.pull(target, step=3)
+    real = apply_mod.segments.scatter
+    calls = []
+
+    def scatter_then_fail(*args, **kwargs):
+        calls.append(len(calls))
+        real(*args, **kwargs)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure after the write landed")
+
+    monkeypatch.setattr(apply_mod.segments, "scatter", scatter_then_fail)
+    with pytest.raises(ApplyError) as e:
+        sub.pull(target, step=4)
+    assert len(calls) >= 2  # the write, then its undo
+    assert e.value.restored is True and sub.version_of(target).step == 3
+    assert bits_equal(target, states[3])
+    monkeypatch.undo()
+    assert sub.pull(target, step=4).path == "delta" and bits_equal(target, states[4])
 
 
 def test_hostile_object_header(published):
