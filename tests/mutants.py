@@ -64,6 +64,11 @@ MUTANTS = [
     Mutant("no-zstd-bound", "zstd frames are decompressed without checking their declared size first",
            [("deltastore/codecs/_common.py", "if params.content_size != expected:", "if False:")],
            [REL + "test_zstd_bombs_are_refused_without_inflating", REL + "test_hostile_input_typed_errors_only"]),
+    Mutant("no-zstd-bound-dense", "dense's own frame decoder (format 2.1) neither checks the declared size nor "
+           "bounds the output",
+           [("deltastore/codecs/dense.py", "    if declared != count:\n", "    if False:\n"),
+            ("deltastore/codecs/dense.py", "max_output_size=count", "max_output_size=0")],
+           [REL + "test_zstd_bombs_are_refused_without_inflating"]),
 ]
 
 
