@@ -93,6 +93,13 @@ class AutoCodec(Codec):
             cfg["link_mbps"] = self.link_mbps
         return cfg
 
+    def needs_for(self, spec: TensorSpec, changed: int) -> str:
+        """The whole old tensor only where ctx or a dense part may be chosen; else the old bits."""
+        dense = spec.numel and changed / spec.numel > self.dense_above
+        if dense or ctx_pays_off(spec.numel, changed, self.link_mbps, threads()):
+            return "old_tensor"
+        return "old_bits"
+
     def estimate_size(self, spec: TensorSpec, changed: int) -> int:
         """The estimate of the part this tensor would get with the sender holding the old tensor."""
         pays = ctx_pays_off(spec.numel, changed, self.link_mbps, threads())

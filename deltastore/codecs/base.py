@@ -113,6 +113,15 @@ class Codec(abc.ABC):
         """The manifest's codec record: id, format version and config."""
         return {"id": self.codec_id, "version": self.format_version, "config": self.get_config()}
 
+    def needs_for(self, spec: TensorSpec, changed: int) -> Literal["nothing", "old_bits", "old_tensor"]:
+        """What the encoder wants in the :class:`Update` of this tensor (default: ``receiver_needs``).
+
+        A codec that reads the old tensor for some tensors only (``auto``)
+        answers per tensor, so a sender whose previous bits live elsewhere (a
+        GPU mirror) copies a whole tensor only when it will be read.
+        """
+        return self.receiver_needs
+
     def estimate_size(self, spec: TensorSpec, changed: int) -> int:
         """Bytes this codec is expected to store for one tensor of ``spec``.
 
