@@ -58,5 +58,8 @@ def each(n: int, fn: Callable[[int], T]) -> list[T]:
     # A task started from a pool thread must not wait on the same pool (deadlock): run inline there.
     if n <= 1 or threading.current_thread().name.startswith("deltastore-kernel"):
         return [fn(i) for i in range(n)]
-    futures = [_pool(threads()).submit(fn, i) for i in range(n)]
-    return [f.result() for f in futures]
+    # The caller runs the last piece itself: one thread fewer competing for the cores (and for a
+    # trainer's spinning OpenMP workers), and no hand-off for it.
+    futures = [_pool(threads()).submit(fn, i) for i in range(n - 1)]
+    last = fn(n - 1)
+    return [f.result() for f in futures] + [last]
