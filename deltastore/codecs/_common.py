@@ -135,11 +135,14 @@ def unpack_meta(data: bytes, codec_id: str) -> tuple[dict[str, torch.Tensor], di
 
 
 def pack_meta(tensors: dict[str, torch.Tensor], codec_id: str, version: str, meta: dict[str, str]) -> bytes:
-    """Safetensors bytes with the codec id/version and ``meta`` in the header metadata."""
-    from safetensors.torch import save
+    """Safetensors bytes with the codec id/version and ``meta`` in the header metadata.
 
-    md = {"deltastore.codec": codec_id, "deltastore.codec_version": version, **meta}
-    return save({k: v.contiguous() for k, v in tensors.items()}, metadata=md)
+    The bytes are a function of the contents alone (see ``_safetensors.pack_sorted``):
+    content addressing only deduplicates objects that encode the same way every time.
+    """
+    from ._safetensors import pack_sorted
+
+    return pack_sorted(tensors, {"deltastore.codec": codec_id, "deltastore.codec_version": version, **meta})
 
 
 def u8(b: bytes) -> torch.Tensor:

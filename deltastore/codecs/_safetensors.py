@@ -10,7 +10,6 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from ..errors import CorruptObjectError
 
@@ -28,9 +27,40 @@ except (OSError, AttributeError):  # pragma: no cover - no libc / no madvise
 
 
 def pack(tensors: Mapping[str, torch.Tensor], codec_id: str, version: str) -> bytes:
-    """Safetensors bytes with the codec named in the header metadata."""
-    return st_save({k: v.contiguous() for k, v in tensors.items()},
-                   metadata={"deltastore.codec": codec_id, "deltastore.codec_version": version})
+    """Safetensors bytes with the codec named in the header metadata (deterministic: :func:`pack_sorted`)."""
+    return pack_sorted(tensors, {"deltastore.codec": codec_id, "deltastore.codec_version": version})
+
+
+_ST_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+             torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+             torch.float64: "F64", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def pack_sorted(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """Safetensors bytes that depend on the contents alone.
+
+    ``safetensors.torch.save`` writes the metadata in arbitrary order, so the
+    same object would hash differently from one process to the next (and
+    content addressing would store it twice). Here metadata keys are sorted,
+    and tensors are laid out by element size (largest first, so each stays
+    aligned) then name, as safetensors itself orders them.
+    """
+    import json
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    chunks, off = [], 0
+    for name in order:
+        t = tensors[name].detach().contiguous().cpu()
+        if t.dtype not in _ST_NAMES:
+            raise ValueError(f"cannot store {t.dtype} in a safetensors object")
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + data.size]}
+        off += data.size
+        chunks.append(memoryview(data))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([len(text).to_bytes(8, "little"), text, *chunks])
 
 
 def unpack(data: bytes, codec_id: str) -> dict[str, torch.Tensor]:
