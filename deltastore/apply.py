@@ -176,10 +176,16 @@ CPU target's own storage, or a copy)."""
 def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
     """A :data:`Reader` over a mapping of tensors (any device); whole CPU tensors are given as views."""
 
+    flats: dict[str, torch.Tensor] = {}
+
     def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
-        flat = bits_view(target[name])
+        flat = flats.get(name)
+        if flat is None:
+            flat = flats[name] = bits_view(target[name])
         if positions is None:
             return flat if flat.is_cpu else flat.cpu()
+        if flat.is_cpu:
+            return flat[positions]
         return flat[positions.to(flat.device)].cpu()
 
     return read
@@ -201,6 +207,10 @@ class SparseOverlay:
         self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
         self.pending: dict[str, _Pending] = {}
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
+        # first touches staged in one batch: (names, positions, bits, original, bounds), written by one
+        # scatter while every name in it is still untouched by a later delta (``_batched``)
+        self.batches: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = []
+        self._batched: set[str] = set()
 
     def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         return self.reader(name, positions)
@@ -228,6 +238,7 @@ class SparseOverlay:
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         staged = []
+        batched: set[str] = set()
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
         for rec in manifest.tensors:
             u = updates.get(rec.name)
@@ -243,25 +254,34 @@ class SparseOverlay:
             staged.append((rec.name, positions, u.bits, old, cs))
         for group in batch.values():  # first touches of plain CPU tensors: one gather + one checksum pass
             bounds = segments.bounds_of([u.count for _, u in group])
-            pos = torch.cat([u.positions for _, u in group]) if len(group) > 1 else group[0][1].positions
-            new = torch.cat([u.bits for _, u in group]) if len(group) > 1 else group[0][1].bits
+            pos = segments.cat([u.positions for _, u in group])
+            new = segments.cat([u.bits for _, u in group])
             old = segments.gather([self._fast[r.name] for r, _ in group], pos, bounds)
             keys = np.fromiter((_key(r.name) for r, _ in group), dtype=np.uint64, count=len(group))
-            deltas = segments.mix_delta(pos, old, new, bounds, keys)
+            deltas = segments.mix_delta(pos, old, new, bounds, keys).tolist()
+            checksums, step = self.checksums, manifest.step
             for i, (rec, u) in enumerate(group):
-                cs = (self.checksums[rec.name] + int(deltas[i])) & _M64
-                _expect(rec, cs, manifest.step, "applying the delta to the target")
-                a, b = int(bounds[i]), int(bounds[i + 1])
-                staged.append((rec.name, u.positions, u.bits, old[a:b], cs))
+                cs = (checksums[rec.name] + deltas[i]) & _M64
+                if cs != int(rec.checksum, 16):
+                    _expect(rec, cs, step, "applying the delta to the target")
+            lo, hi = bounds[:-1].tolist(), bounds[1:].tolist()
+            for i, (rec, u) in enumerate(group):
+                staged.append((rec.name, u.positions, u.bits, old[lo[i]:hi[i]],
+                               (checksums[rec.name] + deltas[i]) & _M64))
+            names = [r.name for r, _ in group]
+            self.batches.append((names, pos, new, old, bounds))
+            batched.update(names)
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
+        self._batched.update(batched)
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
         if p is None:  # first touch: the bits before this delta are the target's own
             self.pending[name] = _Pending(positions, bits, old)
             return
+        self._batched.discard(name)  # its batch entry is stale now: written from ``pending``
         union, inverse = torch.unique(torch.cat([p.positions, positions]), sorted=True, return_inverse=True)
         merged = torch.empty(union.numel(), dtype=bits.dtype)
         original = torch.empty(union.numel(), dtype=bits.dtype)
@@ -299,15 +319,22 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                  copies: Mapping[str, list[str]] | None = None) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure.
 
-    Plain CPU tensors are written by one kernel scatter per element width;
+    Plain CPU tensors are written by one kernel scatter per element width
+    (first touches staged as a batch are scattered straight from it);
     every other tensor (accelerator, subclass) through a torch index write.
     """
     undo: list[Callable[[], object]] = []
+    direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
+    done: set[str] = set()
+    for names, pos, bits, orig, bounds in overlay.batches:
+        if all(n in overlay._batched for n in names) and all(plain_cpu(target[n]) for n in names):
+            direct.append(([bits_view(target[n]) for n in names], pos, bounds, bits, orig))
+            done.update(names)
     try:
         with torch.no_grad():
             batch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
             for name, p, dest in _destinations(overlay.pending, copies):
-                if not p.positions.numel():
+                if not p.positions.numel() or (dest == name and name in done):
                     continue
                 t = target[dest]
                 flat = bits_view(t)
@@ -323,8 +350,9 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 undo.append(lambda flat=flat, pos=pos, orig=orig: flat.index_put_((pos,), orig.to(flat.device)))
                 flat[pos] = p.bits.to(flat.device)
             for tl, pl, bl, ol in batch.values():
-                bounds = segments.bounds_of([q.numel() for q in pl])
-                pos, bits, orig = torch.cat(pl), torch.cat(bl), torch.cat(ol)
+                direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
+                               segments.cat(ol)))
+            for tl, pos, bounds, bits, orig in direct:
                 undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
                 segments.scatter(tl, pos, bounds, bits)
                 torch.autograd.graph.increment_version(tl)

@@ -81,6 +81,13 @@ class _Captured:
         return self.diff is None
 
 
+def _check_name(name: str) -> None:
+    try:
+        check_tensor_name(name)
+    except ManifestError as e:
+        raise TargetMismatchError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     """What :meth:`Publisher.publish` committed.
@@ -450,18 +457,22 @@ class Publisher:
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
         tensors = named_tensors(state, aliases)
+        prev = self._capture_specs  # the last layout: its specs are reused (names already checked)
         specs = {}
-        for name in [*tensors, *aliases]:
-            try:
-                check_tensor_name(name)
-            except ManifestError as e:
-                raise TargetMismatchError(str(e)) from None
+        cast = self.dtype
         for name, t in tensors.items():
-            specs[name] = TensorSpec(name, self._dtype_of(t), tuple(t.shape))
-            dtype_name(specs[name].dtype)
+            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            sp = prev.get(name)
+            if sp is None or sp.dtype is not dt or sp.shape != t.shape:
+                _check_name(name)
+                sp = TensorSpec(name, dt, tuple(t.shape))
+                dtype_name(dt)
+            specs[name] = sp
+        for name in aliases:
+            _check_name(name)
         return tensors, specs, aliases
 
-    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:
+    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:  # noqa: D102 - also used by ShardedPublisher
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
     # -- objects -----------------------------------------------------------------

@@ -70,15 +70,16 @@ def _parallel(runs: list, fn):  # noqa: ANN001, ANN202
 class FlatChanges:
     """The changed elements of several tensors, back to back in tensor order.
 
-    positions: int64 local (per-tensor) flat positions; new_bits / old_bits: the
-    bits there (integer view dtype). ``bounds[i]:bounds[i + 1]`` is tensor
-    ``i``'s slice; ``sums[i]`` its checksum delta (mod 2**64).
+    The stream is held in ``parts`` (one per buffer the compare filled, no
+    concatenation): each a triple of int64 local (per-tensor) flat positions,
+    new bits and old bits (integer view dtype). ``bounds[i]:bounds[i + 1]`` is
+    tensor ``i``'s range in the whole stream, ``starts[k]`` where part ``k``
+    begins; ``sums[i]`` is tensor ``i``'s checksum delta (mod 2**64).
     """
 
     bounds: np.ndarray
-    positions: torch.Tensor
-    new_bits: torch.Tensor
-    old_bits: torch.Tensor
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    starts: np.ndarray
     sums: np.ndarray
 
     def count(self, i: int) -> int:
@@ -88,7 +89,52 @@ class FlatChanges:
         from .diff import Change
 
         a, b = int(self.bounds[i]), int(self.bounds[i + 1])
-        return Change(self.positions[a:b], self.new_bits[a:b], self.old_bits[a:b])
+        k = int(np.searchsorted(self.starts, a, side="right")) - 1
+        base = int(self.starts[k])
+        pos, new, old = self.parts[k]
+        if b - base <= pos.numel():  # inside one part: views
+            return Change(pos[a - base:b - base], new[a - base:b - base], old[a - base:b - base])
+        pieces = []  # straddles parts (at most one tensor per part boundary): join its slices
+        while a < b:
+            base = int(self.starts[k])
+            pos, new, old = self.parts[k]
+            e = min(b, base + pos.numel())
+            pieces.append((pos[a - base:e - base], new[a - base:e - base], old[a - base:e - base]))
+            a, k = e, k + 1
+        return Change(cat([p for p, _, _ in pieces]), cat([q for _, q, _ in pieces]),
+                      cat([o for _, _, o in pieces]))
+
+    def changes(self) -> list:  # noqa: ANN201 - list[Change]
+        """Every tensor's :class:`~deltastore.diff.Change` (views into the parts; ``torch.split`` per part)."""
+        from .diff import Change
+
+        n = self.bounds.size - 1
+        counts = np.diff(self.bounds)
+        if len(self.parts) == 1:
+            pos, new, old = self.parts[0]
+            sizes = counts.tolist()
+            return [Change(p, q, o) for p, q, o in zip(pos.split(sizes), new.split(sizes), old.split(sizes))]
+        splits = []
+        for k, (pos, new, old) in enumerate(self.parts):
+            sizes = np.diff(self.part_bounds(k)).tolist()
+            splits.append((pos.split(sizes), new.split(sizes), old.split(sizes)))
+        lo = self.bounds[:-1]
+        home = np.searchsorted(self.starts, lo, side="right") - 1  # the part each tensor starts in
+        ends = self.starts + np.array([p.numel() for p, _, _ in self.parts])
+        inside = (self.bounds[1:] <= ends[home]).tolist()
+        out = []
+        for i, (k, one) in enumerate(zip(home.tolist(), inside)):
+            if one:
+                sp = splits[k]
+                out.append(Change(sp[0][i], sp[1][i], sp[2][i]))
+            else:
+                out.append(self.change(i))
+        return out
+
+    def part_bounds(self, k: int) -> np.ndarray:
+        """``bounds`` relative to part ``k`` (empty ranges for tensors outside it): for per-part kernels."""
+        base = int(self.starts[k])
+        return np.clip(self.bounds - base, 0, self.parts[k][0].numel())
 
 
 def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], keys: np.ndarray, *,
@@ -98,7 +144,8 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
     ``olds`` / ``news``: flat contiguous CPU tensors, pairwise of equal size,
     all of one element width. ``keys``: the tensors' checksum keys (uint64).
     ``hint``: the expected changed fraction (sizes the first output buffers;
-    they grow when it is exceeded).
+    more are added when it is exceeded, and every buffer is shrunk in place
+    to what it holds).
     """
     n = len(olds)
     width = olds[0].element_size() if n else 2
@@ -119,11 +166,11 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
             pos, new, old = np.empty(cap, np.int64), np.empty(cap, udt), np.empty(cap, udt)
             c, i_next, e_next = _k.diff_items(lk, optr, nptr, lens, keys, iseg, istart, istop, i, i1, e,
                                               pos, new, old, counts, sums)
-            if c < cap // 2:  # do not keep a mostly empty buffer alive
-                pos, new, old = pos[:c].copy(), new[:c].copy(), old[:c].copy()
-            else:
-                pos, new, old = pos[:c], new[:c], old[:c]
-            out.append((pos, new, old))
+            if c < cap:  # give the unused tail back (realloc shrinks in place)
+                for a in (pos, new, old):
+                    a.resize(c, refcheck=False)
+            if c:
+                out.append((pos, new, old))
             if i_next >= i1:
                 return out
             # the buffers filled up: size the next ones from the density seen so far
@@ -133,15 +180,13 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
             cap = min(left + 8, int(left * 1.25 * found / max(1, done)) + 4096)
             i, e = int(i_next), int(e_next)
 
-    parts = [p for chunk in _parallel(runs, run) for p in chunk]
-    if len(parts) == 1:
-        pos, new, old = parts[0]
-    elif parts:
-        pos = np.concatenate([p for p, _, _ in parts])
-        new = np.concatenate([q for _, q, _ in parts])
-        old = np.concatenate([o for _, _, o in parts])
-    else:
-        pos, new, old = np.zeros(0, np.int64), np.zeros(0, udt), np.zeros(0, udt)
+    found = [p for chunk in _parallel(runs, run) for p in chunk]
+    parts = [(torch.from_numpy(p), to_bits(q), to_bits(o)) for p, q, o in found]
+    if not parts:
+        parts = [(torch.empty(0, dtype=torch.int64), to_bits(np.zeros(0, udt)), to_bits(np.zeros(0, udt)))]
+    starts = np.zeros(len(parts), np.int64)
+    if len(parts) > 1:
+        np.cumsum([p.numel() for p, _, _ in parts[:-1]], out=starts[1:])
     seg_counts = np.bincount(iseg, weights=counts, minlength=n).astype(np.int64) if iseg.size else \
         np.zeros(n, np.int64)
     seg_sums = np.zeros(n, np.uint64)
@@ -149,7 +194,26 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
         np.add.at(seg_sums, iseg, sums)
     bounds = np.zeros(n + 1, np.int64)
     np.cumsum(seg_counts, out=bounds[1:])
-    return FlatChanges(bounds, torch.from_numpy(pos), to_bits(new), to_bits(old), seg_sums)
+    return FlatChanges(bounds, parts, starts, seg_sums)
+
+
+def is_zero(t: torch.Tensor) -> bool:
+    """Whether every bit of the flat contiguous tensor ``t`` is zero (one pass; CPU tensors by kernel)."""
+    if t.numel() == 0:
+        return True
+    if not t.is_cpu:
+        return not bool(t.view(torch.uint8).any())
+    return bool(_k.all_zero(like(t.element_size()), t.data_ptr(), t.numel()))
+
+
+def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of 1-D CPU tensors of one dtype; a few big pieces go through numpy (one memcpy each,
+    no OpenMP hand-off: torch's parallel copy stalls when the cores are busy with other work)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if tensors[0].dtype == torch.bool or len(tensors) > 64:  # many small pieces: torch's loop is cheaper
+        return torch.cat(list(tensors))
+    return torch.from_numpy(np.concatenate([t.detach().numpy() for t in tensors]))
 
 
 def _bounds_of(sizes: Sequence[int]) -> np.ndarray:

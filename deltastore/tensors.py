@@ -38,16 +38,24 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TargetMismatchError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}") from None
 
 
+_BITS_OF: dict[torch.dtype, torch.dtype] = {}
+
+
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype with the same element size as ``dtype``."""
-    return _BITS[torch.empty((), dtype=dtype).element_size()]
+    b = _BITS_OF.get(dtype)
+    if b is None:
+        b = _BITS_OF[dtype] = _BITS[dtype.itemsize]
+    return b
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
     """A flat integer view sharing ``t``'s storage (``t`` must be contiguous)."""
     if not t.is_contiguous():
         raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
-    return t.detach().reshape(-1).view(bits_dtype(t.dtype))
+    flat = t.detach().reshape(-1)
+    b = bits_dtype(t.dtype)
+    return flat if flat.dtype is b else flat.view(b)
 
 
 def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -73,7 +81,8 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
         if name in out:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
-        alias = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        # same address, layout, dtype and device: the same elements (tied weights)
+        alias = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
         if t.numel() > 0 and alias in seen:
             if aliases is not None:
                 aliases[name] = seen[alias]

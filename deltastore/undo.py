@@ -27,7 +27,7 @@ from typing import IO
 import numpy as np
 import torch
 
-from .segments import unsigned
+from .segments import is_zero, unsigned
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
@@ -54,7 +54,7 @@ class UndoJournal:
         if key in self._saved or flat.numel() == 0:
             return
         self._saved.add(key)
-        if not bool(flat.any()):
+        if is_zero(flat):
             self._entries.append((flat, "zeros", None))
             return
         nbytes = flat.numel() * flat.element_size()

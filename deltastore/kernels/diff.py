@@ -193,6 +193,35 @@ def check_segments(pos, bounds, numels):
     return -1
 
 
+@njit(nogil=True, cache=True)
+def all_zero(like, ptr, n):
+    """Whether the ``n`` elements at ``ptr`` are all zero (8 bytes at a time where aligned)."""
+    a = _at(ptr, n, like)
+    width = like.itemsize
+    j = 0
+    while j < n and (ptr + j * width) % 8 != 0:
+        if a[j] != 0:
+            return False
+        j += 1
+    k = 8 // width
+    nw = (n - j) // k if k > 0 else 0
+    if nw > 0:
+        w = _at64(ptr + j * width, nw)
+        acc = np.uint64(0)
+        for i in range(nw):
+            acc |= w[i]
+            if (i & 4095) == 4095 and acc != 0:
+                return False
+        if acc != 0:
+            return False
+        j += nw * k
+    while j < n:
+        if a[j] != 0:
+            return False
+        j += 1
+    return True
+
+
 def split_items(lens: np.ndarray, pieces: int, min_chunk: int = 1 << 18
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """Items covering every segment (big segments cut to about ``total / pieces``) and per-thread item runs.

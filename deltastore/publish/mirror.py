@@ -196,11 +196,8 @@ class Mirror:
             if fast_names:
                 fc = segments.diff_segments(olds, news, np.array(keys, dtype=np.uint64), hint=self._hint)
                 flat.append((fast_names, fc))
-                bits_dt = fc.new_bits.dtype
-                for i, name in enumerate(fast_names):
-                    a, b = fc.bounds[i], fc.bounds[i + 1]
-                    changes[name] = fc.change(i) if b > a else empty_change(bits_dt)
-                    sums[name] = int(fc.sums[i])
+                changes.update(zip(fast_names, fc.changes()))
+                sums.update(zip(fast_names, fc.sums.tolist()))
                 changed += int(fc.bounds[-1])
                 total += sum(o.numel() for o in olds)
         for name in slow:
@@ -231,8 +228,10 @@ class Mirror:
         done: set[str] = set()
         for names, fc in diff.flat:
             if self.device.type == "cpu":
-                segments.scatter([self._views[n] for n in names], fc.positions, fc.bounds,
-                                 fc.new_bits if new else fc.old_bits)
+                views = [self._views[n] for n in names]
+                for k, (pos, nb, ob) in enumerate(fc.parts):
+                    if pos.numel():
+                        segments.scatter(views, pos, fc.part_bounds(k), nb if new else ob)
                 done.update(names)
         with torch.no_grad():
             for name, ch in diff.changes.items():

@@ -123,7 +123,7 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
         out.append((t, p, u))
     if batch:
         bounds = segments.bounds_of([u.count for _, u in batch])
-        pos = torch.cat([u.positions for _, u in batch]) if len(batch) > 1 else batch[0][1].positions.contiguous()
+        pos = segments.cat([u.positions.contiguous() for _, u in batch])
         numels = np.fromiter((r.numel for r, _ in batch), dtype=np.int64, count=len(batch))
         bad = segments.check_positions(pos, bounds, numels)
         if bad >= 0:
