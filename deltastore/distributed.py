@@ -139,25 +139,22 @@ class ShardedPublisher:
         advanced = False
         assert mirror is not None
         try:
-            by_role: list[tuple[str, dict[str, list[Part]], list[Job]]] = []
             whole: list[tuple[str, dict[str, list[Part]]]] = []
             delta_of: dict[str, list[Part]] = {}
             diff_of: dict[str, list[Part]] = {}
             full_of: dict[str, list[Part]] = {}
             if same_layout:
-                by_role.append(("delta", delta_of, e._sparse_jobs(specs, changes, mirror, delta_of, whole, None)))
-            if with_diff:
-                assert proposed is not None
-                diff_changes = DriftTracker.differential(proposed)
-                by_role.append(("diff", diff_of, e._sparse_jobs(specs, diff_changes, mirror, diff_of, whole,
-                                                                proposed)))
-            for _, _, jobs in by_role:  # against the parent's bits
+                jobs = e._sparse_jobs(specs, changes, mirror, delta_of, whole, None)
                 records += store_jobs(e._pool, e.store, jobs, inflight=e.max_workers, first_index=len(records))
             if diff is not None:
                 mirror.advance(diff)
                 advanced = True
-            object_bytes, inflight = e._anchor_streaming(specs)
             later: list[Job] = []
+            if with_diff:  # anchor -> now, read from the mirror (which holds "now")
+                assert proposed is not None
+                diff_changes = DriftTracker.differential(proposed, mirror.gather)
+                later += e._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, proposed)
+            object_bytes, inflight = e._anchor_streaming(specs)
             for index_of in (delta_of, diff_of):
                 names = [n for n, ix in whole if ix is index_of]
                 if names:

@@ -1,32 +1,49 @@
-"""Changes since the last anchor, tracked in O(drift) memory.
+"""Elements that differ from the last anchor, tracked in O(drift) memory.
 
-The Publisher keeps, per tensor, the sorted flat positions that changed at
-least once since the last anchor and the anchor's bits there. From it come
-the *drift* (how many elements differ from the anchor now: a union, and
-elements that changed back do not count) and the *differential* (anchor ->
-now) that a joiner can use instead of replaying the chain.
+The Publisher keeps, per tensor, the sorted flat positions whose bits differ
+from the last anchor's now, and the anchor's bits there (6 bytes per drifted
+bf16 element with 32-bit positions; nothing else: the current bits are the
+mirror's). From it come the *drift* (how many elements differ from the anchor)
+and the *differential* (anchor -> now) that a joiner can use instead of
+replaying the chain. Each version's changes are merged in one pass per tensor
+(:func:`deltastore.kernels.diff.drift_merge`); an element that changes back to
+the anchor's bits leaves the set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .diff import Change
+from .kernels.diff import drift_merge
+
+#: ``read(name, positions) -> bits`` of the current version at those flat positions
+Read = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class _Since:
-    positions: torch.Tensor    # sorted, every position changed since the anchor
+    positions: torch.Tensor    # sorted positions whose bits differ from the anchor (int32 when they fit)
     anchor_bits: torch.Tensor  # the anchor's bits there
-    current: torch.Tensor      # the bits there now
-    differing: int             # how many of them differ from the anchor now
+
+    @property
+    def differing(self) -> int:
+        return int(self.positions.numel())
+
+
+def _positions_dtype(ch: Change, prev: _Since | None) -> torch.dtype:
+    if prev is not None and prev.positions.dtype == torch.int64:
+        return torch.int64
+    last = int(ch.positions[-1]) if ch.count else 0
+    return torch.int32 if last < 2**31 - 1 else torch.int64
 
 
 class DriftTracker:
-    """Union of changes since the anchor, per tensor."""
+    """Per tensor, the elements that differ from the anchor and the anchor's bits there."""
 
     def __init__(self) -> None:
         self._since: dict[str, _Since] = {}
@@ -42,19 +59,21 @@ class DriftTracker:
             if not ch.count:
                 continue
             prev = self._since.get(name)
-            if prev is None:
-                out[name] = _Since(ch.positions, ch.old_bits, ch.new_bits, ch.count)
+            pdt = _positions_dtype(ch, prev)
+            if prev is None:  # every change is a first change: the old bits are the anchor's
+                out[name] = _Since(ch.positions.to(pdt, copy=True), ch.old_bits.clone())
                 continue
-            union, inverse = torch.unique(torch.cat([prev.positions, ch.positions]), sorted=True,
-                                          return_inverse=True)
-            n_prev = prev.positions.numel()
-            anchor = torch.empty(union.numel(), dtype=ch.new_bits.dtype)
-            current = torch.empty_like(anchor)
-            anchor[inverse[n_prev:]] = ch.old_bits  # first touches: the bits before are the anchor's
-            anchor[inverse[:n_prev]] = prev.anchor_bits  # earlier touches keep their anchor bits
-            current[inverse[:n_prev]] = prev.current
-            current[inverse[n_prev:]] = ch.new_bits
-            out[name] = _Since(union, anchor, current, int((anchor != current).sum()))
+            n = prev.positions.numel() + ch.count
+            pos = np.empty(n, dtype=np.int32 if pdt == torch.int32 else np.int64)
+            anchor = np.empty(n, dtype=ch.old_bits.numpy().dtype)
+            c = drift_merge(prev.positions.numpy(), prev.anchor_bits.numpy(), ch.positions.numpy(),
+                            ch.old_bits.numpy(), ch.new_bits.numpy(), pos, anchor)
+            pos.resize(c, refcheck=False)
+            anchor.resize(c, refcheck=False)
+            if c:
+                out[name] = _Since(torch.from_numpy(pos), torch.from_numpy(anchor))
+            else:
+                out.pop(name, None)
         return out
 
     def commit(self, proposed: dict[str, _Since]) -> None:
@@ -65,10 +84,13 @@ class DriftTracker:
         return sum(s.differing for s in proposed.values())
 
     @staticmethod
-    def differential(proposed: Mapping[str, _Since]) -> dict[str, Change]:
-        """Per tensor, the elements that differ from the anchor: positions, current bits, anchor bits."""
+    def differential(proposed: Mapping[str, _Since], read: Read) -> dict[str, Change]:
+        """Per tensor, the elements that differ from the anchor: positions, current bits, anchor bits.
+
+        ``read`` gives the current version's bits (the publisher's mirror once it holds this version).
+        """
         out = {}
         for name, s in proposed.items():
-            mask = s.anchor_bits != s.current
-            out[name] = Change(s.positions[mask], s.current[mask], s.anchor_bits[mask])
+            pos = s.positions.to(torch.int64)
+            out[name] = Change(pos, read(name, pos), s.anchor_bits)
         return out

@@ -330,11 +330,11 @@ class Publisher:
     def _write(self, c: _Captured) -> VersionInfo:
         """Decide, encode, upload and commit one captured version; then move the committed state forward.
 
-        Objects that need the parent's bits (sparse deltas, differentials) are
-        encoded first, against the mirror as it is; then the mirror is
-        advanced to this version and what needs its bits (anchors, tensors
-        stored whole) is encoded from views of it; if anything fails before
-        the commit, the mirror is moved back.
+        Sparse deltas (they need the parent's bits) are encoded first, against
+        the mirror as it is; then the mirror is advanced to this version and
+        what needs its bits (differentials, anchors, tensors stored whole) is
+        encoded from views of it; if anything fails before the commit, the
+        mirror is moved back.
         """
         step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
         same_layout = c.diff is not None
@@ -356,18 +356,18 @@ class Publisher:
         jobs: list[Job] = []
         if same_layout:
             jobs += self._sparse_jobs(specs, changes, mirror, delta_of, whole, base=None)
-        if with_diff:
-            assert proposed is not None
-            diff_changes = DriftTracker.differential(proposed)
-            jobs += self._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, base=proposed)
         objects = store_jobs(self._pool, self.store, jobs, inflight=self.max_workers)
         advanced = False
         try:
             if c.diff is not None:
                 mirror.advance(c.diff)  # from here on the mirror holds this version
                 advanced = True
-            object_bytes, inflight = self._anchor_streaming(specs)
             later: list[Job] = []
+            if with_diff:  # anchor -> now, read from the mirror (which holds "now")
+                assert proposed is not None
+                diff_changes = DriftTracker.differential(proposed, mirror.gather)
+                later += self._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, base=proposed)
+            object_bytes, inflight = self._anchor_streaming(specs)
             for role_index in {id(ix): ix for _, ix in whole}.values():
                 names = [n for n, ix in whole if ix is role_index]
                 later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
@@ -481,7 +481,8 @@ class Publisher:
                      base: Any) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
-        Runs while ``mirror`` still holds the parent version. A tensor whose
+        For a delta ``mirror`` still holds the parent version; for a
+        differential (``base``: the drift) it holds this version. A tensor whose
         sparse form would be larger than the whole tensor is added to
         ``whole`` instead (stored with the anchor codec once the mirror holds
         this version).
@@ -500,8 +501,9 @@ class Publisher:
 
         def old_tensor(name: str) -> torch.Tensor:
             if base is None:
-                return mirror.host_view(name)  # a view: the codec only reads it
-            since = base.get(name)  # the anchor's tensor: the mirror with the anchor's bits where it changed
+                return mirror.host_view(name)  # a view of the parent's bits: the codec only reads it
+            # the anchor's tensor: the mirror (this version) with the anchor's bits where they differ
+            since = base.get(name)
             return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
                 else mirror.host_view(name)
 

@@ -222,6 +222,42 @@ def all_zero(like, ptr, n):
     return True
 
 
+@njit(nogil=True, cache=True)
+def drift_merge(prev_pos, prev_anchor, pos, old, new, out_pos, out_anchor):
+    """Merge one version's changes into the positions that differ from the anchor (both sorted).
+
+    ``prev_*``: positions differing from the anchor before, with the anchor's
+    bits there; ``pos/old/new``: the version's changes. Writes the positions
+    differing after it (with the anchor's bits) to ``out_*`` and returns how
+    many. An element that changes back to the anchor's bits leaves the set.
+    """
+    i = 0
+    j = 0
+    c = 0
+    n_p = prev_pos.size
+    n_c = pos.size
+    while i < n_p or j < n_c:
+        if j >= n_c or (i < n_p and prev_pos[i] < pos[j]):
+            out_pos[c] = prev_pos[i]
+            out_anchor[c] = prev_anchor[i]
+            c += 1
+            i += 1
+        elif i >= n_p or pos[j] < prev_pos[i]:  # first change since the anchor: the old bits are the anchor's
+            out_pos[c] = pos[j]
+            out_anchor[c] = old[j]
+            c += 1
+            j += 1
+        else:
+            a = prev_anchor[i]
+            if a != new[j]:
+                out_pos[c] = prev_pos[i]
+                out_anchor[c] = a
+                c += 1
+            i += 1
+            j += 1
+    return c
+
+
 def split_items(lens: np.ndarray, pieces: int, min_chunk: int = 1 << 18
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """Items covering every segment (big segments cut to about ``total / pieces``) and per-thread item runs.

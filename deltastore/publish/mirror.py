@@ -239,6 +239,11 @@ class Mirror:
                     v = self._views[name]
                     v[ch.positions.to(v.device)] = (ch.new_bits if new else ch.old_bits).to(v.device)
 
+    def gather(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """``name``'s bits at ``positions``, on the host."""
+        v = self._views[name]
+        return v[positions.to(v.device)].cpu()
+
     def at_anchor(self, name: str, positions: torch.Tensor, anchor_bits: torch.Tensor) -> torch.Tensor:
         """A host copy of ``name`` with ``anchor_bits`` at ``positions`` (the anchor's tensor, for differentials)."""
         t = self._views[name].to("cpu", copy=True)

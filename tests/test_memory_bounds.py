@@ -1,0 +1,163 @@
+"""Structural memory bounds of the publish and pull paths (what is held, not how much RSS: that is
+``bench/scale.py``'s job): one mirror in background mode, codecs reading views instead of copies, anchors
+encoded and fetched a bounded number of objects at a time."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import uuid
+
+import torch
+
+import deltastore as ds
+import deltastore.publisher as publisher_mod
+from conftest import bits_equal
+from deltastore import tracking
+from deltastore.backends.memory import MemoryBackend
+from deltastore.codecs import register_codec
+from deltastore.codecs.ctx import CtxCodec
+from deltastore.codecs.dense import DenseCodec
+from deltastore.publish.mirror import Mirror
+from deltastore.store import DeltaStore
+
+
+def _states(n=4, size=30_000, tensors=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {f"t{i}": torch.randn(size, generator=g).bfloat16() for i in range(tensors)}
+    out = [s]
+    for _ in range(1, n):
+        nxt = {}
+        for k, v in out[-1].items():
+            b = v.view(torch.int16).clone()
+            b[torch.rand(b.shape, generator=g) < 0.03] += 1
+            nxt[k] = b.view(torch.bfloat16)
+        out.append(nxt)
+    return out
+
+
+class _SpyCtx(CtxCodec):
+    """ctx, recording where the old tensors it is handed live."""
+
+    codec_id = "test-spy-ctx"
+    encoded: list[int] = []
+    decoded: list[int] = []
+
+    def encode(self, updates):
+        _SpyCtx.encoded += [u.old_tensor.data_ptr() for u in updates]
+        return super().encode(updates)
+
+    def decode(self, data, specs, old=None):
+        def spy(name, positions):
+            t = old(name, positions)
+            if positions is None:
+                _SpyCtx.decoded.append(t.data_ptr())
+            return t
+        return super().decode(data, specs, spy)
+
+
+register_codec(_SpyCtx.codec_id, _SpyCtx, clobber=True)
+
+
+def test_codecs_read_the_mirror_and_the_target_in_place(memory_uri):
+    """No whole-tensor copy per step: the encoder gets views of the mirror, the decoder views of the target."""
+    states = _states()
+    pub = ds.Publisher(memory_uri, codec=_SpyCtx(), anchor_every=100)
+    pub.publish(states[0], step=0)
+    mirror_ptrs = {pub._mirror.view(n).data_ptr() for n in states[0]}
+    _SpyCtx.encoded.clear()
+    pub.publish(states[1], step=1)
+    assert _SpyCtx.encoded and set(_SpyCtx.encoded) <= mirror_ptrs
+    pub.close()
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.identify(target, 0)
+    _SpyCtx.decoded.clear()
+    sub.pull(target, step=1)
+    assert bits_equal(target, states[1])
+    assert _SpyCtx.decoded and set(_SpyCtx.decoded) <= {t.data_ptr() for t in target.values()}
+
+
+def test_background_mode_holds_one_mirror():
+    states = _states(6)
+    pub = ds.Publisher(f"memory://{uuid.uuid4().hex}", background=True, anchor_every=3)
+    for i, s in enumerate(states):
+        pub.publish(s, step=i)
+    pub.flush()
+    gc.collect()
+    mirrors = [o for o in gc.get_objects() if type(o) is Mirror]
+    assert mirrors == [pub._mirror] and pub._capture_mirror is pub._mirror
+    model = sum(v.numel() * v.element_size() for v in states[0].values())
+    assert pub._mirror.nbytes <= model + 64 * len(states[0])
+    pub.close()
+
+
+def test_anchor_objects_are_encoded_a_few_at_a_time(memory_uri, monkeypatch):
+    """A large anchor becomes many objects; no more than the in-flight bound are encoded at once."""
+    monkeypatch.setattr(publisher_mod, "ANCHOR_OBJECT_MIN", 60_000)
+    states = _states(2, size=30_000, tensors=40)  # 2.4 MB of bf16: 40 objects of 60 kB
+    live = 0
+    peak = 0
+    lock = threading.Lock()
+
+    class Counting(DenseCodec):
+        def encode(self, updates):
+            nonlocal live, peak
+            with lock:
+                live += 1
+                peak = max(peak, live)
+            try:
+                return super().encode(updates)
+            finally:
+                with lock:
+                    live -= 1
+
+    pub = ds.Publisher(memory_uri, anchor_codec=Counting(planes=True), max_workers=8)
+    object_bytes, inflight = pub._anchor_streaming(pub._normalise(states[0])[1])
+    info = pub.publish(states[0], step=0)
+    pub.close()
+    m = ds.Subscriber(memory_uri).manifest(0)
+    assert info.kind == "anchor" and len(m.full_objects) >= 20
+    assert object_bytes == 60_000 and 1 <= peak <= inflight < 8
+
+
+def test_anchor_pull_fetches_a_bounded_window_and_prefetches_no_anchor_object():
+    backend = MemoryBackend(uuid.uuid4().hex)
+    states = _states(3, size=30_000, tensors=12)
+    with ds.Publisher(DeltaStore(backend), anchor_every=100, max_object_bytes=70_000) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, step=i)
+    store = DeltaStore(backend)
+    m = store.manifest(0)
+    full = {m.objects[i].digest for i in m.full_objects}
+    assert len(full) >= 6
+    state = {"live": 0, "peak": 0}
+    lock = threading.Lock()
+    original_get = backend.get
+
+    def counting_get(key):
+        with lock:
+            state["live"] += 1
+            state["peak"] = max(state["peak"], state["live"])
+        try:
+            return original_get(key)
+        finally:
+            with lock:
+                state["live"] -= 1
+
+    backend.get = counting_get
+    prefetched: list[str] = []
+    original_prefetch = store.prefetch
+
+    def spy_prefetch(wanted, **kw):
+        prefetched.extend(d for d, _ in wanted)
+        return original_prefetch(wanted, **kw)
+
+    store.prefetch = spy_prefetch
+    sub = ds.Subscriber(store, max_workers=3)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    tracking.set_version(target, None)
+    res = sub.pull(target, step=2)
+    assert res.path == "anchor" and bits_equal(target, states[2])
+    assert not full & set(prefetched)  # anchors are streamed, never parked in the read cache
+    assert state["peak"] <= 3
