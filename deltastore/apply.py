@@ -238,7 +238,7 @@ class SparseOverlay:
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         staged = []
-        batched: set[str] = set()
+        firsts = []
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
         for rec in manifest.tensors:
             u = updates.get(rec.name)
@@ -260,21 +260,24 @@ class SparseOverlay:
             keys = np.fromiter((_key(r.name) for r, _ in group), dtype=np.uint64, count=len(group))
             deltas = segments.mix_delta(pos, old, new, bounds, keys).tolist()
             checksums, step = self.checksums, manifest.step
-            for i, (rec, u) in enumerate(group):
-                cs = (checksums[rec.name] + deltas[i]) & _M64
+            sums = []
+            for (rec, _), d in zip(group, deltas):
+                cs = (checksums[rec.name] + d) & _M64
                 if cs != int(rec.checksum, 16):
                     _expect(rec, cs, step, "applying the delta to the target")
-            lo, hi = bounds[:-1].tolist(), bounds[1:].tolist()
-            for i, (rec, u) in enumerate(group):
-                staged.append((rec.name, u.positions, u.bits, old[lo[i]:hi[i]],
-                               (checksums[rec.name] + deltas[i]) & _M64))
-            names = [r.name for r, _ in group]
-            self.batches.append((names, pos, new, old, bounds))
-            batched.update(names)
+                sums.append(cs)
+            firsts.append((group, old.split(np.diff(bounds).tolist()), sums, (pos, new, old, bounds)))
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
-        self._batched.update(batched)
+        pending, checksums = self.pending, self.checksums
+        for group, olds, sums, flat in firsts:  # first touches: nothing to merge
+            for (rec, u), o, cs in zip(group, olds, sums):
+                pending[rec.name] = _Pending(u.positions, u.bits, o)
+                checksums[rec.name] = cs
+            names = [r.name for r, _ in group]
+            self.batches.append((names, *flat))
+            self._batched.update(names)
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
@@ -326,9 +329,10 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     undo: list[Callable[[], object]] = []
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
     done: set[str] = set()
+    fast = overlay._fast
     for names, pos, bits, orig, bounds in overlay.batches:
-        if all(n in overlay._batched for n in names) and all(plain_cpu(target[n]) for n in names):
-            direct.append(([bits_view(target[n]) for n in names], pos, bounds, bits, orig))
+        if all(n in overlay._batched and n in fast and fast[n].data_ptr() == target[n].data_ptr() for n in names):
+            direct.append(([fast[n] for n in names], pos, bounds, bits, orig))
             done.update(names)
     try:
         with torch.no_grad():

@@ -26,6 +26,7 @@ from ..codecs import OldBits, TensorSpec, Update, get_codec
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
 from ..store import DeltaStore
+from ..tensors import DTYPES
 
 Pairs = list[tuple[TensorRecord, Part]]
 
@@ -96,7 +97,8 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     offsets = {t.name: p for t, p in pairs}
     if len(offsets) != len(names):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    specs = [t.spec if t.is_whole(p) else TensorSpec(t.name, t.spec.dtype, (p.numel,)) for t, p in pairs]
+    wholes = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
+    specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, wholes)]
     try:
         decoded = codec.decode(data, specs, part_reader(old, offsets) if old is not None else None)
     except (CorruptObjectError, ChecksumMismatchError):
@@ -109,15 +111,16 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
                                  f"{sorted(decoded)[:5]}, manifest expects {names[:5]}", digest=rec.digest)
     out = []
     batch: list[tuple[TensorRecord, Update]] = []  # sparse updates whose positions are checked in one pass
-    for (t, p), spec in zip(pairs, specs):
+    multi = role == "full" or codec.dense
+    for (t, p), spec, whole in zip(pairs, specs, wholes):
         u = decoded[t.name]
-        part_rec = t if t.is_whole(p) else replace(t, shape=spec.shape)
-        dense = role == "full" or codec.dense or u.positions is None
-        expected = u.count if len(getattr(t, role)) > 1 or dense else (t.diff_changed if role == "diff" else t.changed)
+        part_rec = t if whole else replace(t, shape=spec.shape)
+        dense = multi or u.positions is None
         if dense:
-            check_update(u, part_rec, dense=True, step=manifest.step, expected=expected)
+            check_update(u, part_rec, dense=True, step=manifest.step, expected=u.count)
         else:
-            _check_sparse_shape(u, part_rec, manifest.step, expected)
+            expected = u.count if len(getattr(t, role)) > 1 else (t.diff_changed if role == "diff" else t.changed)
+            _check_sparse_shape(u, spec, t.name, manifest.step, expected)
             if u.count:
                 batch.append((part_rec, u))
         out.append((t, p, u))
@@ -134,14 +137,14 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     return out
 
 
-def _check_sparse_shape(u: Update, rec: TensorRecord, step: int, expected: int) -> None:
-    spec = rec.spec
-    where = f"version {step}, tensor {rec.name!r}"
-    if u.bits.dtype != spec.bits_dtype or u.bits.dim() != 1:
-        raise CorruptObjectError(f"{where}: decoded bits are {u.bits.dtype}{tuple(u.bits.shape)}")
-    p = u.positions
+def _check_sparse_shape(u: Update, spec: TensorSpec, name: str, step: int, expected: int) -> None:
+    bits, p = u.bits, u.positions
     assert p is not None
-    if p.dtype != torch.int64 or p.dim() != 1 or p.numel() != u.count:
-        raise CorruptObjectError(f"{where}: positions and bits disagree ({p.numel()} vs {u.count})")
-    if u.count != expected:
-        raise CorruptObjectError(f"{where}: {u.count} changed elements decoded, manifest says {expected}")
+    if bits.dtype != spec.bits_dtype or bits.dim() != 1:
+        raise CorruptObjectError(f"version {step}, tensor {name!r}: decoded bits are {bits.dtype}{tuple(bits.shape)}")
+    n = bits.numel()
+    if p.dtype != torch.int64 or p.dim() != 1 or p.numel() != n:
+        raise CorruptObjectError(f"version {step}, tensor {name!r}: positions and bits disagree ({p.numel()} vs {n})")
+    if n != expected:
+        raise CorruptObjectError(f"version {step}, tensor {name!r}: {n} changed elements decoded, "
+                                 f"manifest says {expected}")
