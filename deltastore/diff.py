@@ -1,16 +1,25 @@
 """Bit-exact change detection.
 
 Two tensors are compared through same-width integer views, so ``-0.0`` vs
-``+0.0`` and NaN payloads count as changes and nothing else does. The compare
-runs in chunks of ``chunk_elems`` elements on the device of the *old* (mirror)
-tensor; the new tensor's chunk is copied there if it lives elsewhere, so extra
-memory stays at one chunk plus the changed positions.
+``+0.0`` and NaN payloads count as changes and nothing else does.
+
+Two paths give the same result:
+
+* both tensors on the CPU, no cast: the fused kernel of
+  :mod:`deltastore.kernels.diff` (one pass at memory bandwidth on every kernel
+  thread, no temporaries beyond the changes; :mod:`deltastore.segments` runs it
+  over many tensors at once, which is what the Publisher's mirror does);
+* otherwise torch integer ops in chunks of ``chunk_elems`` elements on the
+  device of the *old* (mirror) tensor — on the GPU for a CUDA mirror; the new
+  tensor's chunk is cast and copied there if needed, so extra memory stays at
+  one chunk plus the changed positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import TargetMismatchError
@@ -56,6 +65,11 @@ def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int 
         raise TargetMismatchError(
             f"cannot diff {tuple(new.shape)}/{dtype} against a mirror of "
             f"{old_bits.numel()} x {old_bits.dtype}")
+    if old_bits.is_cpu and new_flat.is_cpu and new_flat.dtype == dtype and type(new_flat) is torch.Tensor:
+        from . import segments  # the fused kernel; no chunking needed (it makes no temporaries)
+
+        fc = segments.diff_segments([old_bits.contiguous()], [new_flat], np.zeros(1, np.uint64))
+        return fc.change(0)
     positions, new_parts, old_parts = [], [], []
     for start in range(0, old_bits.numel(), chunk_elems):
         o = old_bits[start:start + chunk_elems]

@@ -108,7 +108,6 @@ class FlatChanges:
         """Every tensor's :class:`~deltastore.diff.Change` (views into the parts; ``torch.split`` per part)."""
         from .diff import Change
 
-        n = self.bounds.size - 1
         counts = np.diff(self.bounds)
         if len(self.parts) == 1:
             pos, new, old = self.parts[0]
