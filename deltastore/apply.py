@@ -1,16 +1,20 @@
 """Turning decoded versions into target writes, all or nothing.
 
-Everything a pull needs is decoded and verified into a :class:`PendingWrite`
-before the target is touched:
+Staging, before the target is touched:
 
-* from an anchor: whole tensors, built on the host (:class:`FullState`);
+* from an anchor: whole tensors on the host (:class:`FullState`; what
+  :meth:`Subscriber.stage` hands integrations, and what a pull without a
+  target returns). A pull into a live target streams the anchor in instead,
+  under an undo journal (:mod:`deltastore.pull.anchor`, :mod:`deltastore.undo`);
 * from the target's current version: per tensor, the union of changed
   positions with their final bits and the target's original bits there
-  (:class:`SparseOverlay`), O(changed) memory.
+  (:class:`SparseOverlay`), O(changed) memory, checked against the target's
+  own bits with the O(changed) checksum.
 
-:func:`write_into` then writes tensor by tensor; if any write fails, the
-tensors already written are restored from the saved bits and
-:class:`ApplyError` is raised, so the target stays at its previous version.
+:func:`write_sparse` then writes the net changes (:func:`write_full` whole
+tensors); if any write fails, what was written is restored from the saved
+bits and :class:`ApplyError` is raised, so the target stays at its previous
+version.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .diff import Change
-from .kernels.diff import drift_merge
+from .kernels.diff import drift_merge, segment_runs
+from .kernels.parallel import chunked, threads
 
 #: ``read(name, positions) -> bits`` of the current version at those flat positions
 Read = Callable[[str, torch.Tensor], torch.Tensor]
@@ -53,8 +54,12 @@ class DriftTracker:
         self._since = {}
 
     def propose(self, changes: Mapping[str, Change]) -> dict[str, _Since]:
-        """The per-tensor state after ``changes`` (nothing is modified until :meth:`commit`)."""
+        """The per-tensor state after ``changes`` (nothing is modified until :meth:`commit`).
+
+        Tensors are merged in parallel on the kernel threads (the merge kernel runs without the GIL).
+        """
         out = dict(self._since)
+        merges = []
         for name, ch in changes.items():
             if not ch.count:
                 continue
@@ -62,7 +67,11 @@ class DriftTracker:
             pdt = _positions_dtype(ch, prev)
             if prev is None:  # every change is a first change: the old bits are the anchor's
                 out[name] = _Since(ch.positions.to(pdt, copy=True), ch.old_bits.clone())
-                continue
+            else:
+                merges.append((name, ch, prev, pdt))
+
+        def merge(i: int) -> _Since | None:
+            name, ch, prev, pdt = merges[i]
             n = prev.positions.numel() + ch.count
             pos = np.empty(n, dtype=np.int32 if pdt == torch.int32 else np.int64)
             anchor = np.empty(n, dtype=ch.old_bits.numpy().dtype)
@@ -70,10 +79,19 @@ class DriftTracker:
                             ch.old_bits.numpy(), ch.new_bits.numpy(), pos, anchor)
             pos.resize(c, refcheck=False)
             anchor.resize(c, refcheck=False)
-            if c:
-                out[name] = _Since(torch.from_numpy(pos), torch.from_numpy(anchor))
-            else:
+            return _Since(torch.from_numpy(pos), torch.from_numpy(anchor)) if c else None
+
+        sizes = np.fromiter((m[2].positions.numel() + m[1].count for m in merges), dtype=np.int64,
+                            count=len(merges))
+        runs = segment_runs(np.concatenate([[0], np.cumsum(sizes)]), threads())
+        done = chunked(len(runs), lambda a, b: [[merge(i) for i in range(*runs[r])] for r in range(a, b)],
+                       min_chunk=1, pieces=len(runs)) if runs else []
+        results = [x for part in done for run in part for x in run]
+        for (name, *_), since in zip(merges, results):
+            if since is None:
                 out.pop(name, None)
+            else:
+                out[name] = since
         return out
 
     def commit(self, proposed: dict[str, _Since]) -> None:

@@ -3,17 +3,22 @@
 Lifecycle of :meth:`Publisher.publish` (data first, metadata last):
 
 1. check the step (above the last one, not yet committed);
-2. diff every tensor against the host mirror of the last published bits;
+2. diff every tensor against the mirror of the last published bits
+   (:mod:`deltastore.publish.mirror`: one fused kernel pass per thread over
+   every CPU tensor);
 3. ask the anchor policy whether this version also gets full objects
    (an anchor) or a differential (anchor -> now);
-4. encode and store the objects (content-addressed, in parallel);
+4. encode and store the objects (content-addressed, in parallel): sparse
+   deltas against the mirror as it is, then — the mirror advanced to this
+   version — differentials, whole tensors and anchors from views of it,
+   streamed a bounded number of objects at a time
+   (:mod:`deltastore.publish.upload`);
 5. commit the manifest create-only;
-6. only then move the mirror, checksums and chain state forward, and apply
-   retention.
+6. only then move the checksums and chain state forward, and apply retention.
 
 A failure before step 5 leaves the store without the version (stray objects
-are garbage, never half a version) and the Publisher unchanged, so the same
-step can be retried.
+are garbage, never half a version), moves the mirror back and leaves the
+Publisher unchanged, so the same step can be retried.
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class Publisher:
         anchor_codec: codec for whole tensors (anchors, and delta tensors whose
             sparse encoding would be larger than a dense one).
         max_object_bytes: objects are split so none is much larger than this
-            (large anchors become several objects, written in parallel).
+            (anchors are cut smaller still, about model / 64 bytes each, so they
+            stream through memory a few objects at a time).
         chunk_elems: elements compared per chunk when diffing.
         dtype: publish every floating-point tensor in this dtype (e.g.
             ``torch.bfloat16`` for an fp32 master); cast chunk by chunk.
@@ -143,7 +149,8 @@ class Publisher:
         max_workers: parallel encode/upload workers.
         background: make ``publish()`` return once the changes are captured;
             encoding, upload and commit run in a background writer (see
-            :meth:`publish`). Costs a second host copy of the published weights.
+            :meth:`publish`). The writer and the capture share one mirror; the
+            queued versions' changes are held until they are written.
         max_pending: versions the background writer may have queued before
             ``publish()`` blocks (back-pressure when the store is slower than training).
         mirror_device: where the previous bits are kept for the compare:

@@ -1,8 +1,10 @@
 """Inference side: resolve a path to the wanted version, fetch, verify, decode, apply.
 
-A pull never leaves the target half-updated: all objects on the path are
-fetched, hash-checked, decoded and checksum-verified before the first write
-(see :mod:`deltastore.apply`).
+A pull never leaves the target half-updated. Deltas are fetched,
+hash-checked, decoded and checksum-verified before the first write (see
+:mod:`deltastore.apply`); an anchor is streamed into a live target object by
+object with the target's old bits in an undo journal, so any failure puts the
+target back (see :mod:`deltastore.pull.anchor` and ``docs/architecture.md``).
 """
 
 from __future__ import annotations
