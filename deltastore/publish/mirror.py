@@ -101,8 +101,13 @@ class Mirror:
             buf = torch.empty(max(1, ends[w]), dtype=_BITS[w], device=self.device)
             self._buffers.append(buf)
             self._groups[w] = [n for n, _, _ in items]
-            for name, at, numel in items:
-                self._views[name] = buf[at:at + numel]
+            sizes = []  # tensor, padding, tensor, padding, ...: every view in one split
+            for i, (_, at, numel) in enumerate(items):
+                nxt = items[i + 1][1] if i + 1 < len(items) else buf.numel()
+                sizes += [numel, nxt - at - numel]
+            views = buf.split(sizes)
+            for i, (name, _, _) in enumerate(items):
+                self._views[name] = views[2 * i]
         self._keys = {w: np.fromiter((tensor_key(n) for n in names), dtype=np.uint64, count=len(names))
                       for w, names in self._groups.items()}
         self._hint = 1 / 64
