@@ -495,13 +495,13 @@ class Publisher:
         this version).
         """
         sparse: list[tuple[int, str]] = []
+        codec, dense = self.codec, self.anchor_codec
         for name, ch in changes.items():
             if not ch.count:
                 continue
             spec = specs[name]
-            item = spec.bits_dtype.itemsize
-            sparse_bytes = ch.count * (item + (4 if spec.numel < 2**31 else 8))
-            if sparse_bytes < spec.numel * item:
+            sparse_bytes = codec.estimate_size(spec, ch.count)  # each codec sizes its own layout
+            if sparse_bytes < dense.estimate_size(spec, ch.count):
                 sparse.append((sparse_bytes, name))
             else:
                 whole.append((name, index_of))
@@ -514,13 +514,15 @@ class Publisher:
             return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
                 else mirror.host_view(name)
 
-        needs_old = self.codec.receiver_needs == "old_tensor"
+        def needs_old(name: str) -> bool:  # what the encoder reads for this tensor (auto: only some)
+            return codec.needs_for(specs[name], changes[name].count) == "old_tensor"
+
         jobs: list[Job] = []
         for group in self._groups(sparse, self.max_object_bytes):
             def make(group: list[str] = group) -> list[tuple[int, Update]]:
                 return [(0, Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
-                                   old_tensor(n) if needs_old else None)) for n in group]
-            jobs.append((self.codec, make, index_of))
+                                   old_tensor(n) if needs_old(n) else None)) for n in group]
+            jobs.append((codec, make, index_of))
         return jobs
 
     def _dense_jobs(self, specs: Mapping[str, TensorSpec], names: list[str], mirror: Mirror,
