@@ -114,6 +114,18 @@ def _count3(bits: np.ndarray, start: int, stop: int, mask: Any, t1: Any, t2: Any
     return a1, a2, a3
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rank3(b: int, p: int, g1: int, g2: int, g3: int) -> int:  # pragma: no cover - compiled
+    # rank at flat position p within bucket b: G_b - G_(b+1), with G_0 = p and G_4 = 0
+    if b == 0:
+        return p - g1
+    if b == 1:
+        return g1 - g2
+    if b == 2:
+        return g2 - g3
+    return g3
+
+
 @njit(nogil=True, cache=True)
 def _ranks3(bits: np.ndarray, mask: Any, t1: Any, t2: Any, t3: Any, pos: np.ndarray, i0: int, i1: int,
             start: int, g1: int, g2: int, g3: int, rank: np.ndarray, bucket: np.ndarray) -> None:  # pragma: no cover
@@ -131,14 +143,7 @@ def _ranks3(bits: np.ndarray, mask: Any, t1: Any, t2: Any, t3: Any, pos: np.ndar
         e2 = np.int64(m >= t2)
         e3 = np.int64(m >= t3)
         b = e1 + e2 + e3
-        if b == 0:
-            rank[j] = p - g1
-        elif b == 1:
-            rank[j] = g1 - g2
-        elif b == 2:
-            rank[j] = g2 - g3
-        else:
-            rank[j] = g3
+        rank[j] = _rank3(b, p, g1, g2, g3)
         bucket[j] = b
         g1 += e1
         g2 += e2
@@ -223,14 +228,7 @@ def _select3(bits: np.ndarray, mask: Any, t1: Any, t2: Any, t3: Any, start: int,
             e2 = np.int64(m >= t2)
             e3 = np.int64(m >= t3)
             b = e1 + e2 + e3
-            if b == 0:
-                r = i - g1
-            elif b == 1:
-                r = g1 - g2
-            elif b == 2:
-                r = g2 - g3
-            else:
-                r = g3
+            r = _rank3(b, i, g1, g2, g3)
             if r == want[b]:
                 outpos[o] = i
                 src[o] = off[b] + ptr[b]

@@ -41,6 +41,16 @@ def cases() -> dict[str, list[Update]]:
     return out
 
 
+def whole(ups: list[Update]) -> list[Update]:
+    """The cases' new tensors whole (what a dense codec encodes)."""
+    out = []
+    for u in ups:
+        b = u.old_tensor.clone()
+        b[u.positions] = u.bits
+        out.append(Update(u.spec, b))
+    return out
+
+
 def _upd(name, dtype, shape, old, new):
     pos = torch.ne(old, new).nonzero().squeeze(1)
     return Update(TensorSpec(name, dtype, shape), new[pos].clone(), pos, old[pos].clone(), old.clone())
@@ -62,15 +72,7 @@ def main() -> None:
             stem = f"{rec['id']}-{rec['version']}-{'planes-' if rec['config'].get('planes') else ''}{name}"
             if f"{stem}.bin" in have:
                 continue
-            if codec.dense:
-                full = []
-                for u in ups:
-                    b = u.old_tensor.clone()
-                    b[u.positions] = u.bits
-                    full.append(Update(u.spec, b))
-                data = codec.encode(full)
-            else:
-                data = codec.encode(ups)
+            data = codec.encode(whole(ups) if codec.dense else ups)
             (GOLDEN / f"{stem}.bin").write_bytes(data)
             index.append({"file": f"{stem}.bin", "codec": rec, "case": name})
         exp = {}

@@ -10,20 +10,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import hashlib
-from deltastore.codecs import Update, get_codec
-from tests.test_codecs.make_golden import cases
+from deltastore.codecs import get_codec
+from tests.test_codecs.make_golden import cases, whole
 ups = cases()["mixed"]
 for record in ("raw", "zstd", "ulp", "ctx", {"id": "auto", "config": {"link_mbps": None}}, "dense",
                {"id": "dense", "config": {"planes": True}}):
     codec = get_codec(record)
-    items = ups
-    if codec.dense:
-        items = []
-        for u in ups:
-            b = u.old_tensor.clone()
-            b[u.positions] = u.bits
-            items.append(Update(u.spec, b))
-    print(codec.codec_id, hashlib.sha256(codec.encode(items)).hexdigest())
+    print(codec.codec_id, hashlib.sha256(codec.encode(whole(ups) if codec.dense else ups)).hexdigest())
 """
 
 
