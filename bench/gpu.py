@@ -50,7 +50,6 @@ would not fit. The JSON is rewritten after every phase, so a kill still leaves t
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import importlib.util
 import json
@@ -62,7 +61,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import defaultdict
@@ -79,6 +77,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import _trace  # noqa: E402
+from _rss import Rss, baseline  # noqa: E402
 import deltastore as ds  # noqa: E402
 from deltastore import tracking  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
@@ -153,56 +152,6 @@ def check_equal(got: dict, want: dict, what: str) -> None:
             raise BitMismatch(f"{what}: {k} differs in {int((a != b).sum())} of {a.numel()} elements")
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-class Rss:
-    """Resident memory now, and its peak since :meth:`reset` (VmHWM reset through clear_refs, else sampled)."""
-
-    def __init__(self):
-        self._max = 0
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm = True
-        except OSError:
-            self.hwm = False
-            threading.Thread(target=self._sample, daemon=True).start()
-
-    def _sample(self) -> None:
-        while True:
-            self._max = max(self._max, _status()["VmRSS"])
-            time.sleep(0.001)
-
-    @staticmethod
-    def now() -> int:
-        return _status()["VmRSS"]
-
-    def reset(self) -> None:
-        if self.hwm:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        else:
-            self._max = self.now()
-
-    def peak(self) -> int:
-        return max(_status()["VmHWM"], self.now()) if self.hwm else max(self._max, self.now())
-
-
-def baseline() -> int:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return Rss.now()
 
 
 def med(xs) -> float:
