@@ -246,3 +246,27 @@ def test_llvmlite_lib_survives_a_scan_of_module_globals():
         for value in list(getattr(module, "__dict__", {}).values()):
             if hasattr(value, "__dict__"):
                 vars(value).get("kernel")
+
+
+@pytest.mark.parametrize("dtype,is_float", [(np.int16, True), (np.int32, True), (np.int64, True), (np.int16, False),
+                                            (np.int64, False), (np.uint8, False)])
+def test_ulp_steps_match_the_ordered_image(dtype, is_float):
+    rng = np.random.default_rng(4)
+    info = np.iinfo(dtype)
+    old = rng.integers(info.min, info.max, 5000, dtype=dtype, endpoint=True)
+    new = rng.integers(info.min, info.max, 5000, dtype=dtype, endpoint=True)
+    new[:2000] = (old[:2000].astype(np.int64) + rng.choice([-2, -1, 1, 3], 2000)).astype(dtype)  # small steps
+    z = K.steps(new, old, is_float)
+    want = B.zigzag(B.ordered(new, is_float) - B.ordered(old, is_float)) - np.uint64(1)
+    assert np.array_equal(z, want)
+    planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
+    bits, bad = K.apply_steps(old, planes, is_float)
+    assert bad == -1 and np.array_equal(bits, new)
+
+
+def test_ulp_steps_out_of_range_are_reported():
+    old = np.array([0x7FFF, 5], dtype=np.int16)  # the largest positive bf16 pattern, one step up is out of range
+    z = np.array([B.zigzag(np.array([1]))[0] - np.uint64(1), 0], dtype=np.uint64)
+    planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
+    _, bad = K.apply_steps(old, planes, True)
+    assert bad == 0

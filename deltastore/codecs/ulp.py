@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptObjectError
+from ..kernels import bitstream as K
 from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
@@ -70,7 +71,7 @@ class UlpCodec(ZstdLevel, Codec):
         for f, where, items in _by_kind(ups):
             new = np.concatenate([np_bits(u.bits).reshape(-1) for u in items])
             before = np.concatenate([np_bits(u.old_bits).reshape(-1) for u in items])  # type: ignore[arg-type]
-            z[where] = B.zigzag(B.ordered(new, f) - B.ordered(before, f)) - np.uint64(1)
+            z[where] = K.steps(new, before, f)
         nplanes = max(1, (int(B.bit_length(np.array([z.max()]))[0]) + 7) // 8) if z.size else 0
         pos = [u.positions.numpy().astype(np.int64) for u in ups if u.positions is not None]
         stream = encode_positions(pos)
@@ -93,16 +94,15 @@ class UlpCodec(ZstdLevel, Codec):
             raise CorruptObjectError(f"ulp: {nplanes} byte planes")
         positions = read_positions(raw, specs, counts, raw_len, self.codec_id)
         total = sum(counts)
-        z = np.zeros(total, dtype=np.uint64)
+        planes = np.empty((nplanes, total), np.uint8)
         for j in range(nplanes):
             key = f"plane{j}"
             if key not in raw:
                 raise CorruptObjectError(f"ulp: object lacks {key}")
-            plane = zstd_decompress(as_bytes(raw[key], self.codec_id, key), total, f"ulp {key}")
-            z |= np.frombuffer(plane, np.uint8).astype(np.uint64) << np.uint64(8 * j)
+            planes[j] = np.frombuffer(zstd_decompress(as_bytes(raw[key], self.codec_id, key), total, f"ulp {key}"),
+                                      np.uint8)
         if total and nplanes == 0:
             raise CorruptObjectError("ulp: changes without value planes")
-        d = B.unzigzag(z + np.uint64(1))
         pts = [torch.from_numpy(p) for p in positions]
         olds = []
         for spec, c, pt in zip(specs, counts, pts):
@@ -115,7 +115,9 @@ class UlpCodec(ZstdLevel, Codec):
         kinds = [Update(s, torch.from_numpy(o)) for s, o in zip(specs, olds)]  # grouping key only
         for f, where, items in _by_kind(kinds):
             before = np.concatenate([np_bits(u.bits) for u in items])
-            bits = B.unordered(B.ordered(before, f) + d[where], before.dtype, f)
+            bits, bad = K.apply_steps(before, planes[:, where] if len(where) != total else planes, f)
+            if bad >= 0:
+                raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
             for u, part in zip(items, np.split(bits, np.cumsum([u.count for u in items])[:-1])):
                 out[u.spec.name] = Update(u.spec, to_torch_bits(part, u.spec), pos_of[u.spec.name])
         return out

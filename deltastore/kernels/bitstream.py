@@ -271,3 +271,67 @@ def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, in
     out = np.empty(count, np.uint64)
     decoded, used = _uvarint_decode(b, count, out)
     return out, decoded, used
+
+
+# -- ulp steps in the ordered image ----------------------------------------------------------
+@njit(nogil=True, cache=True)
+def _ordered(x: np.int64, is_float: bool, mag: np.int64) -> np.int64:  # pragma: no cover - compiled
+    # sign-magnitude -> two's complement for floats (-0.0 -> -1); integers as they are
+    if is_float and x < 0:
+        return ~(x & mag)
+    return x
+
+
+@njit(nogil=True, cache=True)
+def _steps(new: np.ndarray, old: np.ndarray, is_float: bool, mag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
+    for i in range(new.size):
+        d = _ordered(np.int64(new[i]), is_float, mag) - _ordered(np.int64(old[i]), is_float, mag)
+        z = np.uint64((d << np.int64(1)) ^ (d >> np.int64(63)))  # zig-zag
+        out[i] = z - np.uint64(1)
+
+
+def steps(new: np.ndarray, old: np.ndarray, is_float: bool) -> np.ndarray:
+    """``zigzag(ordered(new) - ordered(old)) - 1`` (uint64) for paired raw bits of one width."""
+    out = np.empty(new.size, np.uint64)
+    mag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1)
+    _steps(np.ascontiguousarray(new), np.ascontiguousarray(old), is_float, mag, out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool, mag: np.int64, lo: np.int64, hi: np.int64,
+                 out: np.ndarray) -> int:  # pragma: no cover - compiled
+    # planes[j, i]: byte j of (zigzag(step) - 1) of element i; returns the first element whose
+    # result leaves the dtype's range, or -1
+    sign = ~mag
+    for i in range(old.size):
+        z = np.uint64(0)
+        for j in range(planes.shape[0]):
+            z |= np.uint64(planes[j, i]) << np.uint64(8 * j)
+        z += np.uint64(1)
+        d = np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
+        o = _ordered(np.int64(old[i]), is_float, mag) + d
+        if o < lo or o > hi:
+            return i
+        out[i] = (~o) | sign if (is_float and o < 0) else o
+    return -1
+
+
+def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np.ndarray, int]:
+    """New raw bits from the receiver's ``old`` bits and the byte planes of their steps.
+
+    ``planes`` is ``uint8[nplanes, n]`` (plane ``j`` = byte ``j`` of ``zigzag(step) - 1``).
+    Returns ``(bits, bad)``: ``bad`` is the index of the first element whose new value
+    leaves the dtype's range (a corrupt object), or -1.
+    """
+    width = old.dtype.itemsize * 8
+    mag = np.int64((1 << (width - 1)) - 1)
+    if old.dtype == np.uint8:  # 8-bit dtypes are unsigned patterns 0..255
+        lo, hi = np.int64(0), np.int64(255)
+    elif width < 64:
+        lo, hi = np.int64(-(1 << (width - 1))), np.int64((1 << (width - 1)) - 1)
+    else:
+        lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
+    out = np.empty(old.size, old.dtype)
+    bad = _apply_steps(np.ascontiguousarray(old), planes, is_float and old.dtype != np.uint8, mag, lo, hi, out)
+    return out, int(bad)
