@@ -270,3 +270,24 @@ def test_ulp_steps_out_of_range_are_reported():
     planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
     _, bad = K.apply_steps(old, planes, True)
     assert bad == 0
+
+
+def test_parallel_each_raises_only_after_every_piece_finished(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv("DELTASTORE_THREADS", "3")
+    finished = []
+    lock = threading.Lock()
+
+    def piece(i):
+        if i == 2:
+            raise ValueError("bad piece")  # the caller's own piece fails at once
+        time.sleep(0.2)
+        with lock:
+            finished.append(i)
+        return i
+
+    with pytest.raises(ValueError, match="bad piece"):
+        parallel.each(3, piece)
+    assert sorted(finished) == [0, 1]  # the others had finished before the error surfaced

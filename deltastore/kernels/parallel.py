@@ -61,5 +61,19 @@ def each(n: int, fn: Callable[[int], T]) -> list[T]:
     # The caller runs the last piece itself: one thread fewer competing for the cores (and for a
     # trainer's spinning OpenMP workers), and no hand-off for it.
     futures = [_pool(threads()).submit(fn, i) for i in range(n - 1)]
-    last = fn(n - 1)
-    return [f.result() for f in futures] + [last]
+    error: BaseException | None = None
+    try:
+        last = fn(n - 1)
+    except BaseException as e:
+        error = e
+    # Every piece must have finished before anything is raised: kernels write into buffers the
+    # caller frees as soon as the error unwinds it (a piece still running would write freed memory).
+    results = []
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return results + [last]
