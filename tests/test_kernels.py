@@ -248,6 +248,11 @@ def test_llvmlite_lib_survives_a_scan_of_module_globals():
                 vars(value).get("kernel")
 
 
+def ref_zigzag(d: np.ndarray) -> np.ndarray:
+    d = d.astype(np.int64)
+    return ((d << 1) ^ (d >> 63)).view(np.uint64)
+
+
 @pytest.mark.parametrize("dtype,is_float", [(np.int16, True), (np.int32, True), (np.int64, True), (np.int16, False),
                                             (np.int64, False), (np.uint8, False)])
 def test_ulp_steps_match_the_ordered_image(dtype, is_float):
@@ -257,7 +262,7 @@ def test_ulp_steps_match_the_ordered_image(dtype, is_float):
     new = rng.integers(info.min, info.max, 5000, dtype=dtype, endpoint=True)
     new[:2000] = (old[:2000].astype(np.int64) + rng.choice([-2, -1, 1, 3], 2000)).astype(dtype)  # small steps
     z = K.steps(new, old, is_float)
-    want = B.zigzag(B.ordered(new, is_float) - B.ordered(old, is_float)) - np.uint64(1)
+    want = ref_zigzag(B.ordered(new, is_float) - B.ordered(old, is_float)) - np.uint64(1)
     assert np.array_equal(z, want)
     planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
     bits, bad = K.apply_steps(old, planes, is_float)
@@ -266,7 +271,7 @@ def test_ulp_steps_match_the_ordered_image(dtype, is_float):
 
 def test_ulp_steps_out_of_range_are_reported():
     old = np.array([0x7FFF, 5], dtype=np.int16)  # the largest positive bf16 pattern, one step up is out of range
-    z = np.array([B.zigzag(np.array([1]))[0] - np.uint64(1), 0], dtype=np.uint64)
+    z = np.array([ref_zigzag(np.array([1]))[0] - np.uint64(1), 0], dtype=np.uint64)
     planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
     _, bad = K.apply_steps(old, planes, True)
     assert bad == 0

@@ -81,18 +81,6 @@ def unordered(o: np.ndarray, bits_dtype: np.dtype, is_float: bool) -> np.ndarray
     return x.astype(signed_view(np.empty(0, bits_dtype)).dtype).view(bits_dtype)
 
 
-def zigzag(d: np.ndarray) -> np.ndarray:
-    """uint64 zig-zag of int64 (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...)."""
-    d = d.astype(np.int64)
-    return ((d << 1) ^ (d >> 63)).view(np.uint64)
-
-
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`zigzag` (int64, wrapping)."""
-    z = z.astype(np.uint64)
-    return ((z >> _U64(1)).view(np.int64)) ^ (-(z & _U64(1)).view(np.int64))
-
-
 # -- LEB128 -----------------------------------------------------------------------------
 def uvarint_encode(values: np.ndarray) -> bytes:
     """Concatenated unsigned LEB128 of ``values`` (uint64-convertible)."""
@@ -156,7 +144,7 @@ def best_kind(v: np.ndarray) -> tuple[Kind, int]:
         return Kind(RICE, 0), 0
     v = np.ascontiguousarray(v, dtype=np.uint64)
     n = v.size
-    maxbits = int(bit_length(np.array([v.max()]))[0])
+    maxbits = int(v.max()).bit_length()
     kr = min(maxbits, 63)
     ke = min(maxbits, 40) if maxbits < 62 else -1
     rice, rice_f, eg = K.kind_sums(v, kr, ke)

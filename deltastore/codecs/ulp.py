@@ -72,7 +72,7 @@ class UlpCodec(ZstdLevel, Codec):
             new = np.concatenate([np_bits(u.bits).reshape(-1) for u in items])
             before = np.concatenate([np_bits(u.old_bits).reshape(-1) for u in items])  # type: ignore[arg-type]
             z[where] = K.steps(new, before, f)
-        nplanes = max(1, (int(B.bit_length(np.array([z.max()]))[0]) + 7) // 8) if z.size else 0
+        nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
         pos = [u.positions.numpy().astype(np.int64) for u in ups if u.positions is not None]
         stream = encode_positions(pos)
         header = B.uvarint_encode(np.array([u.count for u in ups] + [len(stream), nplanes], dtype=np.uint64))
