@@ -134,10 +134,10 @@ class HfBucketBackend(Backend):
         """Create the bucket (``create_bucket=True``) or check that it exists and the token is accepted."""
         create, private, check = self._open
         if create:
-            self._call("create bucket", "", lambda: self.api.create_bucket(self.bucket_id, private=private,
+            self._call("create bucket", self.bucket_id, lambda: self.api.create_bucket(self.bucket_id, private=private,
                                                                             exist_ok=True))
         elif check:
-            self._call("open bucket", "", lambda: self.api.bucket_info(self.bucket_id))
+            self._call("open bucket", self.bucket_id, lambda: self.api.bucket_info(self.bucket_id))
 
     # -- helpers -------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -160,7 +160,8 @@ class HfBucketBackend(Backend):
             if is_refused(e):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
             if is_transient(e):
-                raise BackendUnavailableError(f"{what} {key!r} in {self.uri}: {type(e).__name__}: {e}") from e
+                raise BackendUnavailableError(f"{what} {key!r} in {self.uri} (endpoint {self.api.endpoint}): "
+                                              f"{type(e).__name__}: {e}") from e
             if isinstance(e, OSError):
                 raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
             raise

@@ -257,17 +257,14 @@ class RetryingBackend(WrapperBackend):
 
         try:
             return self.retry.call(attempt, what=f"{op} {key!r} on {self.inner!r}")
-        except BackendUnavailableError as e:
-            raise BackendUnavailableError(
-                f"{op} {key!r} on {self.inner!r}: store unreachable after {tries[0]} tries in "
-                f"{time.monotonic() - start:.1f} s (deadline {self.retry.deadline} s): {e}") from e
         except Exception as e:
-            if isinstance(e, DeltaStoreError) or not is_transient(e):
+            if not is_transient(e):
                 raise
+            cause = str(e) if isinstance(e, BackendUnavailableError) else f"{op} {key!r} on {self.inner!r}: " \
+                f"{type(e).__name__}: {e}"
             raise BackendUnavailableError(
-                f"{op} {key!r} on {self.inner!r}: store unreachable after {tries[0]} tries in "
-                f"{time.monotonic() - start:.1f} s (deadline {self.retry.deadline} s): "
-                f"{type(e).__name__}: {e}") from e
+                f"store unreachable after {tries[0]} tries in {time.monotonic() - start:.1f} s "
+                f"(deadline {self.retry.deadline} s): {cause}") from e
 
     def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         tried = [0]
