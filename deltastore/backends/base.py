@@ -22,6 +22,8 @@ from ..errors import InvalidKeyError, KeyExistsError, ValueTooLargeError
 
 PutMode = Literal["overwrite", "create"]
 PUT_MODES: tuple[str, ...] = ("overwrite", "create")
+SMALL_READ = 1 << 20
+"""Bytes up to which :meth:`Backend.get_bounded` reads a range at once instead of stating the key first."""
 
 
 @dataclass(frozen=True)
@@ -220,13 +222,14 @@ class Backend(abc.ABC):
         return self._get(key)[start:end]
 
     def _get_bounded(self, key: str, limit: int) -> bytes:
-        """Default: a ranged read of ``limit + 1`` bytes where ranged reads exist, else stat first."""
-        if self.capabilities.ranged_reads:
+        """Default: for a small ``limit`` with ranged reads, one ranged read of ``limit + 1`` bytes;
+        otherwise stat first (a HEAD costs less than reading ``limit`` bytes of a value that is too long)."""
+        if self.capabilities.ranged_reads and limit <= SMALL_READ:
             return self._get_range(key, 0, limit + 1)
         size = self._stat(key).size
         if size > limit:
             raise ValueTooLargeError(f"{key!r} holds {size} bytes, more than {limit}", size=size)
-        return self._get(key)
+        return self._get_range(key, 0, limit + 1) if self.capabilities.ranged_reads else self._get(key)
 
     def _stat(self, key: str) -> KeyInfo:
         raise NotImplementedError(f"{type(self).__name__} cannot stat keys")
