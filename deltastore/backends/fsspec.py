@@ -279,13 +279,19 @@ class FsspecBackend(Backend):
             if not self._exists(key):
                 raise KeyNotFoundError(f"{key!r} not found in {self.uri}")
             return b""
-        try:
-            return self._call("get", key, lambda: self.fs.cat_file(path, start=start, end=end))
-        except BackendError as e:
-            if "range" in str(e).lower() and "satisf" in str(e).lower():  # 416: start at or past the end
-                self._stat(key)  # missing -> KeyNotFoundError
-                return b""
-            raise
+        def ranged() -> bytes | None:
+            try:
+                return self.fs.cat_file(path, start=start, end=end)
+            except Exception as e:  # HTTP 416: the range starts at or past the end (an empty value)
+                if getattr(e, "code", None) == 416 or http_status(e) == 416 or "not satisfiable" in str(e).lower():
+                    return None
+                raise
+
+        data = self._call("get", key, ranged)
+        if data is None:
+            self._stat(key)  # missing -> KeyNotFoundError
+            return b""
+        return data
 
     def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         path = self._path(key)

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ..backends.base import Backend
-from ..errors import InvalidKeyError, KeyExistsError, KeyNotFoundError
+from ..backends.base import Backend, KeyInfo
+from ..errors import InvalidKeyError, KeyExistsError, KeyNotFoundError, ValueTooLargeError
 
 MiB = 1 << 20
 ODD_KEYS = [
@@ -220,19 +220,72 @@ def check_concurrent_writers(b: Backend, writers: int = 8, each: int = 6) -> Non
 
 
 def check_batch(b: Backend) -> None:
-    """``get_many`` / ``put_many`` when the backend offers them."""
-    put_many: Callable | None = getattr(b, "put_many", None)
-    get_many: Callable | None = getattr(b, "get_many", None)
-    if put_many is None or get_many is None:
-        pytest.skip(f"{type(b).__name__} has no batch transfers")
+    """``get_many`` / ``put_many`` (every backend has them, the base class's defaults at least), with limits."""
     items = {f"batch/{i:03d}": _blob(500 + i, seed=i) for i in range(40)}
-    put_many(items)
-    assert get_many(list(items)) == items
+    b.put_many(items)
+    assert b.get_many(list(items)) == items
+    assert b.get_many(list(items), limits={k: len(v) for k, v in items.items()}) == items
+    with pytest.raises(ValueTooLargeError):
+        b.get_many(["batch/000", "batch/001"], limits={"batch/001": 10})
     with pytest.raises(KeyExistsError):
-        put_many({"batch/000": b"other", "batch/new": b"new"}, mode="create")
-    assert b.get("batch/000") == items["batch/000"]
+        b.put_many({"batch/000": b"other", "batch/new": b"new"}, mode="create")
+    assert b.get("batch/000") == items["batch/000"] and b.get("batch/new") == b"new"
     with pytest.raises(KeyNotFoundError):
-        get_many(["batch/001", "batch/missing"])
+        b.get_many(["batch/001", "batch/missing"])
+
+
+def check_bounded(b: Backend) -> None:
+    """``get_bounded`` returns values up to the limit and refuses longer ones without reading them."""
+    b.put("bounded/small", b"x" * 100)
+    b.put("bounded/big", _blob(3 * MiB))
+    b.put("bounded/empty", b"")
+    assert b.get_bounded("bounded/small", 100) == b"x" * 100
+    assert b.get_bounded("bounded/empty", 0) == b""
+    assert b.get_bounded("bounded/big", 3 * MiB) == _blob(3 * MiB)
+    for key, limit in (("bounded/small", 99), ("bounded/big", 2 * MiB), ("bounded/big", 10)):
+        with pytest.raises(ValueTooLargeError):
+            b.get_bounded(key, limit)
+    with pytest.raises(KeyNotFoundError):
+        b.get_bounded("bounded/missing", 10)
+    with pytest.raises(ValueError):
+        b.get_bounded("bounded/small", -1)
+
+
+def check_bad_modes(b: Backend) -> None:
+    for mode in ("append", "", None, "CREATE"):
+        with pytest.raises(ValueError, match="mode must be"):
+            b.put("modes/k", b"v", mode=mode)  # type: ignore[arg-type]
+    assert not b.exists("modes/k")
+
+
+def check_stat_touch(b: Backend) -> None:
+    """``stat`` gives size and a modification time; ``touch`` keeps the bytes and does not move it back."""
+    b.put("st/k", b"12345")
+    info = b.stat("st/k")
+    assert info.size == 5 and info.mtime > 0
+    b.touch("st/k")
+    assert b.get("st/k") == b"12345" and b.stat("st/k").mtime >= info.mtime
+    with pytest.raises(KeyNotFoundError):
+        b.stat("st/missing")
+    with pytest.raises(KeyNotFoundError):
+        b.touch("st/missing")
+    assert not b.exists("st/missing")
+
+
+def check_conditional_delete(b: Backend) -> None:
+    """Where declared: ``delete_if_unmodified`` deletes only what is unchanged since the stat."""
+    if not b.capabilities.conditional_delete:
+        with pytest.raises(NotImplementedError):
+            b.delete_if_unmodified("cd/k", KeyInfo(0, 0.0))
+        return
+    b.put("cd/k", b"v")
+    seen = b.stat("cd/k")
+    assert b.delete_if_unmodified("cd/k", seen) and not b.exists("cd/k")
+    assert not b.delete_if_unmodified("cd/k", seen)  # gone already
+    b.put("cd/k", b"v")
+    stale = KeyInfo(seen.size, seen.mtime - 100)
+    assert not b.delete_if_unmodified("cd/k", stale) and b.get("cd/k") == b"v"
+    assert list(b.list("cd/")) == ["cd/k"]  # nothing left aside
 
 
 class BackendConformance:
@@ -289,13 +342,26 @@ class BackendConformance:
     def test_batch_transfers(self, backend: Backend) -> None:
         check_batch(backend)
 
+    def test_bounded_reads(self, backend: Backend) -> None:
+        check_bounded(backend)
+
+    def test_bad_modes(self, backend: Backend) -> None:
+        check_bad_modes(backend)
+
+    def test_stat_and_touch(self, backend: Backend) -> None:
+        check_stat_touch(backend)
+
+    def test_conditional_delete(self, backend: Backend) -> None:
+        check_conditional_delete(backend)
+
     def test_capabilities(self, backend: Backend) -> None:
         caps = backend.capabilities
         assert isinstance(caps.atomic_create, bool) and isinstance(caps.ranged_reads, bool)
         assert caps.listing, "DeltaStore discovers versions by listing"
 
 
-__all__ = ["BackendConformance", "MiB", "ODD_KEYS", "BAD_KEYS", "check_batch", "check_bad_keys",
+__all__ = ["BackendConformance", "MiB", "ODD_KEYS", "BAD_KEYS", "check_batch", "check_bad_keys", "check_bad_modes",
+           "check_bounded", "check_conditional_delete", "check_stat_touch",
            "check_concurrent_creates", "check_concurrent_writers", "check_create_only", "check_delete",
            "check_empty_value", "check_large", "check_list", "check_missing", "check_odd_keys",
            "check_ranged_reads", "check_roundtrip"]
