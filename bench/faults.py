@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/faults.py                 # the figures of docs/reliability.md (~5 min)
     .venv/bin/python bench/faults.py --quick         # fewer trials (~1 min)
+    .venv/bin/python bench/faults.py --only-store    # GC races, store bombs, disk errors, unreachable endpoints
 
 Prints one row per scenario and backend: trials, faults injected, wrong versions
 applied, versions lost, untyped exceptions (the last three must be 0) and the
@@ -23,6 +24,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 from test_backends.servers import Seaweed  # noqa: E402
 from test_reliability import hostile  # noqa: E402
 from test_reliability import scenarios as S  # noqa: E402
+from test_reliability import scenarios_store as SS  # noqa: E402
 
 
 def main() -> int:
@@ -30,10 +32,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer trials")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-s3", action="store_true", help="local backend only")
+    ap.add_argument("--only-store", action="store_true",
+                    help="only the store/backend families (GC races, bombs, disk errors, unreachable endpoints)")
     args = ap.parse_args()
     q = args.quick
     n = {"crash": 10 if q else 50, "corrupt": 20 if q else 60, "transient": 15 if q else 50,
-         "races": 5 if q else 20, "apply": 50 if q else 200, "fuzz": (150, 100, 150) if q else (500, 300, 400)}
+         "races": 5 if q else 20, "apply": 50 if q else 200, "fuzz": (150, 100, 150) if q else (500, 300, 400),
+         "gc": 6 if q else 15, "unreachable": 6 if q else 12, "disk": 6 if q else 15}
     server = None
     wheres = [S.local_where()]
     if not args.no_s3:
@@ -43,13 +48,19 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for w in wheres:
-            rows.append(S.run_crash(w, n["crash"], seed=args.seed))
-            rows.append(S.run_corruption(w, n["corrupt"], seed=args.seed))
-            rows.append(S.run_transient_local(w, n["transient"], seed=args.seed) if w.kind == "local" else
-                        S.run_transient_s3(w, server, n["transient"], seed=args.seed))
-            rows.append(S.run_races(w, n["races"], seed=args.seed))
-        rows.append(S.run_apply_interrupted(n["apply"], seed=args.seed))
-        rows.append(run_hostile(*n["fuzz"]))
+            if not args.only_store:
+                rows.append(S.run_crash(w, n["crash"], seed=args.seed))
+                rows.append(S.run_corruption(w, n["corrupt"], seed=args.seed))
+                rows.append(S.run_transient_local(w, n["transient"], seed=args.seed) if w.kind == "local" else
+                            S.run_transient_s3(w, server, n["transient"], seed=args.seed))
+                rows.append(S.run_races(w, n["races"], seed=args.seed))
+            rows.append(SS.run_gc_reuse(w, n["gc"], seed=args.seed))
+            rows.append(SS.run_store_bombs(w))
+        rows.append(SS.run_disk_errors(wheres[0], n["disk"], seed=args.seed))
+        rows.append(SS.run_unreachable(n["unreachable"]))
+        if not args.only_store:
+            rows.append(S.run_apply_interrupted(n["apply"], seed=args.seed))
+            rows.append(run_hostile(*n["fuzz"]))
     finally:
         if server is not None:
             server.stop()
