@@ -213,7 +213,10 @@ def test_hf_absent_prefix_lists_nothing(hf_server, request, tmp_path, answer):
         assert list(b.list("versions/")) == []
         with ds.Publisher(target.uri, storage_options=target.options) as pub:  # failed with KeyNotFoundError
             pub.publish(_state(0), step=0)
-        assert ds.Subscriber(target.uri, storage_options=target.options).versions() == [0]
+        store = ds.Subscriber(target.uri, storage_options=target.options).store
+        assert store.versions() == [0]
         assert list(b.list("nothing-here/")) == []
+        # no atomic create on HF buckets: the commit says so in the manifest
+        assert store.manifest(0).producer["commit"] == "check-then-write"
     finally:
         hf_server.server.absent_prefix_status = 200
