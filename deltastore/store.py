@@ -148,8 +148,9 @@ class DeltaStore:
             with self._lock:
                 self._written[d] = now
                 self._reused[d] = now
+        named = set(digests)
         with self._lock:
-            reused = {d: t for d, t in self._reused.items() if d in set(digests)}
+            reused = {d: t for d, t in self._reused.items() if d in named}
         if reused and not self.backend.capabilities.conditional_delete:
             # a GC that stat'ed one of them before our refresh may still delete it: let such deletes land
             wait = max(reused.values()) + self.delete_window - time.monotonic()
@@ -230,7 +231,7 @@ class DeltaStore:
             self.backend.delete(key)
             return True
         limit = older_than - self.backend.capabilities.mtime_resolution
-        while True:
+        for _ in range(3):
             try:
                 seen: KeyInfo = self.backend.stat(key)
             except KeyNotFoundError:
@@ -243,7 +244,7 @@ class DeltaStore:
             if time.monotonic() - stat_at <= STAT_TO_DELETE:
                 self.backend.delete(key)
                 return True
-
+        return False  # this machine is too slow between a stat and a delete to delete safely
     def delete_version(self, step: int) -> None:
         """Delete the manifest of ``step`` (its objects stay; GC deletes those separately)."""
         self.backend.delete(version_key(step))

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from ..errors import (AccessDeniedError, BackendError, KeyExistsError, KeyNotFoundError, ReadOnlyStoreError,
                       StoreFullError, UnknownOptionError, ValueTooLargeError)
-from .base import Backend, Capabilities, KeyInfo, PutMode, check_key
+from .base import Backend, Capabilities, KeyInfo, PutMode
 
 _TMP_PREFIX = ".tmp-"
 _OPTIONS = ("fsync",)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable
 
 import pytest
 

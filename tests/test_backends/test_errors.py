@@ -22,7 +22,7 @@ import deltastore as ds
 from conftest import bits_equal
 from deltastore.backends import open_backend
 from deltastore.backends.local import LocalBackend
-from deltastore.errors import (AccessDeniedError, BackendError, BackendUnavailableError, ReadOnlyStoreError,
+from deltastore.errors import (BackendError, BackendUnavailableError, ReadOnlyStoreError,
                                StoreFullError, UnknownOptionError, VersionNotFoundError)
 from deltastore.testing.faults import Fault, FaultyBackend
 from deltastore.backends.retry import RetryingBackend
