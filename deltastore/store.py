@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .backends import Backend, open_backend
@@ -202,17 +203,32 @@ class DeltaStore:
             self._verified.clear()
         if len(wanted) < 2:
             return
-        sizes = dict(wanted)
-        keys = {object_key(d): d for d in sizes}
-        try:  # the backend batches on its own client (one event loop, one xet batch)
-            got = self.backend.get_many(list(keys), limits={k: sizes[d] for k, d in keys.items()})
-        except (DeltaStoreError, OSError):
+        if self.backend.capabilities.batch_transfers:  # one event loop, one xet batch
+            sizes = dict(wanted)
+            keys = {object_key(d): d for d in sizes}
+            try:
+                got = self.backend.get_many(list(keys), limits={k: sizes[d] for k, d in keys.items()})
+            except (DeltaStoreError, OSError):
+                return
+            for d, size in sizes.items():
+                data = got.get(object_key(d))
+                if data is not None and len(data) == size and sha256_digest(data) == d:
+                    with self._lock:
+                        self._verified[d] = data
             return
-        for d, size in sizes.items():
-            data = got.get(object_key(d))
-            if data is not None and len(data) == size and sha256_digest(data) == d:
-                with self._lock:
-                    self._verified[d] = data
+        if max_workers < 2:
+            return
+
+        def fetch(item: tuple[str, int]) -> None:  # reads and sha256 checks in threads (both release the GIL)
+            try:
+                data = self.get_object(*item)
+            except (DeltaStoreError, OSError):
+                return
+            with self._lock:
+                self._verified[item[0]] = data
+
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(wanted))) as pool:
+            list(pool.map(fetch, wanted))
 
     def has_object(self, digest: str) -> bool:
         return self.backend.exists(object_key(digest))
@@ -245,6 +261,7 @@ class DeltaStore:
                 self.backend.delete(key)
                 return True
         return False  # this machine is too slow between a stat and a delete to delete safely
+
     def delete_version(self, step: int) -> None:
         """Delete the manifest of ``step`` (its objects stay; GC deletes those separately)."""
         self.backend.delete(version_key(step))

@@ -41,6 +41,9 @@ class Capabilities:
         behind the retry layer with a total deadline.
     mtime_resolution: granularity in seconds of :meth:`Backend.stat` times
         (S3 ``LastModified`` has whole seconds).
+    batch_transfers: ``get_many``/``put_many`` do better than one key after
+        another (one event loop, one transfer batch); else the store runs
+        parallel single reads itself.
     """
 
     atomic_create: bool
@@ -49,6 +52,7 @@ class Capabilities:
     conditional_delete: bool = False
     remote: bool = False
     mtime_resolution: float = 0.0
+    batch_transfers: bool = False
 
 
 @dataclass(frozen=True)

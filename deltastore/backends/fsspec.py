@@ -189,7 +189,8 @@ class FsspecBackend(Backend):
         self._check_bucket = bool(check_bucket)
         atomic = _ATOMIC_CREATE.get(protocol, False) if atomic_create is None else bool(atomic_create)
         self.capabilities = Capabilities(atomic_create=atomic, listing=True, ranged_reads=True, remote=True,
-                                         mtime_resolution=1.0 if protocol in _S3 else 0.001)
+                                         mtime_resolution=1.0 if protocol in _S3 else 0.001,
+                                         batch_transfers=bool(getattr(fs, "async_impl", False)))
 
     def __repr__(self) -> str:
         return f"FsspecBackend({self.uri!r})"

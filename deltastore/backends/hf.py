@@ -93,7 +93,7 @@ class HfBucketBackend(Backend):
     """
 
     capabilities = Capabilities(atomic_create=False, listing=True, ranged_reads=False, remote=True,
-                                mtime_resolution=0.001)
+                                mtime_resolution=0.001, batch_transfers=True)
 
     def __init__(self, bucket_id: str, prefix: str = "", *, token: str | bool | None = None,
                  endpoint: str | None = None, progress: ProgressCallback | None = None,
