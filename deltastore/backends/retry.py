@@ -99,8 +99,8 @@ def is_transient(exc: BaseException) -> bool:
     in the exception's cause chain); False for deltastore's own errors,
     missing keys or buckets, conflicts, permission and argument errors.
     """
-    if isinstance(exc, DeltaStoreError):
-        return isinstance(exc, BackendUnavailableError)
+    if isinstance(exc, DeltaStoreError):  # one a retry layer gave up on is final (layers do not multiply)
+        return isinstance(exc, BackendUnavailableError) and not getattr(exc, "retried", False)
     if is_refused(exc):
         return False
     status = http_status(exc)
@@ -262,9 +262,11 @@ class RetryingBackend(WrapperBackend):
                 raise
             cause = str(e) if isinstance(e, BackendUnavailableError) else f"{op} {key!r} on {self.inner!r}: " \
                 f"{type(e).__name__}: {e}"
-            raise BackendUnavailableError(
+            final = BackendUnavailableError(
                 f"store unreachable after {tries[0]} tries in {time.monotonic() - start:.1f} s "
-                f"(deadline {self.retry.deadline} s): {cause}") from e
+                f"(deadline {self.retry.deadline} s): {cause}")
+            final.retried = True  # type: ignore[attr-defined]
+            raise final from e
 
     def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         tried = [0]
