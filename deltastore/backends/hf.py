@@ -123,7 +123,8 @@ class HfBucketBackend(Backend):
         ``create_bucket=True``) and :class:`AccessDeniedError` (token refused).
         """
         bucket_id, prefix = parse_bucket_uri(uri)
-        valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "bucket_id", "prefix", "uri")]
+        valid = [p for p in inspect.signature(cls.__init__).parameters
+                 if p not in ("self", "bucket_id", "prefix", "uri")]
         bad = sorted(k for k in options if k not in valid)
         if bad:
             raise UnknownOptionError(f"unknown storage option(s) {bad} for hf://buckets; valid: {valid} "
@@ -134,8 +135,8 @@ class HfBucketBackend(Backend):
         """Create the bucket (``create_bucket=True``) or check that it exists and the token is accepted."""
         create, private, check = self._open
         if create:
-            self._call("create bucket", self.bucket_id, lambda: self.api.create_bucket(self.bucket_id, private=private,
-                                                                            exist_ok=True))
+            self._call("create bucket", self.bucket_id,
+                       lambda: self.api.create_bucket(self.bucket_id, private=private, exist_ok=True))
         elif check:
             self._call("open bucket", self.bucket_id, lambda: self.api.bucket_info(self.bucket_id))
 
