@@ -28,6 +28,7 @@ from deltastore.testing.faults import Fault, FaultyBackend
 from deltastore.backends.retry import RetryingBackend
 
 from .conftest import target_for
+from .faultproxy import FaultProxy
 from .servers import free_port
 
 DEADLINE = 1.0
@@ -59,23 +60,30 @@ def test_unreachable_endpoint_fails_typed_within_the_deadline(uri, options):
         assert "127.0.0.1" in str(e.value)
 
 
-def test_server_down_mid_run_fails_typed_and_leaves_target_and_store(seaweed_server, request, tmp_path):
+def test_server_down_mid_run_fails_typed_then_the_same_step_publishes(seaweed_server, request, tmp_path):
     target = target_for("s3-seaweedfs", request, tmp_path)
-    opts = {**target.options, "deadline": DEADLINE, "skip_instance_cache": True}
-    pub = ds.Publisher(target.uri, storage_options=opts)
-    pub.publish(_state(0), step=0)
-    sub = ds.Subscriber(target.uri, storage_options=opts)
-    held = sub.pull().state
-    pub.publish(_state(1), step=1)
-    down = {**opts, "endpoint_url": f"http://127.0.0.1:{free_port()}", "check_bucket": False}
-    dead_sub = ds.Subscriber(target.uri, storage_options=down)
-    before = {k: v.clone() for k, v in held.items()}
-    with pytest.raises(BackendUnavailableError):
-        dead_sub.pull(held)
-    assert bits_equal(held, before)
-    with pytest.raises(BackendUnavailableError):
-        ds.Publisher(target.uri, storage_options=down, resume=False).publish(_state(2), step=2)
-    assert ds.Subscriber(target.uri, storage_options=opts).versions() == [0, 1]  # nothing lost, nothing half
+    proxy = FaultProxy(seaweed_server.port)
+    opts = {**target.options, "endpoint_url": proxy.endpoint, "deadline": DEADLINE, "skip_instance_cache": True}
+    try:
+        pub = ds.Publisher(target.uri, storage_options=opts)
+        pub.publish(_state(0), step=0)
+        sub = ds.Subscriber(target.uri, storage_options=opts)
+        held = sub.pull().state
+        pub.publish(_state(1), step=1)
+        proxy.add("", "refuse", count=-1)  # the server is down: every connection is closed at once
+        before = {k: v.clone() for k, v in held.items()}
+        for what, call in (("pull", lambda: sub.pull(held)), ("publish", lambda: pub.publish(_state(2), step=2))):
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError, match="store unreachable after"):
+                call()
+            assert time.monotonic() - start < DEADLINE + 5, what
+        assert bits_equal(held, before)  # the target is untouched
+        proxy.clear()  # the server is back: the same step publishes, the follower moves on
+        pub.publish(_state(2), step=2)
+        assert sub.pull(held).step == 2 and bits_equal(held, _state(2))
+        assert ds.Subscriber(target.uri, storage_options=target.options).versions() == [0, 1, 2]
+    finally:
+        proxy.close()
 
 
 def test_retry_logs_one_debug_line_per_retry_with_its_cause(caplog, tmp_path):
