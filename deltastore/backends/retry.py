@@ -128,8 +128,9 @@ class RetryPolicy:
     attempts: total tries per call (1 = no retry).
     base_delay / max_delay: the n-th retry sleeps a random time in
         ``[0, min(max_delay, base_delay * 2**n)]`` ("full jitter").
-    deadline: seconds after the first try past which no retry starts (None: no limit);
-        a try that would start later fails the call instead.
+    deadline: seconds after the first try past which no retry ends (None: no limit):
+        a retry that would, taking as long as the last try did, end later is
+        not started and the call fails instead.
     """
 
     attempts: int = 8
@@ -177,13 +178,16 @@ class RetryPolicy:
         """
         start = time.monotonic()
         for attempt in range(self.attempts):
+            began = time.monotonic()
             try:
                 return fn(attempt)
             except Exception as e:
                 if attempt + 1 >= self.attempts or not transient(e):
                     raise
                 pause = self.delay(attempt)
-                if self.deadline is not None and time.monotonic() + pause - start > self.deadline:
+                now = time.monotonic()
+                # no try starts that would, taking as long as the last one did, end past the deadline
+                if self.deadline is not None and now + pause + (now - began) - start > self.deadline:
                     raise
                 log.debug("retry %d/%d of %s in %.2f s after %s: %s", attempt + 1, self.attempts - 1, what,
                           pause, type(e).__name__, e)
