@@ -29,6 +29,7 @@ import socket
 import time
 import uuid
 import queue
+import warnings
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,12 +45,13 @@ from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
-from .errors import ManifestError, StepOrderError, TargetMismatchError, VersionExistsError
+from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name, sha256_digest
+from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
-from .store import DeltaStore, open_store
+from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
@@ -86,36 +88,16 @@ class _Captured:
         return self.diff is None
 
 
+def _post_commit(message: str) -> str:
+    warnings.warn(message, PostCommitWarning, stacklevel=3)
+    return message
+
+
 def _check_name(name: str) -> None:
     try:
         check_tensor_name(name)
     except ManifestError as e:
         raise TargetMismatchError(str(e)) from None
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """What :meth:`Publisher.publish` committed.
-
-    kind: ``"anchor"`` (full objects written, plus a delta when there is a parent) or ``"delta"``.
-    changed / total: elements whose bits changed since the previous version / all elements.
-    nbytes: bytes stored for this version (its objects and its manifest).
-    digest: sha256 of the manifest bytes, the version's identity.
-    differential: whether the version also carries a differential (anchor -> this version).
-    """
-
-    step: int
-    kind: str
-    changed: int
-    total: int
-    nbytes: int
-    digest: str
-    created: float
-    differential: bool = False
-
-    @property
-    def fraction(self) -> float:
-        return self.changed / self.total if self.total else 0.0
 
 
 class Publisher:
@@ -395,7 +377,7 @@ class Publisher:
                                 producer={**self._producer(), "captured": c.captured},
                                 metadata=self.metadata, aliases=aliases,
                                 differential=self._anchor if with_diff else None, files=self._files)
-            data, digest = self.store.commit(manifest)
+            data, digest, notes = self._commit(manifest)
         except BaseException:
             if advanced:
                 assert c.diff is not None
@@ -411,11 +393,40 @@ class Publisher:
         self._last = VersionRef(step, digest)
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
         if self.retention is not None:
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
+                notes.append(_post_commit(f"retention after version {step} failed: {e!r}"))
         release_memory()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
-                           differential=with_diff)
+                           differential=with_diff, warnings=tuple(notes))
+
+    def _commit(self, manifest: Manifest) -> tuple[bytes, str, list[str]]:
+        """Commit ``manifest``; returns its bytes, digest and what failed after the commit point.
+
+        The commit point is the create-only write of the manifest. If
+        :meth:`DeltaStore.commit` raises after it (the store marker, the
+        ``refs/latest`` hint), the manifest is read back: when it holds exactly
+        our bytes the version is committed and the failure is returned as a
+        warning; otherwise (another writer's version, nothing there, the read
+        fails too) the error stands and nothing moves forward.
+        """
+        try:
+            data, digest = self.store.commit(manifest)
+            return data, digest, []
+        except VersionExistsError:
+            raise
+        except Exception as e:
+            data = manifest.to_json()
+            try:
+                landed = self.store.backend.get(version_key(manifest.step)) == data
+            except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
+                landed = False
+            if not landed:
+                raise
+            return data, sha256_digest(data), [_post_commit(f"version {manifest.step} is committed, but a step "
+                                                            f"after its commit point failed: {e!r}")]
 
     def _run_writer(self) -> None:
         """Background thread: commit queued versions in order; after a failure, fail the rest."""
