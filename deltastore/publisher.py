@@ -47,7 +47,8 @@ from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
 from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name, sha256_digest
+from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest, Part, TensorRecord, VersionRef,
+                       check_tensor_name, sha256_digest)
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
@@ -82,6 +83,9 @@ class _Captured:
     mirror: Mirror
     diff: Diff | None
     captured: float
+    #: a layout change against the parent: (tensors stored whole, tensors dropped); the mirror is then a
+    #: new one in this version's layout, holding the parent's bits for the other tensors
+    layout: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     @property
     def fresh(self) -> bool:
@@ -186,6 +190,7 @@ class Publisher:
         self._anchor: VersionRef | None = None
         self._chain = ChainState()
         self._drift = DriftTracker()
+        self._relaid_since_anchor = False  # a layout change since the last anchor (no drift, no differentials)
         self._files: dict[str, dict[str, Any]] = {}
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
@@ -251,7 +256,16 @@ class Publisher:
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
         same_layout = mirror is not None and specs == self._capture_specs and aliases == self._capture_aliases
-        if same_layout:
+        if not same_layout and mirror is not None and aliases == self._capture_aliases:
+            # a layout change (a tensor added, dropped, reshaped or re-typed): the version stays on the chain
+            if background:  # wait until the writer's mirror holds the last captured version
+                self._queue.join()
+                self._raise_background_error()
+                self._pending.clear()
+            fresh, new, dropped = mirror.relayout(specs, tensors)
+            diff = fresh.diff(tensors, chunk_elems=self.chunk_elems)
+            captured = _Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
+        elif same_layout:
             assert mirror is not None
             if background:
                 self._pending.prune(mirror.version)  # what the writer has written in already
@@ -273,10 +287,10 @@ class Publisher:
                 self._capture_specs, self._capture_aliases = self._specs, self._aliases
                 raise
         # Background: note what this version changed (the writer advances the mirror after its commit).
-        if captured.diff is None:
+        if captured.diff is None or captured.layout is not None:
             self._capture_mirror = captured.mirror
             self._pending.clear()
-        else:
+        if captured.diff is not None:
             self._pending.add(captured.diff.changes, step)
         future: Future[VersionInfo] = Future()
         self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
@@ -326,10 +340,14 @@ class Publisher:
         mirror is moved back.
         """
         step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
-        same_layout = c.diff is not None
+        same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
+        new, dropped = c.layout if c.layout is not None else ((), ())
+        relaid = set(new)
         changes = c.diff.changes if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
-        proposed = self._drift.propose(changes) if same_layout and self.policy.tracks_drift else None
+        # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
+        tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
+        proposed = self._drift.propose(changes) if same_layout and tracks else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})
@@ -360,13 +378,16 @@ class Publisher:
             for role_index in {id(ix): ix for _, ix in whole}.values():
                 names = [n for n, ix in whole if ix is role_index]
                 later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
+            if new:  # stored whole, in objects of their own (a follower reads them and nothing else whole)
+                later += self._dense_jobs(specs, list(new), mirror, full_of, object_bytes)
             if is_anchor:
-                later += self._dense_jobs(specs, list(specs), mirror, full_of, object_bytes)
+                later += self._dense_jobs(specs, [n for n in specs if n not in relaid], mirror, full_of,
+                                          object_bytes)
             objects += store_jobs(self._pool, self.store, later, inflight=inflight, first_index=len(objects))
             checksums = self._new_checksums(c)
             records = []
             for name, spec in specs.items():
-                changed = changes[name].count if same_layout else spec.numel
+                changed = changes[name].count if same_layout and name not in relaid else spec.numel
                 dc = diff_changes[name].count if name in diff_changes else 0
                 records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
                                             format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
@@ -376,7 +397,9 @@ class Publisher:
                                 objects=tuple(objects), created=time.time(),
                                 producer={**self._producer(), "captured": c.captured},
                                 metadata=self.metadata, aliases=aliases,
-                                differential=self._anchor if with_diff else None, files=self._files)
+                                differential=self._anchor if with_diff else None, files=self._files,
+                                new_tensors=new, dropped_tensors=dropped,
+                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION)
             data, digest, notes = self._commit(manifest)
         except BaseException:
             if advanced:
@@ -386,8 +409,9 @@ class Publisher:
 
         # Committed: now (and only now) the chain state moves forward.
         mirror.version = step
-        if c.fresh:
+        if c.fresh or c.layout is not None:
             self._specs, self._aliases = specs, aliases
+        self._relaid_since_anchor = not is_anchor and (self._relaid_since_anchor or c.layout is not None)
         self._mirror = mirror
         self._checksums = checksums
         self._last = VersionRef(step, digest)
@@ -593,11 +617,13 @@ class Publisher:
         """Every tensor's checksum after version ``c`` (the mirror already holds it)."""
         if c.diff is None:
             return c.mirror.checksums()
-        return {name: (self._checksums[name] + delta) & _M64 for name, delta in c.diff.sums.items()}
+        new = c.mirror.checksums(c.layout[0]) if c.layout is not None else {}
+        return {name: new[name] if name in new else (self._checksums[name] + delta) & _M64
+                for name, delta in c.diff.sums.items()}
 
     def _advance_chain(self, manifest: Manifest, is_anchor: bool, with_diff: bool, proposed: Any,
                        drift_elements: int, total: int) -> None:
-        delta_bytes = manifest.object_bytes(manifest.delta_objects)
+        delta_bytes = manifest.object_bytes(manifest.step_objects)
         c = self._chain
         per_element = delta_bytes / manifest.changed if manifest.parent is not None and manifest.changed \
             else c.bytes_per_element
@@ -635,14 +661,15 @@ class Publisher:
             since += 1
             if since_diff is None and m.differential is not None:
                 since_diff = delta_bytes
-            delta_bytes += m.object_bytes(m.delta_objects)
+            self._relaid_since_anchor = self._relaid_since_anchor or m.changes_layout
+            delta_bytes += m.object_bytes(m.step_objects)
             changed += m.changed
             m = self.store.manifest(m.parent.step)
         if m.kind != "anchor":
             return  # no anchor on the chain: the policy will ask for one
         self._anchor = self.store.ref(m.step)
         drift_elements = 0
-        if self.policy.tracks_drift and since:
+        if self.policy.tracks_drift and since and not self._relaid_since_anchor:
             anchor_state = sub.pull(step=m.step).state
             mirror = self._mirror
             changes = {n: find_changes(bits_view(anchor_state[n]), mirror.view(n)) for n in self._specs}
