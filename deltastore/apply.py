@@ -446,7 +446,7 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState,
                 backup = flat.to("cpu", copy=True)
                 undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
                 flat.copy_(bits.to(flat.device))
-    except Exception as e:
+    except BaseException as e:
         _rollback(undo, e)
 
 
@@ -499,7 +499,7 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 torch.autograd.graph.increment_version(tl)
             if overlay.whole or overlay.dropped:
                 _write_layout(target, overlay, copies, owner, undo)
-    except Exception as e:
+    except BaseException as e:
         _rollback(undo, e)
 
 
@@ -554,12 +554,22 @@ def _destinations(items: Mapping[str, Any], copies: Mapping[str, list[str]] | No
             yield name, item, alias
 
 
-def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:
+def restored_after(error: BaseException) -> bool:
+    """Whether a failed write left the target at its previous version (see :func:`_rollback`)."""
+    if isinstance(error, ApplyError):
+        return error.restored
+    return getattr(error, "deltastore_restored", True)
+
+
+def _rollback(undo: list[Callable[[], object]], cause: BaseException) -> None:
     """Undo the writes made so far (newest first) and raise :class:`ApplyError`.
 
     The tensor whose write failed is restored too (the write may have been
     partial). If a restore itself fails, the error says so and carries
-    ``restored = False``: the target's version is then unknown.
+    ``restored = False``: the target's version is then unknown. An interrupt
+    (``KeyboardInterrupt``, ``SystemExit``: any ``BaseException`` that is not an
+    ``Exception``) is re-raised as itself once the writes are undone, with
+    ``deltastore_restored`` set (:func:`restored_after`).
     """
     failed = 0
     with torch.no_grad():
@@ -568,6 +578,12 @@ def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:
                 step()
             except Exception:
                 failed += 1
+    if not isinstance(cause, Exception):
+        try:
+            cause.deltastore_restored = failed == 0  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        raise cause
     if failed:
         err = ApplyError(f"writing into the target failed ({cause!r}) and {failed} tensor(s) refused the "
                          "restore; the target's version is unknown: pull again (from an anchor) to repair it")

@@ -19,7 +19,7 @@ import torch
 from . import segments, tracking
 from ._memory import release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_target, mapping_reader, plain_cpu,
-                    write_sparse)
+                    restored_after, write_sparse)
 from .checksum import full_checksum
 from .codecs import OldBits, Update
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
@@ -449,8 +449,8 @@ class Subscriber:
             tracking.set_version(target, None)  # unknown while writing
             try:
                 write_sparse(tensors, overlay, copies, owner=target)
-            except ApplyError as e:
-                tracking.set_version(target, current if e.restored else None)
+            except BaseException as e:  # an interrupt too: undone by write_sparse, then re-raised
+                tracking.set_version(target, current if restored_after(e) else None)
                 raise
             path = "delta"
         tracking.set_version(target, ref)
@@ -513,12 +513,12 @@ class Subscriber:
         except BaseException as e:
             failed = journal.restore()
             journal.close()
-            restored = failed == 0 and not (isinstance(e, ApplyError) and not e.restored)
+            restored = failed == 0 and restored_after(e)
             tracking.set_version(target, current if restored else None)
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt & co., after the restore (the tracked version says if it worked)
             if restored and isinstance(e, DeltaStoreError) and not isinstance(e, ApplyError):
                 raise  # nothing changed: the typed error stands (a corrupt object is planned around)
-            if restored and not isinstance(e, (Exception, WriteFailed)):
-                raise  # KeyboardInterrupt & co., after the restore
             cause = e.__cause__ if isinstance(e, WriteFailed) and e.__cause__ is not None else e
             if restored:
                 err = ApplyError(f"writing into the target failed ({cause!r}); the target was restored")
