@@ -136,6 +136,48 @@ def check_target(target: object, tensors: Mapping[str, torch.Tensor], manifest: 
     return copies
 
 
+def check_tied(manifest: Manifest, tied: Mapping[str, str]) -> None:
+    """Refuse a target holding two tensors ``manifest`` stores separately as one storage (tied weights).
+
+    ``tied`` maps the target entries :func:`deltastore.tensors.named_tensors`
+    dropped as exact aliases to the entry they alias. Raises
+    :class:`TargetMismatchError` naming both.
+    """
+    if not tied:
+        return
+    records = manifest.tensor_map()
+    for name, kept in tied.items():
+        if name in records and kept in records:
+            raise TargetMismatchError(f"target tensors {name!r} and {kept!r} share storage, but version "
+                                      f"{manifest.step} stores them separately")
+
+
+def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copies: Mapping[str, list[str]]) -> None:
+    """Refuse a target whose tensors overlap in memory where ``manifest`` stores them separately.
+
+    Writing one would change the other, so the pull would claim a version
+    the target does not hold. The written tensors' byte ranges are sorted per
+    device: O(tensors log tensors), no pass over the data. Raises
+    :class:`TargetMismatchError` naming both.
+    """
+    spans = []
+    for rec in manifest.tensors:
+        for name in (rec.name, *copies.get(rec.name, ())):
+            t = tensors.get(name)
+            if t is not None and t.numel():
+                start = t.data_ptr()
+                spans.append((start, start + t.numel() * t.element_size(), name, t.device))
+    spans.sort(key=lambda x: x[0])
+    last: dict[torch.device, tuple[int, str]] = {}
+    for start, end, name, device in spans:
+        prev = last.get(device)
+        if prev is not None and start < prev[0]:
+            raise TargetMismatchError(f"target tensors {prev[1]!r} and {name!r} overlap in memory, but version "
+                                      f"{manifest.step} stores them separately (writing one would change the other)")
+        if prev is None or end > prev[0]:
+            last[device] = (end, name)
+
+
 def _spec_of(t: torch.Tensor) -> TensorSpec:
     return TensorSpec("", t.dtype, tuple(t.shape))
 

@@ -18,8 +18,8 @@ import torch
 
 from . import segments, tracking
 from ._memory import release_memory
-from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_target, mapping_reader, plain_cpu,
-                    restored_after, write_sparse)
+from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
+                    mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum
 from .codecs import OldBits, Update
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
@@ -414,7 +414,8 @@ class Subscriber:
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         created = manifest.created
-        tensors = named_tensors(target) if target is not None else None
+        tied: dict[str, str] = {}
+        tensors = named_tensors(target, tied) if target is not None else None
         current = tracking.get_version(target) if target is not None else None
         if current == ref:
             assert tensors is not None
@@ -433,7 +434,9 @@ class Subscriber:
                               created=created)
         assert tensors is not None
         lay = self.path_layout(plan, current)
+        check_tied(manifest, tied)
         copies = check_target(target, tensors, manifest, lay)
+        check_overlaps(tensors, manifest, copies)
         if plan.anchor is not None:
             fetched = self._pull_anchor(target, tensors, copies, plan, current, lay)
             written = {r.name: r.numel for r in manifest.tensors}
