@@ -9,6 +9,7 @@ reference. :meth:`Manifest.from_json` validates strictly and raises
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -170,6 +171,18 @@ class Manifest:
     dropped_tensors: tuple[str, ...] = ()
 
     # -- derived figures -----------------------------------------------------
+    @property
+    def created_at(self) -> datetime.datetime | None:
+        """``created`` as an aware UTC datetime; None when it is outside what a datetime can hold.
+
+        ``created`` is any finite number (a hostile or broken writer may put
+        ``1e300`` there); this never raises, so listings can show it as unknown.
+        """
+        try:
+            return datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc)
+        except (OverflowError, ValueError, OSError):
+            return None
+
     @property
     def changed(self) -> int:
         return sum(t.changed for t in self.tensors)

@@ -184,6 +184,7 @@ class Subscriber:
         Raises :class:`VersionNotFoundError` when no path exists (for example
         a broken chain with no anchor below the step).
         """
+        _check_step_arg(step)
         best: Plan | None = None
 
         def offer(candidate: Plan) -> None:
@@ -576,6 +577,7 @@ class Subscriber:
         checkpoint, a restart) so the next pull can go through deltas.
         Raises :class:`ChecksumMismatchError` if any tensor differs.
         """
+        _check_step_arg(step)
         self.verify(target, step)
         ref = self.store.ref(step)
         tracking.set_version(target, ref)
@@ -593,6 +595,7 @@ class Subscriber:
             if ref is None:
                 raise VersionNotFoundError("the target's version is unknown; pass step=")
             step = ref.step
+        _check_step_arg(step)
         manifest = self.store.manifest(step)
         tensors = named_tensors(target)
         copies = check_layout(tensors, manifest)

@@ -153,7 +153,7 @@ class Mirror:
                     src.append(t)
                     dsts.append(dst)
                 elif t.dtype == spec.dtype:
-                    dst.copy_(bits_view(t))
+                    dst.copy_(bits_view(t.contiguous()))  # non-contiguous: row-major order, as everywhere
                 else:
                     dst.copy_(bits_view(t.detach().to(spec.dtype).contiguous()))
         for src, dsts in fast.values():
@@ -215,9 +215,7 @@ class Mirror:
                 spec = self.specs[name]
                 if t.numel() != spec.numel:
                     raise TargetMismatchError(f"{name!r} has {t.numel()} elements, the mirror {spec.numel}")
-                if not t.is_contiguous():
-                    raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
-                if t.dtype == spec.dtype and t.is_cpu and self.device.type == "cpu":
+                if t.dtype == spec.dtype and t.is_cpu and self.device.type == "cpu" and t.is_contiguous():
                     fast_names.append(name)
                     olds.append(self._views[name])
                     news.append(t)
