@@ -133,9 +133,9 @@ class Publisher:
         source_dir: a model folder whose ``config.json`` and tokenizer files are
             recorded, so ``deltastore materialize`` writes a loadable model.
         max_workers: parallel encode/upload workers.
-        background: make ``publish()`` return once the changes are captured;
-            encoding, upload and commit run in a background writer (see
-            :meth:`publish`). The writer and the capture share one mirror; the
+        background: make ``publish()`` return once the changes are captured,
+            with a pending :class:`VersionInfo`; encoding, upload and commit run
+            in a background writer (see :meth:`publish`). The writer and the capture share one mirror; the
             queued versions' changes are held until they are written.
         max_pending: versions the background writer may have queued before
             ``publish()`` blocks (back-pressure when the store is slower than training).
@@ -226,7 +226,7 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
-    def publish(self, state: StateLike, *, step: int) -> VersionInfo | Future[VersionInfo]:
+    def publish(self, state: StateLike, *, step: int) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
@@ -239,13 +239,26 @@ class Publisher:
         version is committed; on any error nothing is committed and the
         Publisher is unchanged, so the same step can be retried.
 
-        With ``background=True``: returns a ``Future[VersionInfo]`` as soon as
-        the changes are captured (the bit-compare is all the caller waits for,
-        plus back-pressure when ``max_pending`` versions are already queued).
-        Versions commit in ``publish()`` order. A failure in the background is
-        raised by the next ``publish()``, ``flush()`` or ``close()``; the
-        versions queued behind it are dropped (their futures fail too) and the
-        next publish starts a new chain with an anchor.
+        With ``background=True``: returns a :class:`PendingVersionInfo` (a
+        ``VersionInfo``) as soon as the changes are captured (the bit-compare is
+        all the caller waits for, plus back-pressure when ``max_pending``
+        versions are already queued). Its ``step``, ``changed`` and ``total``
+        are known at once; ``committed`` says whether the writer has committed
+        it, ``wait(timeout=None)`` blocks for the commit and returns the
+        committed info or re-raises the background error, and the other fields
+        wait for the commit when read. (The ``Future`` calls earlier releases
+        returned, ``result()``, ``done()``, ``exception()``,
+        ``add_done_callback()``, still work.) Versions commit in ``publish()``
+        order. A failure in the background is also raised by the next
+        ``publish()``, ``flush()`` or ``close()``; the versions queued behind it
+        are dropped (their ``wait()`` raises too) and the next publish starts a
+        new chain with an anchor.
+
+        Either way, nothing after the commit point raises: a failure there
+        (the store marker, retention) is a :class:`PostCommitWarning` and an
+        entry of ``VersionInfo.warnings``. Non-contiguous tensors are read in
+        row-major order. A step that adds, drops, reshapes or re-types a
+        tensor stays on the chain (``docs/format.md``, "Layout changes").
         """
         if self._closed:
             raise RuntimeError("Publisher is closed")
@@ -293,8 +306,12 @@ class Publisher:
         if captured.diff is not None:
             self._pending.add(captured.diff.changes, step)
         future: Future[VersionInfo] = Future()
+        total = sum(sp.numel for sp in specs.values())
+        changed = total if captured.diff is None else captured.diff.changed + sum(
+            specs[n].numel for n in (captured.layout[0] if captured.layout is not None else ()))
+        info = PendingVersionInfo(step, changed, total, future)
         self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
-        return future
+        return info
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
