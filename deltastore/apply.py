@@ -157,26 +157,31 @@ def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copi
     """Refuse a target whose tensors overlap in memory where ``manifest`` stores them separately.
 
     Writing one would change the other, so the pull would claim a version
-    the target does not hold. The written tensors' byte ranges are sorted per
-    device: O(tensors log tensors), no pass over the data. Raises
-    :class:`TargetMismatchError` naming both.
+    the target does not hold. The written tensors' byte ranges are sorted by
+    address (CPU and CUDA pointers share one address space under unified
+    addressing; tensors without storage, address 0, are skipped): one
+    ``data_ptr``/``nbytes`` per tensor and a numpy sort, no pass over the
+    data. Raises :class:`TargetMismatchError` naming both.
     """
-    spans = []
-    for rec in manifest.tensors:
-        for name in (rec.name, *copies.get(rec.name, ())):
-            t = tensors.get(name)
-            if t is not None and t.numel():
-                start = t.data_ptr()
-                spans.append((start, start + t.numel() * t.element_size(), name, t.device))
-    spans.sort(key=lambda x: x[0])
-    last: dict[torch.device, tuple[int, str]] = {}
-    for start, end, name, device in spans:
-        prev = last.get(device)
-        if prev is not None and start < prev[0]:
-            raise TargetMismatchError(f"target tensors {prev[1]!r} and {name!r} overlap in memory, but version "
-                                      f"{manifest.step} stores them separately (writing one would change the other)")
-        if prev is None or end > prev[0]:
-            last[device] = (end, name)
+    names = [r.name for r in manifest.tensors]
+    if copies:
+        names += [a for aliases in copies.values() for a in aliases]
+    ts = [tensors.get(n) for n in names]
+    starts = np.fromiter((t.data_ptr() if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    sizes = np.fromiter((t.nbytes if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    keep = np.flatnonzero((starts != 0) & (sizes != 0))
+    if keep.size < 2:
+        return
+    order = keep[np.argsort(starts[keep], kind="stable")]
+    s, e = starts[order], starts[order] + sizes[order]
+    reach = np.maximum.accumulate(e)
+    bad = np.flatnonzero(s[1:] < reach[:-1])
+    if bad.size:
+        j = int(bad[0]) + 1
+        i = int(np.flatnonzero(e[:j] > s[j])[0])  # an earlier range that reaches into range j
+        raise TargetMismatchError(f"target tensors {names[order[i]]!r} and {names[order[j]]!r} overlap in memory, "
+                                  f"but version {manifest.step} stores them separately (writing one would change "
+                                  "the other)")
 
 
 def _spec_of(t: torch.Tensor) -> TensorSpec:
