@@ -465,7 +465,7 @@ def _parse(doc: Any) -> Manifest:
     dropped = _names(doc, "dropped_tensors")
     if (new_tensors or dropped) and parent is None:
         raise ManifestError("a version without parent cannot add or drop tensors (it has no layout to change)")
-    records = {t.name: t for t in tensors}
+    records = {t.name: t for t in tensors} if new_tensors else {}
     for name in new_tensors:
         t = records.get(name)
         if t is None:
