@@ -129,3 +129,18 @@ class AccessDeniedError(BackendError, PermissionError):
 
 def _rebuild_corrupt(message: str, digest: str | None) -> CorruptObjectError:
     return CorruptObjectError(message, digest=digest)
+
+
+# -- added for issue 12 (publisher / subscriber) ------------------------------------
+class PostCommitWarning(UserWarning):
+    """Something after a version's commit point failed (the store marker, retention).
+
+    The version is committed and pullable; :attr:`VersionInfo.warnings` lists the same messages.
+    """
+
+
+class InvalidStepError(DeltaStoreError, TypeError):
+    """A step argument is not an integer (a string, a float, a bool).
+
+    Derives from ``TypeError``, which is what such a call raised before it was typed.
+    """
