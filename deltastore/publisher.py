@@ -728,7 +728,7 @@ class Publisher:
         due = [d for t, ds in self._gc_pending if now - t >= self.gc_grace for d in ds]
         self._gc_pending = [(t, ds) for t, ds in self._gc_pending if now - t < self.gc_grace]
         if due:
-            delete_unreferenced(self.store, due)
+            delete_unreferenced(self.store, due, grace=self.gc_grace)
 
     def _producer(self) -> dict[str, Any]:
         return {"library": "deltastore", "version": __version__, "writer": self.writer_id,
