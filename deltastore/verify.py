@@ -43,6 +43,8 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     digest; every object exists and matches its sha256. Then every chain is
     replayed from its anchors: each version's tensors must match the checksums
     in its manifest. Nothing is modified. Returns a :class:`VerifyReport`.
+    ``progress(message)`` is called twice per readable version: before its
+    objects are re-hashed and before it is replayed.
     """
     report = VerifyReport()
     sub = Subscriber(store)
@@ -57,6 +59,7 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
 
     seen: set[str] = set()
     for step, (m, _) in manifests.items():
+        say(f"re-hashing the objects of version {step}")
         if m.parent is not None and m.kind == "delta":
             parent = manifests.get(m.parent.step)
             if parent is None:
