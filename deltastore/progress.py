@@ -54,7 +54,7 @@ def disabled_by_env() -> bool:
 
 def tqdm_callback(desc: str, unit: str = "B") -> Callback:
     """A ``TqdmCallback`` drawing one bar on stderr that disappears when closed."""
-    kwargs: dict[str, Any] = {"desc": desc, "file": sys.stderr, "leave": False, "dynamic_ncols": True}
+    kwargs: dict[str, Any] = {"desc": desc, "file": sys.stderr, "leave": False}
     if unit == "B":
         kwargs.update(unit="B", unit_scale=True, unit_divisor=1024)
     else:

@@ -204,6 +204,10 @@ class FsspecBackend(Backend):
             if http_status(e) in (401, 403):
                 raise AccessDeniedError(f"access to bucket {self.bucket!r} denied ({self.uri}): {e}") from e
             raise BackendError(f"cannot reach bucket {self.bucket!r} ({self.uri}): {e}") from e
+        except Exception as e:
+            if is_transient(e):  # botocore's EndpointConnectionError & co., retries spent
+                raise BackendError(f"cannot reach bucket {self.bucket!r} ({self.uri}): {e}") from e
+            raise
         if not found:
             raise BucketNotFoundError(f"bucket {self.bucket!r} does not exist ({self.uri})")
 

@@ -55,11 +55,22 @@ def _configure_logging(args: argparse.Namespace) -> None:
                                                                                       logging.DEBUG)
     log = logging.getLogger("deltastore")
     log.setLevel(level)
-    if not any(getattr(h, "_deltastore_cli", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._deltastore_cli = True  # type: ignore[attr-defined]
         log.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (main() may run many times)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
 
 
 def _one_line(text: str) -> str:
@@ -72,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _configure_logging(args)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so that EPIPE (``ls | head``) is caught below, not at exit
+        return code
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
     except BrokenPipeError:
