@@ -205,3 +205,10 @@ def test_verbose_logs_each_pull(store, tmp_path, cli):
     assert r.rc == 0 and "INFO deltastore.subscriber: pulled version 5 (anchor)" in r.err
     r = cli("-q", "pull", uri, tmp_path / "o")
     assert r.rc == 0 and r.err == ""
+
+
+def test_demo_runs_bit_exact(tmp_path, cli):
+    r = cli("demo", "--steps", "3", "--store", tmp_path / "demo")
+    assert r.rc == 0, r.err
+    assert r.out.count("  yes\n") == 3 and "every step bit-exact: yes" in r.out
+    assert ds.Subscriber(str(tmp_path / "demo")).versions() == [1, 2, 3]
