@@ -13,6 +13,7 @@ from importlib import import_module
 import pytest
 
 from conftest import ROOT
+from deltastore.cli import main
 
 URI_COMMANDS = [("ls",), ("inspect",), ("verify",), ("stats",), ("gc", "--dry-run")]
 
@@ -102,7 +103,7 @@ def _env() -> dict:
 
 
 def test_broken_pipe_is_quiet(store):
-    """``deltastore ls URI | head -0``: the reader is gone before the first write."""
+    """``python -m deltastore ls URI | head -0``: the reader is gone before the first write."""
     uri, _ = store
     read, write = os.pipe()
     os.close(read)
@@ -112,10 +113,8 @@ def test_broken_pipe_is_quiet(store):
     assert proc.returncode == 1 and proc.stderr == "", proc.stderr
 
 
-def test_console_script_and_module_entry_points():
+def test_console_script_entry_point():
+    """The ``deltastore`` script's target exists (``python -m deltastore`` runs in the broken-pipe test)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     module, _, attr = project["scripts"]["deltastore"].partition(":")
-    assert callable(getattr(import_module(module), attr))
-    proc = subprocess.run([sys.executable, "-m", "deltastore", "--version"], capture_output=True, text=True,
-                          env=_env(), timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("deltastore ")
+    assert getattr(import_module(module), attr) is main
