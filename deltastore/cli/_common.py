@@ -204,7 +204,7 @@ def sleeper(args: argparse.Namespace, desc: str) -> Callable[[float], None]:
         if not bars_on(args):
             time.sleep(seconds)
             return
-        with bar(args, desc, total=seconds, unit="s") as cb:  # type: ignore[arg-type]
+        with bar(args, desc, total=seconds, unit="s") as cb:
             end = time.monotonic() + seconds
             while (left := end - time.monotonic()) > 0:
                 time.sleep(min(0.1, left))

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 
-import pytest
 from safetensors.torch import load_file
 
 import deltastore as ds
