@@ -99,6 +99,11 @@ def storage_options_json(text: str) -> dict[str, Any]:
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
     """The URI and its storage options (``--storage-options`` first, then each ``-o`` over it)."""
     p.add_argument("uri", help="store URI: a path, file://, s3://BUCKET/PREFIX, gs://..., hf://buckets/NS/NAME/...")
+    add_storage_option_arguments(p)
+
+
+def add_storage_option_arguments(p: argparse.ArgumentParser) -> None:
+    """``-o KEY=VALUE`` (repeatable) and ``--storage-options JSON``."""
     p.add_argument("-o", dest="options", metavar="KEY=VALUE", type=storage_option, action="append", default=[],
                    help="a storage option (repeatable); VALUE is parsed as JSON when it parses, "
                         "e.g. -o endpoint_url=http://127.0.0.1:9000 -o anon=true")

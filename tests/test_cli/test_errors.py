@@ -118,3 +118,7 @@ def test_console_script_entry_point():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     module, _, attr = project["scripts"]["deltastore"].partition(":")
     assert getattr(import_module(module), attr) is main
+
+
+def test_demo_storage_options_need_a_store(cli):
+    cli("demo", "--steps", "1", "-o", "anon=true").one_line_error(2, "need --store")
