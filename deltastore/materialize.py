@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .progress import ProgressArg
 from .store import DeltaStore
 from .subscriber import Subscriber
 
@@ -16,7 +17,7 @@ DEFAULT_SHARD_BYTES = 5 << 30
 
 
 def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *,
-                shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+                shard_bytes: int = DEFAULT_SHARD_BYTES, progress: ProgressArg = None) -> list[str]:
     """Rebuild version ``step`` and write it to ``out_dir`` as safetensors.
 
     One ``model.safetensors`` when the model fits in ``shard_bytes``, else
@@ -25,9 +26,10 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     load). Files the Publisher recorded from its ``source_dir``
     (``config.json``, tokenizer files) are written beside them, so the folder
     loads with ``transformers`` and vLLM. Returns the file names written.
-    Raises what :meth:`Subscriber.pull` raises.
+    ``progress`` is passed to :meth:`Subscriber.pull`. Raises what
+    :meth:`Subscriber.pull` raises.
     """
-    state = Subscriber(store).pull(step=step).state
+    state = Subscriber(store).pull(step=step, progress=progress).state
     os.makedirs(out_dir, exist_ok=True)
     extra = []
     for fname, rec in store.manifest(step).files.items():

@@ -24,6 +24,7 @@ Publisher unchanged, so the same step can be retried.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from ._memory import release_memory
+from . import progress as _progress
 from ._version import __version__
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
@@ -55,6 +57,7 @@ from .publish.upload import Job, store_jobs
 from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
+_log = logging.getLogger(__name__)
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 #: whole tensors (anchors) are cut into objects of about model / 64 bytes, within these bounds, so that
 #: an anchor streams through memory (encode, upload, free) a few objects at a time
@@ -226,7 +229,7 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
-    def publish(self, state: StateLike, *, step: int) -> VersionInfo:
+    def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
@@ -259,7 +262,14 @@ class Publisher:
         entry of ``VersionInfo.warnings``. Non-contiguous tensors are read in
         row-major order. A step that adds, drops, reshapes or re-types a
         tensor stays on the chain (``docs/format.md``, "Layout changes").
+
+        ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
+        (see :mod:`deltastore.progress`); it counts objects stored (not
+        reported in background mode).
         """
+        if progress is not None and progress is not False:
+            with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
+                return self.publish(state, step=step)
         if self._closed:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
@@ -433,6 +443,8 @@ class Publisher:
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
+        _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
+                  manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
         if self.retention is not None:
             try:
                 self._apply_retention()
