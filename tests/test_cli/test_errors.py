@@ -76,7 +76,7 @@ def test_unreachable_endpoint_is_one_line(cli):
     port = _closed_port()
     r = cli("ls", "s3://bucket/run", "-o", f"endpoint_url=http://127.0.0.1:{port}", "-o", "key=k", "-o", "secret=s",
             "-o", "retry=1", "-o", "timeout=1", "-o", 'config_kwargs={"retries": {"max_attempts": 1}}')
-    r.one_line_error(1, "BackendError", "cannot reach bucket", f"127.0.0.1:{port}")
+    r.one_line_error(1, "BackendUnavailableError", "unreachable", f"127.0.0.1:{port}")
 
 
 def test_a_manifest_with_an_extreme_created_time_does_not_break_ls(store, cli):
