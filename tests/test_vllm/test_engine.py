@@ -70,6 +70,13 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     assert checks["wrong_declared_base"].startswith("ChecksumMismatchError")
     assert checks["weight_transfer_step9"]["version"]["step"] == 9
     assert checks["follower_step10"]["status"]["served_step"] == 10
+    # engine B: first call through the weight-transfer backend (its own reload path), then vLLM's native loader
+    assert checks["anchor_route_step3"]["step"] == 3 and checks["anchor_route_step3"]["path"] == "reload"
+    native = checks["native"]
+    assert native["nan_lands"] and native["pull_1"]["path"] == "native" and native["pull_2"]["path"] == "native"
+    assert native["outputs_changed_by_native"]
+    assert native["native_refused_for_linears"].startswith("TargetMismatchError")
+    assert native["fallback_3"]["path"] == "reload" and native["fallback_3"]["route"] == "delta"
     print(json.dumps(result["timings"]), file=sys.stderr)
 
 
