@@ -94,3 +94,7 @@ def test_vllm_serve_follows_store_over_http(tmp_path):
     assert checks["completion_unchanged_after_refusal"]         # token ids and logprobs, exact
     assert checks["completion_after_refusal"] == checks["completion_8"]
     assert checks["verify_after_refusal"]["ok"] and checks["verify_after_refusal"]["step"] == 8
+    follow = checks["in_server_follower"]   # --middleware FollowStore, no VLLM_SERVER_DEV_MODE
+    assert follow["dev_routes_absent"] and follow["completion_equals_first_server_at_8"]
+    assert follow["step0"]["route"] == "anchor" and follow["step1"]["route"] == "delta"
+    assert follow["step0"]["verify"]["ok"] and follow["step1"]["verify"]["ok"]

@@ -24,7 +24,10 @@ the API server, driving the engine through the engine client; no route is
 added or needed. Configuration (environment): ``DELTASTORE_FOLLOW_URI``
 (required), ``DELTASTORE_FOLLOW_POLL`` (seconds, default 5),
 ``DELTASTORE_FOLLOW_MAX_LAG`` (0), ``DELTASTORE_FOLLOW_MAX_WAIT``,
-``DELTASTORE_FOLLOW_STORAGE_OPTIONS`` (JSON), ``DELTASTORE_FOLLOW_STATUS_FILE``.
+``DELTASTORE_FOLLOW_STORAGE_OPTIONS`` (JSON), ``DELTASTORE_FOLLOW_STATUS_FILE``,
+``DELTASTORE_FOLLOW_VERIFY=1`` (after every apply, check the served weights'
+checksums against the manifest and record the verdict in the apply result and
+the status file: the only way to see them without the dev-mode routes).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import os
 import threading
 from typing import Any
 
-from ._rpc import as_dict, results
+from ._rpc import as_bool, as_dict, results
+from .client import combine_verify
 from .follower import Follower
 
 log = logging.getLogger("vllm.deltastore")
@@ -44,8 +48,9 @@ log = logging.getLogger("vllm.deltastore")
 class EngineClientControl:
     """Follower control over vLLM's engine client, called from a thread other than the server's event loop."""
 
-    def __init__(self, engine_client: Any, loop: asyncio.AbstractEventLoop, timeout: float = 600.0):
-        self.ec, self.loop, self.timeout = engine_client, loop, timeout
+    def __init__(self, engine_client: Any, loop: asyncio.AbstractEventLoop, timeout: float = 600.0,
+                 verify: bool = False):
+        self.ec, self.loop, self.timeout, self.verify = engine_client, loop, timeout, verify
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
@@ -63,7 +68,12 @@ class EngineClientControl:
         self._rpc("deltastore_prefetch", uri=uri, step=step, storage_options=storage_options)
 
     def apply(self, uri: str, step: int, storage_options: dict[str, Any]) -> dict[str, Any]:
-        return self._rpc("deltastore_pull", uri=uri, step=step, storage_options=storage_options)[0]
+        out = self._rpc("deltastore_pull", uri=uri, step=step, storage_options=storage_options)[0]
+        if self.verify:
+            report = combine_verify(self._rpc("deltastore_verify"))
+            out["verify"] = {"ok": report["ok"], "step": report.get("step"), "bad": report.get("bad", [])[:5],
+                             "unproven": report.get("unproven", [])[:5]}
+        return out
 
     def reset_prefix_cache(self) -> None:
         self._run(self.ec.reset_prefix_cache())
@@ -112,7 +122,8 @@ class FollowStore:
                     max_wait=float(max_wait) if max_wait else None,
                     storage_options=as_dict(os.environ.get("DELTASTORE_FOLLOW_STORAGE_OPTIONS")),
                     status_file=os.environ.get("DELTASTORE_FOLLOW_STATUS_FILE") or None)
-        control = EngineClientControl(engine_client, loop)
+        control = EngineClientControl(engine_client, loop,
+                                      verify=as_bool(os.environ.get("DELTASTORE_FOLLOW_VERIFY", "0")))
 
         def run() -> None:  # off the event loop: the control blocks on coroutines it submits to it
             self.follower = Follower(control, uri, **opts)
