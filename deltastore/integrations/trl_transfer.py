@@ -12,9 +12,10 @@ calls them, on the main process, at train begin and every
 
 Each ``send_weights`` publishes the streamed tensors as one version. Its step
 is the model version TRL tags the following rollouts with: TRL bumps
-``trainer.model_version`` right after ``resume()``, so the k-th sync of a run
-is version k (pass ``trainer=`` with :meth:`attach` to read it from the
-trainer instead, e.g. after a resume). Servers follow the store on their own
+``trainer.model_version`` right after ``resume()``, so on a fresh store the
+k-th sync is version k. Without :meth:`attach` the steps continue the store's
+chain (its latest step + 1), which matches TRL's count only on a fresh store;
+after resuming a run, ``attach(trainer)`` reads ``trainer.model_version``. Servers follow the store on their own
 (``deltastore.integrations.vllm``: worker extension, weight-transfer backend or
 Follower), so ``pause``/``resume`` do nothing by default; with ``control=`` (a
 ``deltastore.integrations.vllm`` ``HTTPControl``/``LLMControl``) the sync is a
