@@ -152,18 +152,18 @@ def test_async_grpo_trainer_syncs_through_the_store_into_vllm(tmp_path, monkeypa
                           vllm_server_base_url=url, max_inflight_tasks=4, learning_rate=1e-2,
                           temperature=1.0, heartbeat_stale_after_s=300,
                           max_staleness=0)  # TRL drops older samples: after a sync it trains on the new version
-    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=cfg,
-                               train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-                               processing_class=tok, weight_transfer=wt)
     log = tmp_path / "server.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
            "--host", "127.0.0.1", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128",
            "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(32 << 20),
            "--worker-extension-cls", "deltastore.integrations.vllm.DeltaStoreWorkerExtension"]
-    with open(log, "w") as logf:
+    with open(log, "w") as logf:  # boots while the trainer is built
         server = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=reward_len, args=cfg,
+                                   train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                                   processing_class=tok, weight_transfer=wt)
         _wait_healthy(url, server, log)
         AttentionInterface.register(TREE_ATTENTION, cpu_tree_attention)
         queue = trainer.rollout_queue = _RecordingQueue(trainer.rollout_queue, trainer)
