@@ -71,29 +71,11 @@ def main(work: str) -> int:
     for s in range(1, 5):
         publish_next(s)
 
-    port = free_port()
-    srv_url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
-           "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-           "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1",
-           "--kv-cache-memory-bytes", str(32 << 20),
-           "--worker-extension-cls", "deltastore.integrations.vllm.DeltaStoreWorkerExtension",
-           "--weight-transfer-config", '{"backend": "deltastore"}']
-    logf = open(os.path.join(work, "server.log"), "w")
-    srv = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    srv, logf, srv_url = start_server(work, base, env, ["--weight-transfer-config", '{"backend": "deltastore"}'],
+                                      "server.log")
     try:
-        t0 = time.time()
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see server.log")
-            try:
-                urllib.request.urlopen(srv_url + "/health", timeout=2)
-                break
-            except Exception:  # noqa: BLE001
-                if time.time() - t0 > 240:
-                    raise TimeoutError("vllm serve did not become healthy in 240 s") from None
-                time.sleep(1)
         res["server_start_s"] = round(time.time() - t0, 1)
         log(f"server up in {res['server_start_s']}s")
 
@@ -187,15 +169,7 @@ def main(work: str) -> int:
         checks["server_logs_served_version"] = served_log[-1] if served_log else None
         assert served_log and "serving step 8" in served_log[-1], served_log
     finally:
-        try:
-            os.killpg(srv.pid, signal.SIGTERM)
-            srv.wait(timeout=30)
-        except Exception:  # noqa: BLE001
-            try:
-                os.killpg(srv.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        logf.close()
+        stop_server(srv, logf)
         pub.close()
     checks["in_server_follower"] = in_server_follower(work, base, state_8, checks["completion_8"], complete_at)
     res["ok"] = True
@@ -205,6 +179,7 @@ def main(work: str) -> int:
 
 
 def start_server(work: str, base: str, env: dict, extra: list[str], name: str):
+    """``vllm serve`` of ``base`` with the worker extension and ``extra`` flags, healthy; (process, log, url)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
            "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
@@ -215,16 +190,20 @@ def start_server(work: str, base: str, env: dict, extra: list[str], name: str):
     srv = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
-    while True:
-        if srv.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {name}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return srv, logf, url
-        except Exception:  # noqa: BLE001
-            if time.time() - t0 > 240:
-                raise TimeoutError("vllm serve did not become healthy in 240 s") from None
-            time.sleep(1)
+    try:
+        while True:
+            if srv.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {name}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                return srv, logf, url
+            except OSError:
+                if time.time() - t0 > 240:
+                    raise TimeoutError("vllm serve did not become healthy in 240 s") from None
+                time.sleep(1)
+    except BaseException:
+        stop_server(srv, logf)
+        raise
 
 
 def stop_server(srv, logf) -> None:
