@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
+from .quantize import check_record as check_quantization
 from .tensors import DTYPES
 
 FORMAT = "deltastore.manifest"
@@ -141,7 +142,8 @@ class Manifest:
 
     ``aliases`` maps names that share storage with a listed tensor on the
     publisher (tied weights) to that tensor's name; a target holding a separate
-    tensor under an alias name gets the same writes.
+    tensor under an alias name gets the same writes. ``quantization`` names the
+    scheme of quantized served weights (absent from the JSON when None).
     """
 
     step: int
@@ -156,6 +158,8 @@ class Manifest:
     differential: VersionRef | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
+    #: how the tensors were quantized (``deltastore.quantize``), None for weights as trained
+    quantization: dict[str, Any] | None = None
 
     # -- derived figures -----------------------------------------------------
     @property
@@ -203,7 +207,7 @@ class Manifest:
 
     # -- JSON ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        doc = {
             "format": FORMAT,
             "format_version": self.format_version,
             "step": self.step,
@@ -225,6 +229,9 @@ class Manifest:
                 for t in self.tensors
             ],
         }
+        if self.quantization is not None:
+            doc["quantization"] = self.quantization
+        return doc
 
     def to_json(self) -> bytes:
         """Canonical bytes (sorted keys, compact); the version digest is their sha256."""
@@ -413,10 +420,13 @@ def _parse(doc: Any) -> Manifest:
         check_tensor_name(alias)
         if primary not in names or alias in names:
             raise ManifestError(f"alias {alias!r} -> {primary!r} must name a listed tensor and not be one")
+    quantization = doc.get("quantization")
+    if quantization is not None:  # an unknown scheme: UnsupportedFormatError, never bits served as bf16
+        check_quantization(quantization, {t.name: t for t in tensors})
     used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
     return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                     created=float(created), producer=producer, metadata=metadata, aliases=aliases,
-                    differential=differential, files=files, format_version=version)
+                    differential=differential, files=files, format_version=version, quantization=quantization)

@@ -49,6 +49,7 @@ from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
 from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
+from .quantize import get_quantizer
 from .store import DeltaStore, open_store
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
@@ -157,6 +158,8 @@ class Publisher:
             ``"cpu"`` (default; pinned when CUDA is present) or a CUDA device
             to diff on the GPU (costs the published model's size in GPU memory;
             only changed positions cross to the host).
+        quantize: publish quantized served weights: ``"fp8_block128"`` or a
+            quantizer (:mod:`deltastore.quantize`); the manifest records the scheme.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -170,7 +173,7 @@ class Publisher:
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
-                 mirror_device: str | torch.device | None = None):
+                 mirror_device: str | torch.device | None = None, quantize: Any = None):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -208,6 +211,7 @@ class Publisher:
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
+        self.quantizer = get_quantizer(quantize)
         # Background mode: the capture side compares against the same mirror object (which the
         # writer advances after each commit) corrected by what the queued versions changed.
         self._capture_mirror: Mirror | None = None
@@ -394,7 +398,8 @@ class Publisher:
                                 objects=tuple(objects), created=time.time(),
                                 producer={**self._producer(), "captured": c.captured},
                                 metadata=self.metadata, aliases=aliases,
-                                differential=self._anchor if with_diff else None, files=self._files)
+                                differential=self._anchor if with_diff else None, files=self._files,
+                                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
             data, digest = self.store.commit(manifest)
         except BaseException:
             if advanced:
@@ -464,11 +469,14 @@ class Publisher:
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
         tensors = named_tensors(state, aliases)
+        produced: set[str] = set()  # quantized tensors and their scales: never cast
+        if self.quantizer is not None:
+            tensors, produced = self.quantizer.apply(tensors, aliases, cast=self.dtype)
         prev = self._capture_specs  # the last layout: its specs are reused (names already checked)
         specs = {}
         cast = self.dtype
         for name, t in tensors.items():
-            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            dt = cast if cast is not None and t.is_floating_point() and name not in produced else t.dtype
             sp = prev.get(name)
             if sp is None or sp.dtype is not dt or sp.shape != t.shape:
                 _check_name(name)
