@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .quantize import served_config_json
 from .store import DeltaStore
 from .subscriber import Subscriber
 
@@ -24,15 +25,20 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     ``model.safetensors.index.json`` (the layout ``transformers`` and vLLM
     load). Files the Publisher recorded from its ``source_dir``
     (``config.json``, tokenizer files) are written beside them, so the folder
-    loads with ``transformers`` and vLLM. Returns the file names written.
+    loads with ``transformers`` and vLLM; for a quantized version (``fp8_block128``)
+    ``config.json`` gains the matching ``quantization_config``. Returns the file names written.
     Raises what :meth:`Subscriber.pull` raises.
     """
     state = Subscriber(store).pull(step=step).state
     os.makedirs(out_dir, exist_ok=True)
     extra = []
-    for fname, rec in store.manifest(step).files.items():
+    manifest = store.manifest(step)
+    for fname, rec in manifest.files.items():
+        data = store.get_object(rec["digest"], rec["size"])
+        if fname == "config.json" and manifest.quantization is not None:  # load as the quantized model it is
+            data = served_config_json(data, manifest.quantization)
         with open(os.path.join(out_dir, fname), "wb") as f:
-            f.write(store.get_object(rec["digest"], rec["size"]))
+            f.write(data)
         extra.append(fname)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -21,7 +21,7 @@ from .fp8 import Fp8Block128
 #: scheme name -> validator of its manifest record
 SCHEMES = {fp8.SCHEME: fp8.check_record}
 
-__all__ = ["Fp8Block128", "SCHEMES", "check_record", "get_quantizer"]
+__all__ = ["Fp8Block128", "SCHEMES", "check_record", "get_quantizer", "served_config_json"]
 
 
 def get_quantizer(spec: Any) -> Fp8Block128 | None:
@@ -55,3 +55,17 @@ def check_record(doc: Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
             f"(it reads {sorted(SCHEMES)}); refusing rather than serving them as unquantized weights")
     check(doc, tensors)
     return doc
+
+
+def served_config_json(data: bytes, record: Mapping[str, Any]) -> bytes:
+    """A recorded ``config.json`` with the ``quantization_config`` of ``record``'s scheme, so that the
+    materialised folder loads as quantized weights (vLLM, transformers). Raises ``ValueError`` when
+    ``data`` is not a JSON object."""
+    import json
+
+    config = json.loads(data)
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
+    if record.get("scheme") == fp8.SCHEME:
+        config = fp8.served_config(config)
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
