@@ -10,7 +10,11 @@ step's quantized state bit for bit. Per step it prints:
 
 * bf16 %: elements whose bf16 bits changed (the unquantized delta);
 * fp8 %: e4m3 bytes that changed; scales %: block scales that changed;
-* rescaled %: of the changed e4m3 bytes, those in a block whose scale changed;
+* rescaled %: of the changed e4m3 bytes, those in a block whose scale changed
+  (and, in the summary, how many bytes such a block changes);
+* moved %: of the bf16-changed elements in blocks whose scale stayed, the
+  share whose e4m3 byte changed (one e4m3 step is 16 bf16 ulps at the same
+  exponent, so a 1-ulp bf16 change crosses an e4m3 rounding edge ~1/16 of the time);
 * bytes of the FP8 delta (e4m3 + scales) and of the bf16 delta of the same
   tensors and step, per codec (each codec's real encoder, one object per step),
   their ratio, and the FP8 delta against the full FP8 checkpoint of those
@@ -62,17 +66,22 @@ def encoded(codec, ups: list[Update]) -> int:
     return len(codec.encode(ups)) if ups else 0
 
 
-def rescaled_fraction(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], names: list[str]) -> tuple[int, int]:
-    """(changed e4m3 bytes in blocks whose scale changed, changed e4m3 bytes)."""
-    inside = total = 0
+def drivers(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], new_b: dict[str, torch.Tensor],
+            old_b: dict[str, torch.Tensor], names: list[str]) -> tuple[int, int, int, int]:
+    """(changed e4m3 bytes in rescaled blocks, rescaled blocks, bf16-changed elements outside them,
+    of those the ones whose e4m3 byte changed)."""
+    inside = blocks = bf16_out = moved = 0
     for n in names:
-        ch = bits_view(new[n]).view(new[n].shape) != bits_view(old[n]).view(old[n].shape)
-        sch = bits_view(new[n + SCALE_SUFFIX]) != bits_view(old[n + SCALE_SUFFIX])
-        mask = sch.view(new[n + SCALE_SUFFIX].shape).repeat_interleave(BLOCK, 0)[:ch.shape[0]]
-        mask = mask.repeat_interleave(BLOCK, 1)[:, :ch.shape[1]]
+        shape = new[n].shape
+        ch = bits_view(new[n]).view(shape) != bits_view(old[n]).view(shape)
+        chb = bits_view(new_b[n]).view(shape) != bits_view(old_b[n]).view(shape)
+        sch = (bits_view(new[n + SCALE_SUFFIX]) != bits_view(old[n + SCALE_SUFFIX])).view(new[n + SCALE_SUFFIX].shape)
+        mask = sch.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
         inside += int((ch & mask).sum())
-        total += int(ch.sum())
-    return inside, total
+        blocks += int(sch.sum())
+        bf16_out += int((chb & ~mask).sum())
+        moved += int((ch & chb & ~mask).sum())
+    return inside, blocks, bf16_out, moved
 
 
 def run(name: str, codecs: list[str]) -> dict[str, float]:
@@ -84,13 +93,19 @@ def run(name: str, codecs: list[str]) -> dict[str, float]:
     prev_q = quantized(prev_bf16, names)
     nscales = sum(prev_q[n + SCALE_SUFFIX].numel() for n in names)
     full_fp8 = sum(t.numel() * t.element_size() for t in prev_q.values())
+    dense = get_codec({"id": "dense", "config": {"planes": True}})
+    anchor = {kind: len(dense.encode([Update(TensorSpec(n, t.dtype, tuple(t.shape)), bits_view(t)) for n, t in st.items()]))
+              for kind, st in (("fp8", prev_q), ("bf16", prev_bf16))}
     print(f"\n## {name}: {len(names)} linear weights, {elems:,} elements; full FP8 checkpoint {full_fp8:,} B "
-          f"(bf16 {2 * elems:,} B), {nscales:,} block scales")
+          f"(bf16 {2 * elems:,} B), {nscales:,} block scales; anchor (dense planes) fp8 {anchor['fp8']:,} B "
+          f"({100 * anchor['fp8'] / full_fp8:.1f} % of raw), bf16 {anchor['bf16']:,} B "
+          f"({50 * anchor['bf16'] / elems:.1f} % of raw)")
     cols = " | ".join(f"{c} fp8 B | {c} bf16 B" for c in codecs)
-    print(f"| step | bf16 % | fp8 % | scales % | rescaled % | {cols} | fp8/bf16 ({codecs[-1]}) "
+    print(f"| step | bf16 % | fp8 % | scales % | rescaled % | moved % | {cols} | fp8/bf16 ({codecs[-1]}) "
           f"| fp8 delta / full FP8 ({codecs[-1]}) |")
-    print("|" + "---:|" * (7 + 2 * len(codecs)))
-    sums = {k: 0.0 for k in ("bf16", "fp8", "scales", "rescaled")}
+    print("|" + "---:|" * (8 + 2 * len(codecs)))
+    sums = {k: 0.0 for k in ("bf16", "fp8", "scales", "rescaled", "moved")}
+    rescaled_bytes = rescaled_blocks = 0
     totals = {c: [0, 0] for c in codecs}
     steps = 0
     for step, state in tr.iter_states():
@@ -102,8 +117,11 @@ def run(name: str, codecs: list[str]) -> dict[str, float]:
         ch_b = sum(u.positions.numel() for u in ups_b)
         ch_q = sum(u.positions.numel() for u in ups_q if not u.spec.name.endswith(SCALE_SUFFIX))
         ch_s = sum(u.positions.numel() for u in ups_q if u.spec.name.endswith(SCALE_SUFFIX))
-        inside, _ = rescaled_fraction(cur_q, prev_q, names)
-        row = [100 * ch_b / elems, 100 * ch_q / elems, 100 * ch_s / nscales, 100 * inside / max(ch_q, 1)]
+        inside, nblocks, bf16_out, moved = drivers(cur_q, prev_q, cur_bf16, prev_bf16, names)
+        rescaled_bytes += inside
+        rescaled_blocks += nblocks
+        row = [100 * ch_b / elems, 100 * ch_q / elems, 100 * ch_s / nscales, 100 * inside / max(ch_q, 1),
+               100 * moved / max(bf16_out, 1)]
         for k, v in zip(sums, row):
             sums[k] += v
         sizes = []
@@ -113,14 +131,16 @@ def run(name: str, codecs: list[str]) -> dict[str, float]:
             totals[c][1] += bb
             sizes += [bq, bb]
         last_q, last_b = sizes[-2], sizes[-1]
-        print(f"| {step} | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.2f} | {row[3]:.1f} | "
+        print(f"| {step} | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.2f} | {row[3]:.1f} | {row[4]:.1f} | "
               + " | ".join(f"{s:,}" for s in sizes)
               + f" | {last_q / max(last_b, 1):.2f} | {100 * last_q / full_fp8:.3f} % |")
         prev_bf16, prev_q = {n: t.clone() for n, t in cur_bf16.items()}, cur_q
         steps += 1
     mean = {k: v / steps for k, v in sums.items()}
     print(f"\nmean over {steps} steps: bf16 {mean['bf16']:.3f} %, fp8 bytes {mean['fp8']:.3f} %, "
-          f"scales {mean['scales']:.2f} %, rescaled {mean['rescaled']:.1f} % of changed fp8 bytes")
+          f"scales {mean['scales']:.2f} %, rescaled {mean['rescaled']:.1f} % of changed fp8 bytes "
+          f"({rescaled_bytes / max(rescaled_blocks, 1):,.0f} changed bytes per rescaled block of up to "
+          f"{BLOCK * BLOCK:,}), moved {mean['moved']:.1f} % of bf16-changed elements")
     for c, (bq, bb) in totals.items():
         print(f"  {c:>5}: fp8 delta {bq / steps:,.0f} B/step, bf16 delta {bb / steps:,.0f} B/step, "
               f"fp8/bf16 {bq / max(bb, 1):.2f}, fp8 delta / full FP8 {100 * bq / steps / full_fp8:.3f} %")
