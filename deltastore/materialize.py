@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .adapters import is_adapter, write_adapter_folder
 from .quantize import served_config_json
 from .store import DeltaStore
 from .subscriber import Subscriber
@@ -26,7 +27,9 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     load). Files the Publisher recorded from its ``source_dir``
     (``config.json``, tokenizer files) are written beside them, so the folder
     loads with ``transformers`` and vLLM; for a quantized version (``fp8_block128``)
-    ``config.json`` gains the matching ``quantization_config``. Returns the file names written.
+    ``config.json`` gains the matching ``quantization_config``. A version
+    published with ``adapter_only=True`` is written as a PEFT adapter folder
+    (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written.
     Raises what :meth:`Subscriber.pull` raises.
     """
     state = Subscriber(store).pull(step=step).state
@@ -40,6 +43,8 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
         with open(os.path.join(out_dir, fname), "wb") as f:
             f.write(data)
         extra.append(fname)
+    if is_adapter(manifest.files):  # a PEFT adapter folder: adapter_model.safetensors + adapter_config.json
+        return write_adapter_folder(state, out_dir, step) + extra
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

@@ -39,6 +39,7 @@ import torch
 
 from ._memory import release_memory
 from ._version import __version__
+from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
@@ -160,6 +161,9 @@ class Publisher:
             only changed positions cross to the host).
         quantize: publish quantized served weights: ``"fp8_block128"`` or a
             quantizer (:mod:`deltastore.quantize`); the manifest records the scheme.
+        adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
+            (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
+            a model that is not a PEFT model is a :class:`TargetMismatchError`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -173,7 +177,8 @@ class Publisher:
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
-                 mirror_device: str | torch.device | None = None, quantize: Any = None):
+                 mirror_device: str | torch.device | None = None, quantize: Any = None,
+                 adapter_only: bool = False):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -212,6 +217,7 @@ class Publisher:
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
         self.quantizer = get_quantizer(quantize)
+        self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
         # writer advances after each commit) corrected by what the queued versions changed.
         self._capture_mirror: Mirror | None = None
@@ -468,6 +474,9 @@ class Publisher:
     def _normalise(self, state: StateLike
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
+        if self.adapter_only:  # the adapter's tensors, and its config as a version file
+            state, config = peft_adapter(state)
+            self._files = record_config(self.store, self._files, config)
         tensors = named_tensors(state, aliases)
         produced: set[str] = set()  # quantized tensors and their scales: never cast
         if self.quantizer is not None:

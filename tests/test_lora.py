@@ -1,0 +1,84 @@
+"""LoRA adapter sync: ``Publisher(adapter_only=True)`` with a real PEFT LoRA trained by real optimizer steps.
+
+Every version is materialised and loaded back with ``PeftModel.from_pretrained``:
+the adapter tensors and the logits must be bit-identical (integer views) to the
+trainer's model at that step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import deltastore as ds
+from conftest import bits_equal, require_module
+from deltastore.errors import TargetMismatchError
+from deltastore.materialize import materialize
+from peft_tiny import base_model, logits, lora_model, train
+
+peft = require_module("peft")
+require_module("transformers")
+
+STEPS = 4
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A store with versions 0..STEPS of the adapter, the base folder, and what the trainer had at each step."""
+    work = tmp_path_factory.mktemp("lora")
+    base = base_model()
+    base.save_pretrained(work / "base")
+    model = lora_model(base)
+    uri = str(work / "store")
+    want, infos = {}, []
+    with ds.Publisher(uri, adapter_only=True) as pub:
+        infos.append(pub.publish(model, step=0))
+        want[0] = ({k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()}, logits(model))
+        for k in train(model, STEPS):
+            infos.append(pub.publish(model, step=k))
+            want[k] = ({k2: v.clone() for k2, v in peft.get_peft_model_state_dict(model).items()}, logits(model))
+    model.save_pretrained(work / "trainer_adapter")  # what save_pretrained writes at the last step
+    return work, uri, want, infos
+
+
+def test_every_version_loads_in_peft_bit_identically(trained):
+    work, uri, want, infos = trained
+    store = ds.open_store(uri)
+    assert all(i.changed > 0 for i in infos[1:])  # real steps move the adapter (AdamW: nearly every element)
+    for step, (tensors, trainer_logits) in want.items():
+        out = work / f"v{step}"
+        written = materialize(store, step, out)
+        assert sorted(written) == ["adapter_config.json", "adapter_model.safetensors"]
+        base = type(base_model()).from_pretrained(work / "base").eval()
+        loaded = peft.PeftModel.from_pretrained(base, str(out)).eval()
+        assert bits_equal(peft.get_peft_model_state_dict(loaded), tensors), step
+        got = logits(loaded)
+        assert torch.equal(_bits(got), _bits(trainer_logits)), step
+    # the recorded config is the one save_pretrained writes, and the tensor names are PEFT's
+    assert (work / f"v{STEPS}" / "adapter_config.json").read_bytes() == \
+        (work / "trainer_adapter" / "adapter_config.json").read_bytes()
+    from safetensors.torch import load_file
+
+    assert bits_equal(load_file(str(work / f"v{STEPS}" / "adapter_model.safetensors")),
+                      load_file(str(work / "trainer_adapter" / "adapter_model.safetensors")))
+    assert json.loads((work / "v0" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_untrained_version_differs_from_trained(trained):
+    _, _, want, _ = trained
+    assert not torch.equal(_bits(want[0][1]), _bits(want[STEPS][1]))  # the check above can fail
+
+
+def test_non_peft_model_is_a_typed_error(tmp_path):
+    with ds.Publisher(str(tmp_path / "s"), adapter_only=True) as pub:
+        with pytest.raises(TargetMismatchError, match="PEFT"):
+            pub.publish(base_model(), step=0)
+        with pytest.raises(TargetMismatchError, match="PEFT"):
+            pub.publish({"w": torch.zeros(2)}, step=0)
+    assert ds.open_store(str(tmp_path / "s")).latest() is None
