@@ -31,6 +31,7 @@ from . import segments
 from .checksum import full_checksum, tensor_key, updated_checksum
 from .codecs import TensorSpec, Update
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
+from .kernels.gather import gather
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_view, dtype_name
 
@@ -136,7 +137,7 @@ class FullState:
 
     def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
         """Bits at ``positions``; ``None``: the whole flat tensor (read-only for the caller)."""
-        return self.bits[name] if positions is None else self.bits[name][positions]
+        return self.bits[name] if positions is None else gather(self.bits[name], positions)
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         """Apply one delta version, checking every touched tensor's checksum first."""
@@ -188,9 +189,7 @@ def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
             flat = flats[name] = bits_view(target[name])
         if positions is None:
             return flat if flat.is_cpu else flat.cpu()
-        if flat.is_cpu:
-            return flat[positions]
-        return flat[positions.to(flat.device)].cpu()
+        return gather(flat, positions).cpu()
 
     return read
 

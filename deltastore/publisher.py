@@ -357,7 +357,8 @@ class Publisher:
         same_layout = c.diff is not None
         changes = c.diff.changes if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
-        proposed = self._drift.propose(changes) if same_layout and self.policy.tracks_drift else None
+        proposed = (self._drift.propose(changes, c.diff.flat) if c.diff is not None and self.policy.tracks_drift
+                    else None)
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})

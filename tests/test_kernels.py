@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deltastore.codecs import _bits as B
+from deltastore.codecs import _common
 from deltastore.codecs.base import TensorSpec, Update
 from deltastore.codecs.ctx import CtxCodec
 from deltastore.errors import CorruptObjectError
@@ -296,3 +297,33 @@ def test_parallel_each_raises_only_after_every_piece_finished(monkeypatch):
     with pytest.raises(ValueError, match="bad piece"):
         parallel.each(3, piece)
     assert sorted(finished) == [0, 1]  # the others had finished before the error surfaced
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gap_positions_match_the_numpy_formulation(seed):
+    rng = np.random.default_rng(seed)
+    numels = rng.integers(1, 5000, size=7)
+    numels[2] = 1 << 40  # a huge tensor: gaps beyond 32 bits
+    segs = [np.sort(rng.choice(min(int(n), 10**6), size=rng.integers(0, min(int(n), 300) + 1), replace=False))
+            for n in numels]
+    segs[2] = np.sort(rng.choice(1 << 40, size=50, replace=False))
+    stream = _common.encode_positions(segs)
+    got, status, seg, used = K.gap_positions(stream, [s.size for s in segs], numels)
+    assert (status, used) == (0, len(stream))
+    assert np.array_equal(got, np.concatenate(segs))
+    dec = _common.decode_positions(stream, [s.size for s in segs], list(numels), "t")
+    assert all(np.array_equal(a, b) for a, b in zip(dec, segs))
+
+
+def test_gap_positions_refuse_bad_streams():
+    ok = _common.encode_positions([np.array([3, 9])])
+    with pytest.raises(CorruptObjectError, match="fewer than"):
+        _common.decode_positions(ok[:-1], [2], [10], "t")
+    with pytest.raises(CorruptObjectError, match="longer than 10 bytes"):
+        _common.decode_positions(b"\x80" * 11 + b"\x01", [1], [10], "t")
+    with pytest.raises(CorruptObjectError, match="beyond the tensor"):  # 3, then 3 + 1 + 5 = 9 >= numel 9
+        _common.decode_positions(ok, [2], [9], "t")
+    with pytest.raises(CorruptObjectError, match="beyond the tensor"):  # a gap near 2**64 must not wrap
+        _common.decode_positions(B.uvarint_encode(np.array([3, 2**64 - 2], np.uint64)), [2], [10], "t")
+    with pytest.raises(CorruptObjectError, match="trailing bytes"):
+        _common.decode_positions(ok + b"\x00", [2], [10], "t")

@@ -21,6 +21,7 @@ import torch
 import zstandard
 
 from ..errors import CorruptObjectError
+from ..kernels import bitstream as K
 from . import _bits as B
 from .base import TensorSpec, Update
 
@@ -170,26 +171,20 @@ def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
 
 
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
-    """Inverse of :func:`encode_positions`, checking each array stays inside its tensor."""
-    total = sum(counts)
-    gaps, used = B.uvarint_decode(stream, total)
+    """Inverse of :func:`encode_positions`, checking each array stays inside its tensor (one fused pass)."""
+    counts_a = np.asarray(counts, dtype=np.int64)
+    p, status, seg, used = K.gap_positions(stream, counts_a, np.asarray(numels, dtype=np.int64))
+    if status == 1:
+        raise CorruptObjectError(f"{codec_id}: position stream holds fewer than {p.size} positions")
+    if status == 2:
+        raise CorruptObjectError(f"{codec_id}: position stream holds a varint longer than 10 bytes")
+    if status == 3:
+        raise CorruptObjectError(f"{codec_id}: position beyond the tensor (tensor {seg} of the object)")
     if used != len(stream):
         raise CorruptObjectError(f"{codec_id}: position stream has trailing bytes")
-    if total == 0:
-        return [np.zeros(0, np.int64) for _ in counts]
-    if int(gaps.max()) >= max(numels):
-        raise CorruptObjectError(f"{codec_id}: position gap beyond the tensor")
-    counts_a = np.asarray(counts, dtype=np.int64)
-    cs = np.cumsum(gaps.astype(np.int64) + 1)
-    ends = np.cumsum(counts_a)
-    base = np.concatenate(([0], cs[ends[:-1] - 1])) if len(counts) > 1 else np.zeros(1, np.int64)
-    base = np.where(np.concatenate(([0], ends[:-1])) > 0, base, 0)
-    p = cs - 1 - np.repeat(base, counts_a)
-    nonempty = counts_a > 0
-    last = p[ends[nonempty] - 1]
-    if np.any(last >= np.asarray(numels, dtype=np.int64)[nonempty]):
-        raise CorruptObjectError(f"{codec_id}: position beyond the tensor")
-    return np.split(p, ends[:-1])
+    if len(counts_a) == 1:
+        return [p]
+    return np.split(p, np.cumsum(counts_a)[:-1])
 
 
 def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,

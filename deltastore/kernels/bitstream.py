@@ -273,6 +273,54 @@ def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, in
     return out, decoded, used
 
 
+@njit(nogil=True, cache=True)
+def _gap_positions(b: np.ndarray, counts: np.ndarray, numels: np.ndarray, out: np.ndarray) -> tuple[int, int, int]:
+    # returns (status, segment, bytes used): 0 ok; 1 truncated; 2 a value over 10 bytes; 3 a position past
+    # its segment's numel. Positions are strictly increasing per segment, so each is checked as it is made.
+    i = 0
+    k = 0
+    for s in range(counts.size):
+        lim = np.uint64(numels[s])
+        p = np.uint64(0)
+        for c in range(counts[s]):
+            x = np.uint64(0)
+            j = 0
+            while True:
+                if i >= b.size:
+                    return 1, s, i
+                if j >= 10:
+                    return 2, s, i
+                byte = np.uint64(b[i])
+                i += 1
+                x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+                j += 1
+                if byte < np.uint64(0x80):
+                    break
+            if x >= lim:  # checked before the add: no wrap-around
+                return 3, s, i
+            p = x if c == 0 else p + x + np.uint64(1)
+            if p >= lim:
+                return 3, s, i
+            out[k] = np.int64(p)
+            k += 1
+    return 0, -1, i
+
+
+def gap_positions(data: bytes | np.ndarray, counts: np.ndarray, numels: np.ndarray) -> tuple[np.ndarray, int, int, int]:
+    """Decode a LEB128 gap stream of sorted positions for consecutive segments in one pass.
+
+    Segment ``s`` holds ``counts[s]`` positions in ``[0, numels[s])``: its first value is the first
+    position, each next value the gap minus one. Returns ``(positions int64, status, segment, bytes used)``
+    with status 0 (ok), 1 (stream truncated), 2 (a value over 10 bytes) or 3 (a position past its
+    segment, ``segment`` names it); ``positions`` is only complete when status is 0.
+    """
+    b = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    out = np.empty(int(counts.sum()), np.int64)
+    status, seg, used = _gap_positions(b, counts, np.ascontiguousarray(numels, dtype=np.int64), out)
+    return out, int(status), int(seg), int(used)
+
+
 # -- ulp steps in the ordered image ----------------------------------------------------------
 @njit(nogil=True, cache=True)
 def _ordered(x: np.int64, is_float: bool, mag: np.int64) -> np.int64:  # pragma: no cover - compiled

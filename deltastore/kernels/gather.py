@@ -18,14 +18,18 @@ _AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float3
 
 def _np(t: torch.Tensor) -> np.ndarray:
     as_int = _AS_INT.get(t.dtype)
-    return (t.view(as_int) if as_int is not None else t).detach().numpy()
+    if as_int is not None:
+        t = t.view(as_int)
+    return t.detach().numpy() if t.requires_grad else t.numpy()  # detach costs ~1 us a call
 
 
 def gather(flat: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``flat[positions]`` as a new tensor on ``flat``'s device (``positions`` on any device)."""
     if flat.device.type != "cpu":
         return flat.index_select(0, positions.to(flat.device))
-    out = np.take(_np(flat), _np(positions.to("cpu", torch.int64)))
+    if positions.device.type != "cpu" or positions.dtype != torch.int64:
+        positions = positions.to("cpu", torch.int64)
+    out = np.take(_np(flat), _np(positions))
     return torch.from_numpy(out).view(flat.dtype) if flat.dtype in _AS_INT else torch.from_numpy(out)
 
 
