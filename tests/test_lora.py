@@ -8,6 +8,10 @@ trainer's model at that step.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +86,62 @@ def test_non_peft_model_is_a_typed_error(tmp_path):
         with pytest.raises(TargetMismatchError, match="PEFT"):
             pub.publish({"w": torch.zeros(2)}, step=0)
     assert ds.open_store(str(tmp_path / "s")).latest() is None
+
+
+class _Control:
+    """Records what a LoraFollower asks of the engine (the real engine: tests/test_vllm/test_lora_engine.py)."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.loaded: dict[str, str] = {}
+        self.fail_on = fail_on
+
+    def load(self, name, path):
+        assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+        if name == self.fail_on:
+            raise ds.errors.ApplyError(f"engine refused {name}")
+        self.loaded[name] = path
+        return name
+
+    def unload(self, handle):
+        del self.loaded[handle]
+
+
+def test_follower_keeps_the_newest_k_and_its_folders(trained, tmp_path):
+    from deltastore.integrations.vllm_lora import LoraFollower
+
+    _, uri, _, _ = trained
+    control = _Control(fail_on=f"policy@{STEPS}")
+    f = LoraFollower(control, uri, tmp_path / "adapters", keep=2)
+    for step in range(STEPS):
+        f.apply(step)
+    assert sorted(control.loaded) == [f"policy@{STEPS - 2}", f"policy@{STEPS - 1}"]
+    assert sorted(os.listdir(tmp_path / "adapters")) == [f"policy-{s:012d}" for s in (STEPS - 2, STEPS - 1)]
+    with pytest.raises(ds.errors.ApplyError):  # the engine refuses the newest: it keeps what it had
+        f.poll_once()
+    assert f.served_step == STEPS - 1 and f.status()["last_error"].startswith("ApplyError")
+    assert sorted(os.listdir(tmp_path / "adapters")) == [f"policy-{s:012d}" for s in (STEPS - 2, STEPS - 1)]
+    control.fail_on = None
+    assert f.poll_once()["served_name"] == f"policy@{STEPS}" and f.poll_once() is None
+
+
+def test_follower_refuses_a_store_of_whole_models(tmp_path):
+    from deltastore.integrations.vllm_lora import LoraFollower
+
+    uri = str(tmp_path / "s")
+    with ds.Publisher(uri) as pub:
+        pub.publish({"w": torch.zeros(4)}, step=0)
+    f = LoraFollower(_Control(), uri, tmp_path / "a")
+    with pytest.raises(TargetMismatchError, match="not a PEFT adapter"):
+        f.poll_once()
+    assert f.served_step is None and os.listdir(tmp_path / "a") == []
+
+
+def test_cli_materialize_writes_the_adapter_folder(trained, tmp_path):
+    work, uri, want, _ = trained
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                                      os.environ.get("PYTHONPATH")])))
+    subprocess.run([sys.executable, "-m", "deltastore", "materialize", uri, "2", str(tmp_path / "out")],
+                   check=True, env=env, capture_output=True)
+    from safetensors.torch import load_file
+
+    assert bits_equal(load_file(str(tmp_path / "out" / "adapter_model.safetensors")), want[2][0])
