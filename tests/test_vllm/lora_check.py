@@ -12,8 +12,14 @@ published with ``adapter_only=True`` from real AdamW steps) and
    versions are loaded in the engine and on disk;
 2. greedy outputs with the follower's newest adapter differ from the base
    model's (the adapter is live);
-3. engine B starts fresh and is given the trainer's adapter folder: its greedy
-   token ids and logprobs must equal engine A's exactly.
+3. engine B is a fresh ``vllm serve`` (``--enable-lora``,
+   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) given the trainer's adapter folder
+   (``--lora-modules fresh=...``): its greedy token ids and logprobs must equal
+   engine A's follower exactly;
+4. on engine B an HTTP follower (``/v1/load_lora_adapter``,
+   ``/v1/unload_lora_adapter``) follows versions 1..N with ``keep=2``: the server
+   lists only the newest two versions, and the newest answers exactly as
+   ``fresh``.
 
 Writes WORKDIR/result.json; exit 0 when every check passed, 3 when vLLM is not importable.
 """
@@ -23,9 +29,12 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -55,15 +64,66 @@ def generate(llm, lora_request=None) -> list:
                           for d in (o.outputs[0].logprobs or [])]} for o in outs]
 
 
+def http(method: str, url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method)
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else {}
+
+
+def serve(work: str, base: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
+           "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0",
+           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+           "--lora-modules", f"fresh={os.path.join(work, 'trainer_adapter')}"]
+    srv = subprocess.Popen(cmd, env=env, stdout=open(os.path.join(work, "server.log"), "w"),
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if srv.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {srv.returncode}; see server.log")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return srv, url
+        except Exception:  # noqa: BLE001
+            if time.time() - t0 > 300:
+                raise TimeoutError("vllm serve did not become healthy in 300 s") from None
+            time.sleep(1)
+
+
+def complete(url: str, model: str) -> list:
+    """Greedy completions of PROMPTS by adapter ``model``: token ids and their logprobs (exact floats)."""
+    res = []
+    for p in PROMPTS:
+        out = http("POST", url + "/v1/completions", {
+            "model": model, "prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "seed": 0})
+        c = out["choices"][0]
+        res.append({"tokens": [int(t) for t in c["token_ids"]],
+                    "logprobs": [float(x) for x in c["logprobs"]["token_logprobs"]]})
+    return res
+
+
+def chosen(outputs: list) -> list:
+    """Offline outputs reduced to what the server returns: tokens and the chosen token's logprob."""
+    return [{"tokens": o["tokens"], "logprobs": [dict(lp)[t] for t, lp in zip(o["tokens"], o["logprobs"])]}
+            for o in outputs]
+
+
 def main(work: str) -> int:
     try:
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001
         print(f"vllm not importable: {e!r}", file=sys.stderr)
         return 3
-    from vllm.lora.request import LoRARequest
-
-    from deltastore.integrations.vllm_lora import EngineLoraControl, LoraFollower
+    from deltastore.integrations.vllm_lora import EngineLoraControl, HTTPLoraControl, LoraFollower
 
     params = json.load(open(os.path.join(work, "params.json")))
     base, uri, steps = os.path.join(work, "base"), os.path.join(work, "store"), params["steps"]
@@ -89,14 +149,23 @@ def main(work: str) -> int:
         del llm, control, follower
         gc.collect()
         t1 = time.time()
-        llm = make_llm(base)  # a fresh engine given the trainer's own adapter folder
-        result["timings"]["engine_b_start_s"] = round(time.time() - t1, 1)
-        fresh = generate(llm, LoRARequest("fresh", 1, os.path.join(work, "trainer_adapter")))
-        checks["identical_to_fresh_engine"] = fresh == followed
-        if fresh != followed:
-            checks["outputs"] = {"followed": followed, "fresh": fresh}
-        del llm
-        gc.collect()
+        srv, url = serve(work, base)  # a fresh engine given the trainer's own adapter folder
+        try:
+            result["timings"]["engine_b_start_s"] = round(time.time() - t1, 1)
+            fresh = complete(url, "fresh")
+            checks["identical_to_fresh_engine"] = fresh == chosen(followed)
+            http_follower = LoraFollower(HTTPLoraControl(url), uri, os.path.join(work, "http-adapters"),
+                                         name="policy", keep=2)
+            for step in range(1, steps + 1):
+                http_follower.apply(step)
+            checks["server_models"] = sorted(m["id"] for m in http("GET", url + "/v1/models")["data"])
+            served = complete(url, http_follower.served_name())
+            checks["http_follower_identical_to_fresh"] = served == fresh
+            if served != fresh or fresh != chosen(followed):
+                checks["outputs"] = {"followed": chosen(followed), "fresh": fresh, "http": served}
+        finally:
+            os.killpg(srv.pid, 9)
+            srv.wait()
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["ok"] = False

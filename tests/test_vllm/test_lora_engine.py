@@ -44,3 +44,5 @@ def test_engine_serves_newest_adapter_like_a_fresh_engine(tmp_path):
     assert checks["loaded_after_each"][-1]["folders"] == ["policy-000000000002", "policy-000000000003"]
     assert checks["poll_after_newest"] is None
     assert checks["served"]["served_name"] == f"policy@{STEPS}"
+    assert checks["http_follower_identical_to_fresh"]    # over /v1/load_lora_adapter
+    assert checks["server_models"][-3:] == ["fresh", f"policy@{STEPS - 1}", f"policy@{STEPS}"]  # older unloaded
