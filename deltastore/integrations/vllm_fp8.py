@@ -36,18 +36,22 @@ __all__ = ["check_served", "fp8_param_map", "served_scheme"]
 
 
 def served_scheme(model: torch.nn.Module, vllm_config: Any = None) -> str | None:
-    """The scheme the engine's weights are in: ``"fp8_block128"``, another name, or None (unquantized).
+    """The scheme of the checkpoint tensors the engine's loader expects: ``"fp8_block128"``, another
+    quantization method's name, or None (weights as trained).
 
-    From ``vllm_config`` when given (``model_config.quantization`` and the
-    quant config's ``weight_block_size``), else from the parameters: a module
+    From ``vllm_config`` when given: a quantization method whose checkpoint is
+    not pre-quantized (``--quantization fp8`` on a bf16 checkpoint:
+    ``is_checkpoint_fp8_serialized`` False) quantizes on load, so it expects
+    weights as trained (None). Without it, from the parameters: a module
     holding a ``float8_e4m3fn`` ``weight`` and a ``weight_scale_inv``.
     """
     mc = getattr(vllm_config, "model_config", None)
     if mc is not None:
         method = getattr(mc, "quantization", None)
-        if not method:
+        qc = getattr(vllm_config, "quant_config", None)
+        if not method or getattr(qc, "is_checkpoint_fp8_serialized", True) is False:
             return None
-        block = getattr(getattr(vllm_config, "quant_config", None), "weight_block_size", None)
+        block = getattr(qc, "weight_block_size", None)
         return SCHEME if method == "fp8" and block is not None and list(block) == [BLOCK, BLOCK] else str(method)
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, p in params.items():

@@ -103,7 +103,7 @@ class HTTPLoraControl:
             if ok_missing and e.code == 404:
                 return
             detail = e.read().decode(errors="replace")[:500]
-            if e.code == 404 and route.endswith("load_lora_adapter"):
+            if e.code == 404 and route == "/v1/load_lora_adapter":
                 raise ApplyError(f"{self.base_url}{route}: 404 (start the server with --enable-lora and "
                                  f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): {detail}") from None
             raise ApplyError(f"{self.base_url}{route} answered {e.code}: {detail}") from None

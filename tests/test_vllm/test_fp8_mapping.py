@@ -108,3 +108,8 @@ def test_engine_and_version_must_share_the_scheme(tmp_path):
     with pytest.raises(TargetMismatchError, match="engine serves fp8 weights"):
         check_served(fp8_version, FakeVllmFp8Model(), cfg)
     assert served_scheme(FakeVllmFp8Model(), SimpleNamespace(model_config=SimpleNamespace(quantization=None))) is None
+    online = SimpleNamespace(model_config=SimpleNamespace(quantization="fp8"),  # bf16 checkpoint quantized on load
+                             quant_config=SimpleNamespace(weight_block_size=None, is_checkpoint_fp8_serialized=False))
+    check_served(bf16_version, FakeVllmModel(), online)  # expects weights as trained: accepted
+    with pytest.raises(TargetMismatchError):
+        check_served(fp8_version, FakeVllmModel(), online)
