@@ -216,3 +216,27 @@ def test_materialized_fp8_folder_declares_its_quantization(tmp_path):
     got = load_file(str(out / "model.safetensors"))
     q, s = reference(_state()["l.weight"])
     assert bits_equal(got, {"l.weight": q, "l.weight_scale_inv": s, "norm.weight": _state()["norm.weight"]})
+
+
+def test_background_writer_and_tied_weights(tmp_path):
+    """The pending overlay (background mode) on 1-byte and fp32 tensors; a tied quantized weight's scale is
+    aliased too."""
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(300, 130, generator=g).to(torch.bfloat16)
+    state = {"embed.weight": emb, "head.weight": emb, "l.weight": torch.randn(140, 260, generator=g).to(torch.bfloat16)}
+    uri = str(tmp_path / "s")
+    want = []
+    with ds.Publisher(uri, background=True, quantize=Fp8Block128(include=["*.weight"])) as pub:
+        for step in range(4):
+            for n in ("embed.weight", "l.weight"):
+                t = state[n].view(torch.int16)
+                t[torch.randint(0, t.shape[0], (40,), generator=g), 7] += 1  # a few 1-ulp moves (a shared storage)
+            want.append({n: reference(state[n]) for n in ("embed.weight", "l.weight")})
+            pub.publish(state, step=step)
+        pub.flush()
+    sub = ds.Subscriber(uri)
+    assert sub.manifest(0).aliases == {"head.weight": "embed.weight",
+                                       "head.weight_scale_inv": "embed.weight_scale_inv"}
+    for step, w in enumerate(want):
+        got = sub.pull(step=step).state
+        assert bits_equal(got, {k: v for n, (q, s) in w.items() for k, v in ((n, q), (n + "_scale_inv", s))}), step
