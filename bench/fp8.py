@@ -20,7 +20,9 @@ step's quantized state bit for bit. Per step it prints:
   their ratio, and the FP8 delta against the full FP8 checkpoint of those
   tensors (e4m3 bytes + fp32 scales, raw).
 
-Sizes only (deterministic): no timing, safe on a busy machine.
+Sizes are deterministic (safe on a busy machine). ``--time`` adds the
+quantizer's cost per step against a plain copy of the same bf16 tensors timed
+in the same run (a ratio; needs a quiet machine).
 """
 
 from __future__ import annotations
@@ -147,14 +149,40 @@ def run(name: str, codecs: list[str]) -> dict[str, float]:
     return mean
 
 
+def timing(name: str, repeats: int = 5) -> None:
+    """Quantizing the linear weights of one state vs copying them (the memory-bandwidth reference)."""
+    import time
+
+    tr = load(name)
+    ws = [t for n, t in tr.base.items() if t.dim() == 2 and default_rule(n, t)]
+    elems = sum(w.numel() for w in ws)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    q = best(lambda: [quantize_block128(w) for w in ws])
+    c = best(lambda: [w.clone() for w in ws])
+    print(f"\nquantize: {1e9 * q / elems:.2f} ns/element, copy: {1e9 * c / elems:.2f} ns/element, "
+          f"ratio {q / c:.1f}x ({torch.get_num_threads()} torch threads, {elems:,} elements)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", nargs="+", default=RUNS)
     ap.add_argument("--codecs", nargs="+", default=CODECS)
+    ap.add_argument("--time", action="store_true", help="also time the quantizer against a copy")
     a = ap.parse_args()
     torch.set_num_threads(2)
     for r in a.runs:
         run(r, a.codecs)
+    if a.time:
+        timing(a.runs[0])
 
 
 if __name__ == "__main__":
