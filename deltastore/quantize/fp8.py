@@ -31,8 +31,8 @@ FP8_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
 #: substrings (case-insensitive) that keep a ``.weight`` out of the default rule: not linear layers
 EXCLUDE = ("embed", "lm_head", "norm")
-#: elements quantized at once (whole row-blocks, at least one): bounds the fp32 temporaries (~8 B/element)
-_CHUNK_ELEMS = 1 << 24
+#: elements quantized at once (whole row-blocks, at least one): the fp32 temporaries (~6 B/element) stay in cache
+_CHUNK_ELEMS = 1 << 18
 
 Rule = Callable[[str, torch.Tensor], bool]
 
@@ -46,11 +46,12 @@ def default_rule(name: str, t: torch.Tensor) -> bool:
 def quantize_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of a 2-D floating tensor by the formula above, on ``w``'s device.
 
-    Vectorised over whole row-blocks at a time (about ``_CHUNK_ELEMS``
-    elements, so the fp32 temporaries stay bounded): per-row maxima of each
-    column block, then of each block, then one broadcast division. Operations
-    stay on plain 2-D/3-D contiguous layouts (torch is 10-100x slower on the
-    strided 4-D block view). ``torch.div`` promotes ``w`` to fp32 exactly, as
+    Vectorised over a few row-blocks at a time (about ``_CHUNK_ELEMS``
+    elements, so the temporaries stay in cache): per-row maxima of each column
+    block, then of each block, then one broadcast division per chunk (whole
+    column blocks as ``[rows, blocks, 128]``, the edge block apart). Operations
+    stay on plain 2-D/3-D layouts (torch is 10-100x slower on the strided 4-D
+    block view). ``torch.div`` promotes ``w`` to fp32 exactly, as
     ``w.float() / scale`` does. Raises ``ValueError`` for a tensor that is not
     2-D floating point.
     """
@@ -60,13 +61,20 @@ def quantize_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(scale_shape((rows, cols)), dtype=torch.float32, device=w.device)
+    full_c = cols // BLOCK * BLOCK
+    nfc = full_c // BLOCK
     per = max(1, _CHUNK_ELEMS // max(1, cols * BLOCK)) * BLOCK  # whole row-blocks per chunk
     for r0 in range(0, rows, per):
         r1 = min(rows, r0 + per)
-        s = _block_scales(w[r0:r1])
+        wc = w[r0:r1]
+        s = _block_scales(wc)
         scale[r0 // BLOCK:r0 // BLOCK + s.shape[0]] = s
-        expanded = s.repeat_interleave(BLOCK, 0)[:r1 - r0].repeat_interleave(BLOCK, 1)[:, :cols]
-        q[r0:r1] = torch.div(w[r0:r1], expanded)
+        srow = s.repeat_interleave(BLOCK, 0)[:r1 - r0]  # each row's scale per column block
+        if nfc:
+            q[r0:r1, :full_c].unflatten(1, (nfc, BLOCK)).copy_(
+                torch.div(wc[:, :full_c].unflatten(1, (nfc, BLOCK)), srow[:, :nfc, None]))
+        if full_c < cols:
+            q[r0:r1, full_c:] = torch.div(wc[:, full_c:], srow[:, -1:])
     return q, scale
 
 
