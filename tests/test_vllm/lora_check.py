@@ -19,7 +19,7 @@ published with ``adapter_only=True`` from real AdamW steps) and
 4. on engine B an HTTP follower (``/v1/load_lora_adapter``,
    ``/v1/unload_lora_adapter``) follows versions 1..N with ``keep=2``: the server
    lists only the newest two versions, and the newest answers exactly as
-   ``fresh``.
+   ``fresh``; with ``alias=True`` the bare name answers as the newest.
 
 Writes WORKDIR/result.json; exit 0 when every check passed, 3 when vLLM is not importable.
 """
@@ -161,6 +161,11 @@ def main(work: str) -> int:
             checks["server_models"] = sorted(m["id"] for m in http("GET", url + "/v1/models")["data"])
             served = complete(url, http_follower.served_name())
             checks["http_follower_identical_to_fresh"] = served == fresh
+            aliased = LoraFollower(HTTPLoraControl(url, alias=True), uri, os.path.join(work, "alias-adapters"),
+                                   name="stable", keep=2)
+            aliased.apply(steps - 1)
+            aliased.apply(steps)  # the bare name is re-pointed at the newest version
+            checks["alias_identical_to_fresh"] = complete(url, "stable") == fresh
             if served != fresh or fresh != chosen(followed):
                 checks["outputs"] = {"followed": chosen(followed), "fresh": fresh, "http": served}
         finally:

@@ -46,3 +46,4 @@ def test_engine_serves_newest_adapter_like_a_fresh_engine(tmp_path):
     assert checks["served"]["served_name"] == f"policy@{STEPS}"
     assert checks["http_follower_identical_to_fresh"]    # over /v1/load_lora_adapter
     assert checks["server_models"][-3:] == ["fresh", f"policy@{STEPS - 1}", f"policy@{STEPS}"]  # older unloaded
+    assert checks["alias_identical_to_fresh"]            # HTTPLoraControl(alias=True): the bare name
