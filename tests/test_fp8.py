@@ -240,3 +240,37 @@ def test_background_writer_and_tied_weights(tmp_path):
     for step, w in enumerate(want):
         got = sub.pull(step=step).state
         assert bits_equal(got, {k: v for n, (q, s) in w.items() for k, v in ((n, q), (n + "_scale_inv", s))}), step
+
+
+def test_e4m3_bits_order_like_their_values_in_the_codecs():
+    """ctx models e4m3 by magnitude: the ordered image of its uint8 bits follows the float order, both ways."""
+    import numpy as np
+
+    from deltastore.codecs import _bits as B
+
+    bits = np.arange(256, dtype=np.uint8)
+    o = B.ordered(bits, True)
+    assert np.array_equal(B.unordered(o, np.uint8, True), bits)
+    finite = (bits & 0x7F) != 0x7F  # 0x7F / 0xFF are NaN
+    vals = torch.from_numpy(bits[finite].copy()).view(torch.float8_e4m3fn).float().numpy()
+    ob = o[finite]
+    order = np.lexsort((ob, vals))  # by value; -0 and +0 tie
+    assert np.all(np.diff(ob[order]) > 0)
+    with pytest.raises(ds.errors.CorruptObjectError):
+        B.unordered(np.array([128]), np.uint8, True)
+
+
+def test_ctx_round_trips_every_e4m3_pattern():
+    g = torch.Generator().manual_seed(5)
+    old = torch.randint(0, 256, (64, 300), generator=g, dtype=torch.uint8)
+    new = old.clone()
+    pos = torch.randperm(old.numel(), generator=g)[:3000].sort().values
+    new.view(-1)[pos] = torch.randint(0, 256, (3000,), generator=g, dtype=torch.uint8)
+    pos = pos[new.view(-1)[pos] != old.view(-1)[pos]]
+    from deltastore.codecs import TensorSpec, Update, get_codec
+
+    spec = TensorSpec("w", torch.float8_e4m3fn, (64, 300))
+    for codec in (get_codec("ctx"), get_codec({"id": "ctx", "config": {"buckets": 16}})):
+        data = codec.encode([Update(spec, new.view(-1)[pos].clone(), pos, old.view(-1)[pos].clone(), old.view(-1))])
+        out = codec.decode(data, [spec], lambda n, p: old.view(-1) if p is None else old.view(-1)[p])["w"]
+        assert torch.equal(out.positions, pos) and torch.equal(out.bits, new.view(-1)[pos])
