@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -137,11 +134,10 @@ def test_follower_refuses_a_store_of_whole_models(tmp_path):
 
 
 def test_cli_materialize_writes_the_adapter_folder(trained, tmp_path):
-    work, uri, want, _ = trained
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                                      os.environ.get("PYTHONPATH")])))
-    subprocess.run([sys.executable, "-m", "deltastore", "materialize", uri, "2", str(tmp_path / "out")],
-                   check=True, env=env, capture_output=True)
+    from deltastore.cli import main
+
+    _, uri, want, _ = trained
+    assert main(["materialize", uri, "2", str(tmp_path / "out")]) == 0
     from safetensors.torch import load_file
 
     assert bits_equal(load_file(str(tmp_path / "out" / "adapter_model.safetensors")), want[2][0])
