@@ -141,3 +141,42 @@ def test_cli_materialize_writes_the_adapter_folder(trained, tmp_path):
     from safetensors.torch import load_file
 
     assert bits_equal(load_file(str(tmp_path / "out" / "adapter_model.safetensors")), want[2][0])
+
+
+def test_trl_callback_publishes_the_adapter_of_a_peft_trainer(tmp_path):
+    """``DeltaStoreCallback(uri, adapter_only=True)`` on a real ``transformers.Trainer`` training a PEFT model."""
+    transformers = require_module("transformers")
+    require_module("accelerate")
+    from deltastore.integrations.trl import DeltaStoreCallback
+
+    class Snap(transformers.TrainerCallback):
+        def __init__(self):
+            self.states = {}
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.states[state.global_step] = {k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, 512, (16, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+    uri = str(tmp_path / "s")
+    model, snap = lora_model(base_model()), Snap()
+    cb = DeltaStoreCallback(uri, adapter_only=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+        logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[snap, cb]).train()
+    sub = ds.Subscriber(uri)
+    steps = [s for s in sub.versions() if s in snap.states]
+    assert steps == [1, 2, 3]
+    for s in steps:
+        # the callback publishes bf16 by default: the adapter's fp32 parameters rounded
+        assert bits_equal(sub.pull(step=s).state, {k: v.to(torch.bfloat16) for k, v in snap.states[s].items()}), s
+        assert "adapter_config.json" in sub.manifest(s).files
