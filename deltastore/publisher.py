@@ -42,6 +42,7 @@ import torch
 from ._memory import release_memory
 from . import progress as _progress
 from ._version import __version__
+from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
@@ -54,6 +55,7 @@ from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
+from .quantize import get_quantizer
 from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
@@ -146,6 +148,11 @@ class Publisher:
             ``"cpu"`` (default; pinned when CUDA is present) or a CUDA device
             to diff on the GPU (costs the published model's size in GPU memory;
             only changed positions cross to the host).
+        quantize: publish quantized served weights: ``"fp8_block128"`` or a
+            quantizer (:mod:`deltastore.quantize`); the manifest records the scheme.
+        adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
+            (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
+            a model that is not a PEFT model is a :class:`TargetMismatchError`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -159,7 +166,8 @@ class Publisher:
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
-                 mirror_device: str | torch.device | None = None):
+                 mirror_device: str | torch.device | None = None, quantize: Any = None,
+                 adapter_only: bool = False):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -198,6 +206,8 @@ class Publisher:
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
+        self.quantizer = get_quantizer(quantize)
+        self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
         # writer advances after each commit) corrected by what the queued versions changed.
         self._capture_mirror: Mirror | None = None
@@ -426,7 +436,8 @@ class Publisher:
                                 metadata=self.metadata, aliases=aliases,
                                 differential=self._anchor if with_diff else None, files=self._files,
                                 new_tensors=new, dropped_tensors=dropped,
-                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION)
+                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION,
+                                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
             data, digest, notes = self._commit(manifest)
         except BaseException:
             if advanced:
@@ -527,12 +538,18 @@ class Publisher:
     def _normalise(self, state: StateLike
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
+        if self.adapter_only:  # the adapter's tensors, and its config as a version file
+            state, config = peft_adapter(state)
+            self._files = record_config(self.store, self._files, config)
         tensors = named_tensors(state, aliases)
+        produced: set[str] = set()  # quantized tensors and their scales: never cast
+        if self.quantizer is not None:
+            tensors, produced = self.quantizer.apply(tensors, aliases, cast=self.dtype)
         prev = self._capture_specs  # the last layout: its specs are reused (names already checked)
         specs = {}
         cast = self.dtype
         for name, t in tensors.items():
-            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            dt = cast if cast is not None and t.is_floating_point() and name not in produced else t.dtype
             sp = prev.get(name)
             if sp is None or sp.dtype is not dt or sp.shape != t.shape:
                 _check_name(name)
