@@ -20,7 +20,7 @@ version.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from .checksum import full_checksum, tensor_key, updated_checksum
 from .codecs import TensorSpec, Update
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
+from .layout import PathLayout, describe, same_spec
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_view, dtype_name
 
@@ -80,6 +81,111 @@ def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: in
                                   f"version {step} has {rec.dtype}{list(rec.shape)}")
     if not t.is_contiguous():
         raise TargetMismatchError(f"target tensor {name!r} is not contiguous")
+
+
+def can_relayout(target: object) -> bool:
+    """Whether a pull may add, replace and delete entries of ``target`` (a mapping; a Module may not)."""
+    return isinstance(target, MutableMapping)
+
+
+def check_target(target: object, tensors: Mapping[str, torch.Tensor], manifest: Manifest,
+                 lay: PathLayout | None) -> dict[str, list[str]]:
+    """:func:`check_layout` for a pull whose path may change the layout (``lay``); nothing is written.
+
+    A tensor that arrives whole along the path (added, reshaped, re-typed) is
+    written in place when the target already holds it with the new dtype and
+    shape; otherwise only a mapping target can take it (a new tensor under
+    that name), and a fixed-layout target (a Module) raises
+    :class:`TargetMismatchError` naming it. A tensor the path drops is deleted
+    from a mapping target; a fixed-layout target holding it raises. Every
+    other tensor must be in the target with its dtype and shape, as in
+    :func:`check_layout`.
+    """
+    if lay is None or not lay.changes:
+        return check_layout(tensors, manifest)
+    whole = set(lay.whole)
+    flexible = can_relayout(target)
+    records = manifest.tensor_map()
+
+    def check(name: str, rec: TensorRecord) -> None:
+        if rec.name not in whole:
+            _check_tensor(tensors.get(name), rec, name, manifest.step)
+            return
+        t = tensors.get(name)
+        if t is not None and same_spec(rec.spec, _spec_of(t)) and t.is_contiguous():
+            return  # already laid out as the version wants: written in place
+        if not flexible:
+            have = "lacks it" if t is None else f"holds {describe(_spec_of(t))}"
+            raise TargetMismatchError(
+                f"version {manifest.step} changes the layout of tensor {name!r} to {describe(rec.spec)} and the "
+                f"target {have}; a {type(target).__name__} cannot add or re-lay tensors (pull into a dict, or "
+                "change the model's layout first)")
+
+    for rec in manifest.tensors:
+        check(rec.name, rec)
+    copies: dict[str, list[str]] = {}
+    for alias, primary in manifest.aliases.items():
+        if alias in tensors:
+            check(alias, records[primary])
+            copies.setdefault(primary, []).append(alias)
+    if not flexible:
+        for name in lay.dropped:
+            if name in tensors:
+                raise TargetMismatchError(
+                    f"version {manifest.step} drops tensor {name!r}, which the target holds; a "
+                    f"{type(target).__name__} cannot drop tensors")
+    return copies
+
+
+def check_tied(manifest: Manifest, tied: Mapping[str, str]) -> None:
+    """Refuse a target holding two tensors ``manifest`` stores separately as one storage (tied weights).
+
+    ``tied`` maps the target entries :func:`deltastore.tensors.named_tensors`
+    dropped as exact aliases to the entry they alias. Raises
+    :class:`TargetMismatchError` naming both.
+    """
+    if not tied:
+        return
+    records = manifest.tensor_map()
+    for name, kept in tied.items():
+        if name in records and kept in records:
+            raise TargetMismatchError(f"target tensors {name!r} and {kept!r} share storage, but version "
+                                      f"{manifest.step} stores them separately")
+
+
+def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copies: Mapping[str, list[str]]) -> None:
+    """Refuse a target whose tensors overlap in memory where ``manifest`` stores them separately.
+
+    Writing one would change the other, so the pull would claim a version
+    the target does not hold. The written tensors' byte ranges are sorted by
+    address (CPU and CUDA pointers share one address space under unified
+    addressing; tensors without storage, address 0, are skipped): one
+    ``data_ptr``/``nbytes`` per tensor and a numpy sort, no pass over the
+    data. Raises :class:`TargetMismatchError` naming both.
+    """
+    names = [r.name for r in manifest.tensors]
+    if copies:
+        names += [a for aliases in copies.values() for a in aliases]
+    ts = [tensors.get(n) for n in names]
+    starts = np.fromiter((t.data_ptr() if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    sizes = np.fromiter((t.nbytes if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    keep = np.flatnonzero((starts != 0) & (sizes != 0))
+    if keep.size < 2:
+        return
+    order = keep[np.argsort(starts[keep], kind="stable")]
+    s, e = starts[order], starts[order] + sizes[order]
+    reach = np.maximum.accumulate(e)
+    bad = np.flatnonzero(s[1:] < reach[:-1])
+    if bad.size:
+        j = int(bad[0]) + 1
+        i = int(np.flatnonzero(e[:j] > s[j])[0])  # an earlier range that reaches into range j
+        raise TargetMismatchError(f"target tensors {names[order[i]]!r} and {names[order[j]]!r} overlap in memory, "
+                                  f"but version {manifest.step} stores them separately (writing one would change "
+                                  "the other)")
+
+
+def _spec_of(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec("", t.dtype, tuple(t.shape))
 
 
 def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int, expected: int) -> None:
@@ -160,9 +266,37 @@ class FullState:
                 self.bits[name][u.positions] = u.bits
             self.checksums[name] = cs
 
+    def relayout(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
+        """Apply version ``manifest``'s layout change: drop its dropped tensors, take its new ones whole.
+
+        ``updates`` holds the whole bits of every tensor in ``manifest.new_tensors``
+        (checked against their checksums here). The layout step itself was
+        validated beforehand (:func:`deltastore.layout.check_step`).
+        """
+        for name in manifest.dropped_tensors:
+            for d in (self.specs, self.bits, self.checksums):
+                d.pop(name, None)
+        records = manifest.tensor_map()
+        for name in manifest.new_tensors:
+            rec = records[name]
+            bits = _whole_bits(updates, rec, manifest.step)
+            self.specs[name], self.bits[name], self.checksums[name] = rec.spec, bits, int(rec.checksum, 16)
+        order = [r.name for r in manifest.tensors]
+        self.specs = {n: self.specs[n] for n in order}
+        self.bits = {n: self.bits[n] for n in order}
+
     def as_tensors(self) -> dict[str, torch.Tensor]:
         """Fresh tensors in their own dtype and shape."""
         return {n: b.view(self.specs[n].dtype).reshape(self.specs[n].shape) for n, b in self.bits.items()}
+
+
+def _whole_bits(updates: Mapping[str, Update], rec: TensorRecord, step: int) -> torch.Tensor:
+    """The verified whole bits of a tensor a version stores whole (its ``new_tensors``)."""
+    u = updates.get(rec.name)
+    if u is None or u.positions is not None or u.count != rec.numel:
+        raise CorruptObjectError(f"version {step}, tensor {rec.name!r}: its whole content is not in its objects")
+    _expect(rec, full_checksum(rec.name, u.bits), step, "decoding the whole tensor")
+    return u.bits
 
 
 @dataclass
@@ -214,6 +348,30 @@ class SparseOverlay:
         # scatter while every name in it is still untouched by a later delta (``_batched``)
         self.batches: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = []
         self._batched: set[str] = set()
+        # layout changes: tensors held whole on the host (final flat bits, written or inserted at the end)
+        # and tensors to delete from the target
+        self.whole: dict[str, torch.Tensor] = {}
+        self.whole_specs: dict[str, TensorSpec] = {}
+        self.dropped: set[str] = set()
+
+    def hold(self, name: str, spec: TensorSpec, bits: torch.Tensor, checksum: int) -> None:
+        """Keep ``name`` whole on the host from now on (verified flat ``bits``), not in the target."""
+        self.pending.pop(name, None)
+        self._batched.discard(name)
+        self.dropped.discard(name)
+        self.whole[name], self.whole_specs[name], self.checksums[name] = bits, spec, checksum
+
+    def relayout(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
+        """Version ``manifest``'s layout change (see :meth:`FullState.relayout`), staged, nothing written."""
+        for name in manifest.dropped_tensors:
+            for d in (self.pending, self.whole, self.whole_specs, self.checksums):
+                d.pop(name, None)
+            self._batched.discard(name)
+            self.dropped.add(name)
+        records = manifest.tensor_map()
+        for name in manifest.new_tensors:
+            rec = records[name]
+            self.hold(name, rec.spec, _whole_bits(updates, rec, manifest.step), int(rec.checksum, 16))
 
     def _target_bits(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         return self.reader(name, positions)
@@ -225,6 +383,9 @@ class SparseOverlay:
         view for a CPU target) when no staged delta touched it yet, else a
         copy with the staged bits in.
         """
+        held = self.whole.get(name)
+        if held is not None:
+            return held if positions is None else held[positions]
         p = self.pending.get(name)
         if positions is None:
             whole = self.reader(name, None)
@@ -242,10 +403,18 @@ class SparseOverlay:
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         staged = []
         firsts = []
+        held = []
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
         for rec in manifest.tensors:
             u = updates.get(rec.name)
             if u is None:
+                continue
+            if rec.name in self.whole:  # held on the host since a layout change: updated there
+                cur = self.whole[rec.name]
+                cs = full_checksum(rec.name, u.bits) if u.positions is None else \
+                    updated_checksum(rec.name, self.checksums[rec.name], u.positions, cur[u.positions], u.bits)
+                _expect(rec, cs, manifest.step, "applying the delta")
+                held.append((rec.name, u, cs))
                 continue
             if u.positions is not None and rec.name in self._fast and rec.name not in self.pending:
                 batch.setdefault(u.bits.element_size(), []).append((rec, u))
@@ -272,6 +441,12 @@ class SparseOverlay:
             firsts.append((group, old.split(np.diff(bounds).tolist()), sums, (pos, new, old, bounds)))
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
+            self.checksums[name] = cs
+        for name, u, cs in held:
+            if u.positions is None:
+                self.whole[name] = u.bits.clone()
+            else:
+                self.whole[name][u.positions] = u.bits
             self.checksums[name] = cs
         pending, checksums = self.pending, self.checksums
         for group, olds, sums, flat in firsts:  # first touches: nothing to merge
@@ -317,17 +492,22 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState,
                 backup = flat.to("cpu", copy=True)
                 undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
                 flat.copy_(bits.to(flat.device))
-    except Exception as e:
+    except BaseException as e:
         _rollback(undo, e)
 
 
 def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
-                 copies: Mapping[str, list[str]] | None = None) -> None:
+                 copies: Mapping[str, list[str]] | None = None, owner: Any = None) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure.
 
     Plain CPU tensors are written by one kernel scatter per element width
     (first touches staged as a batch are scattered straight from it);
     every other tensor (accelerator, subclass) through a torch index write.
+    Then the layout changes (:attr:`SparseOverlay.whole`, ``.dropped``): a
+    held tensor is copied into the target's tensor when that one has its
+    dtype and shape, else set as a new tensor in ``owner`` (the caller's
+    mapping; :func:`check_target` made sure it is one); a dropped tensor is
+    deleted from ``owner``. All of it is undone on failure.
     """
     undo: list[Callable[[], object]] = []
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
@@ -363,8 +543,53 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
                 segments.scatter(tl, pos, bounds, bits)
                 torch.autograd.graph.increment_version(tl)
-    except Exception as e:
+            if overlay.whole or overlay.dropped:
+                _write_layout(target, overlay, copies, owner, undo)
+    except BaseException as e:
         _rollback(undo, e)
+
+
+_ABSENT = object()
+
+
+def _write_layout(target: Mapping[str, torch.Tensor], overlay: SparseOverlay, copies: Mapping[str, list[str]] | None,
+                  owner: Any, undo: list[Callable[[], object]]) -> None:
+    """The layout part of :func:`write_sparse` (whole tensors in, dropped tensors out), undoable."""
+    device = next((t.device for t in target.values()), torch.device("cpu"))
+    for name, bits, dest in _destinations(overlay.whole, copies):
+        spec = overlay.whole_specs[name]
+        t = target.get(dest)
+        if t is not None and same_spec(spec, _spec_of(t)) and t.is_contiguous():
+            flat = bits_view(t)
+            backup = flat.to("cpu", copy=True)
+            undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
+            flat.copy_(bits.to(flat.device))
+            continue
+        where = t.device if t is not None else device
+        new = bits.to(where, copy=True).view(spec.dtype).reshape(spec.shape)
+        _replace(owner, dest, new, undo)
+    for name in overlay.dropped:
+        for dest in (name, *(copies or {}).get(name, ())):
+            if dest in owner:
+                _replace(owner, dest, _ABSENT, undo)
+
+
+def _replace(owner: Any, name: str, value: Any, undo: list[Callable[[], object]]) -> None:
+    """``owner[name] = value`` (or delete it, for ``_ABSENT``) with its undo noted first."""
+    prev = owner[name] if name in owner else _ABSENT
+
+    def restore() -> None:
+        if prev is _ABSENT:
+            if name in owner:
+                del owner[name]
+        else:
+            owner[name] = prev
+
+    undo.append(restore)
+    if value is _ABSENT:
+        del owner[name]
+    else:
+        owner[name] = value
 
 
 def _destinations(items: Mapping[str, Any], copies: Mapping[str, list[str]] | None
@@ -375,12 +600,22 @@ def _destinations(items: Mapping[str, Any], copies: Mapping[str, list[str]] | No
             yield name, item, alias
 
 
-def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:
+def restored_after(error: BaseException) -> bool:
+    """Whether a failed write left the target at its previous version (see :func:`_rollback`)."""
+    if isinstance(error, ApplyError):
+        return error.restored
+    return getattr(error, "deltastore_restored", True)
+
+
+def _rollback(undo: list[Callable[[], object]], cause: BaseException) -> None:
     """Undo the writes made so far (newest first) and raise :class:`ApplyError`.
 
     The tensor whose write failed is restored too (the write may have been
     partial). If a restore itself fails, the error says so and carries
-    ``restored = False``: the target's version is then unknown.
+    ``restored = False``: the target's version is then unknown. An interrupt
+    (``KeyboardInterrupt``, ``SystemExit``: any ``BaseException`` that is not an
+    ``Exception``) is re-raised as itself once the writes are undone, with
+    ``deltastore_restored`` set (:func:`restored_after`).
     """
     failed = 0
     with torch.no_grad():
@@ -389,6 +624,12 @@ def _rollback(undo: list[Callable[[], object]], cause: Exception) -> None:
                 step()
             except Exception:
                 failed += 1
+    if not isinstance(cause, Exception):
+        try:
+            cause.deltastore_restored = failed == 0  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        raise cause
     if failed:
         err = ApplyError(f"writing into the target failed ({cause!r}) and {failed} tensor(s) refused the "
                          "restore; the target's version is unknown: pull again (from an anchor) to repair it")

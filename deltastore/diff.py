@@ -52,15 +52,14 @@ def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int 
     """Positions where ``new`` differs bit-wise from ``old_bits``.
 
     ``old_bits`` is a flat integer view (the mirror); ``new`` is a tensor of
-    the same element count, on any device. With ``dtype``, ``new`` is cast to
+    the same element count, on any device, contiguous or not (elements are
+    compared in row-major order; a non-contiguous one is copied first). With ``dtype``, ``new`` is cast to
     it chunk by chunk first (an fp32 master published as bf16 never needs a
     whole bf16 copy). Returns CPU tensors. Raises :class:`TargetMismatchError`
     when the sizes or widths differ.
     """
     dtype = dtype or new.dtype
-    if not new.is_contiguous():
-        raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
-    new_flat = new.detach().reshape(-1)
+    new_flat = new.detach().contiguous().reshape(-1)  # non-contiguous: a row-major copy (logical element order)
     if new_flat.numel() != old_bits.numel() or bits_dtype(dtype) != old_bits.dtype:
         raise TargetMismatchError(
             f"cannot diff {tuple(new.shape)}/{dtype} against a mirror of "

@@ -131,6 +131,21 @@ def _rebuild_corrupt(message: str, digest: str | None) -> CorruptObjectError:
     return CorruptObjectError(message, digest=digest)
 
 
+# -- added for issue 12 (publisher / subscriber) ------------------------------------
+class PostCommitWarning(UserWarning):
+    """Something after a version's commit point failed (the store marker, retention).
+
+    The version is committed and pullable; :attr:`VersionInfo.warnings` lists the same messages.
+    """
+
+
+class InvalidStepError(DeltaStoreError, TypeError):
+    """A step argument is not an integer (a string, a float, a bool).
+
+    Derives from ``TypeError``, which is what such a call raised before it was typed.
+    """
+
+
 # -- store/backend failures (issue 12) ---------------------------------------------
 class BackendUnavailableError(BackendError, ConnectionError):
     """The store could not be reached (refused, timed out, dropped) within the retry deadline."""

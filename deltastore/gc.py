@@ -29,6 +29,7 @@ Publisher is writing to the store.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 from .errors import DeltaStoreError, VersionNotFoundError
 from .manifest import Manifest
 from .store import DeltaStore
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -154,4 +157,6 @@ def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = 
         if grace > 0:
             sleep(grace)
         plan.delete_objects = delete_unreferenced(store, plan.delete_objects, grace=grace)
+    _log.info("gc of %s: deleted %d versions and %d objects, kept %d versions", store.uri,
+              len(plan.delete_versions), len(plan.delete_objects), len(plan.keep))
     return plan

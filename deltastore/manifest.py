@@ -9,6 +9,8 @@ reference. :meth:`Manifest.from_json` validates strictly and raises
 
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import json
 import math
@@ -19,10 +21,14 @@ from typing import Any, Literal
 
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
+from .quantize import check_record as check_quantization
 from .tensors import DTYPES
 
 FORMAT = "deltastore.manifest"
 FORMAT_VERSION = "1.0"
+#: the minor version that adds layout changes (``new_tensors``, ``dropped_tensors``); a manifest that uses
+#: none is written as :data:`FORMAT_VERSION`, so its bytes are what a 1.0 writer produced
+LAYOUT_FORMAT_VERSION = "1.1"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STEP = 10**12 - 1
 MAX_NUMEL = 1 << 48
@@ -142,6 +148,14 @@ class Manifest:
     ``aliases`` maps names that share storage with a listed tensor on the
     publisher (tied weights) to that tensor's name; a target holding a separate
     tensor under an alias name gets the same writes.
+
+    Layout changes (format 1.1, ``docs/format.md``): ``new_tensors`` names the
+    tensors that are not in the parent version with this dtype and shape
+    (added, reshaped or re-typed); each is stored whole in this version
+    (``full`` parts, no delta). ``dropped_tensors`` names the parent's tensors
+    this version no longer has.
+    ``quantization`` names the scheme of quantized served weights (absent from
+    the JSON when None).
     """
 
     step: int
@@ -156,8 +170,24 @@ class Manifest:
     differential: VersionRef | None = None
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_version: str = FORMAT_VERSION
+    new_tensors: tuple[str, ...] = ()
+    dropped_tensors: tuple[str, ...] = ()
+    #: how the tensors were quantized (``deltastore.quantize``), None for weights as trained
+    quantization: dict[str, Any] | None = None
 
     # -- derived figures -----------------------------------------------------
+    @property
+    def created_at(self) -> datetime.datetime | None:
+        """``created`` as an aware UTC datetime; None when it is outside what a datetime can hold.
+
+        ``created`` is any finite number (a hostile or broken writer may put
+        ``1e300`` there); this never raises, so listings can show it as unknown.
+        """
+        try:
+            return datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc)
+        except (OverflowError, ValueError, OSError):
+            return None
+
     @property
     def changed(self) -> int:
         return sum(t.changed for t in self.tensors)
@@ -184,8 +214,27 @@ class Manifest:
 
     @property
     def has_delta(self) -> bool:
-        """Whether a holder of the parent version can reach this one without the full objects."""
-        return self.parent is not None and all(t.delta or t.changed == 0 for t in self.tensors)
+        """Whether a holder of the parent version can reach this one (its :attr:`step_objects`)."""
+        new = self.new_tensors
+        return self.parent is not None and all(t.delta or t.changed == 0 or t.name in new for t in self.tensors)
+
+    @property
+    def step_objects(self) -> set[int]:
+        """Objects a holder of the parent version reads: the deltas and the whole new tensors."""
+        out = self.objects_for("delta")
+        if self.new_tensors:
+            new = set(self.new_tensors)
+            out |= {p.object for t in self.tensors if t.name in new for p in t.full}
+        return out
+
+    @property
+    def changes_layout(self) -> bool:
+        return bool(self.new_tensors or self.dropped_tensors)
+
+    @functools.cached_property
+    def layout_key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """``(name, dtype, shape)`` of every tensor, in order: equal keys mean equal layouts (one C compare)."""
+        return tuple((t.name, t.dtype, t.shape) for t in self.tensors)
 
     def tensor_map(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
@@ -203,7 +252,9 @@ class Manifest:
 
     # -- JSON ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        layout = {k: list(v) for k, v in (("new_tensors", self.new_tensors),
+                                          ("dropped_tensors", self.dropped_tensors)) if v}
+        doc = {**layout,
             "format": FORMAT,
             "format_version": self.format_version,
             "step": self.step,
@@ -225,6 +276,9 @@ class Manifest:
                 for t in self.tensors
             ],
         }
+        if self.quantization is not None:
+            doc["quantization"] = self.quantization
+        return doc
 
     def to_json(self) -> bytes:
         """Canonical bytes (sorted keys, compact); the version digest is their sha256."""
@@ -372,6 +426,8 @@ def _parse(doc: Any) -> Manifest:
 
     tensors = []
     names: set[str] = set()
+    new_tensors = _names(doc, "new_tensors")
+    new_names = set(new_tensors)
     for i, t in enumerate(_get(doc, "tensors", list)):
         where = f"tensors[{i}]"
         name = check_tensor_name(_get(t, "name", str, where))
@@ -403,8 +459,9 @@ def _parse(doc: Any) -> Manifest:
             raise ManifestError(f"tensor {name!r} differs from its differential base but names no diff object")
         if kind == "anchor" and not full:
             raise ManifestError(f"anchor tensor {name!r} has no full object")
-        if kind == "delta" and (full or parent is None):
-            raise ManifestError(f"delta tensor {name!r} must have a parent and no full object")
+        if kind == "delta" and (parent is None or (full and name not in new_names)):
+            raise ManifestError(f"delta tensor {name!r} must have a parent and no full object "
+                                "(unless the version lists it in new_tensors)")
         if changed > 0 and not delta and not full:
             raise ManifestError(f"tensor {name!r} changed but names no object")
         tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full, diff, diff_changed))
@@ -413,10 +470,41 @@ def _parse(doc: Any) -> Manifest:
         check_tensor_name(alias)
         if primary not in names or alias in names:
             raise ManifestError(f"alias {alias!r} -> {primary!r} must name a listed tensor and not be one")
+    dropped = _names(doc, "dropped_tensors")
+    if (new_tensors or dropped) and parent is None:
+        raise ManifestError("a version without parent cannot add or drop tensors (it has no layout to change)")
+    records = {t.name: t for t in tensors} if new_tensors else {}
+    for name in new_tensors:
+        t = records.get(name)
+        if t is None:
+            raise ManifestError(f"new tensor {name!r} is not listed")
+        if not t.full or t.delta or t.diff or t.diff_changed or t.changed != t.numel:
+            raise ManifestError(f"new tensor {name!r} must be stored whole (full parts, no delta, no diff, "
+                                "every element changed)")
+    for name in dropped:
+        if name in names or name in aliases:
+            raise ManifestError(f"dropped tensor {name!r} is still listed")
+    quantization = doc.get("quantization")
+    if quantization is not None:  # an unknown scheme: UnsupportedFormatError, never bits served as bf16
+        check_quantization(quantization, {t.name: t for t in tensors})
     used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
     return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                     created=float(created), producer=producer, metadata=metadata, aliases=aliases,
-                    differential=differential, files=files, format_version=version)
+                    differential=differential, files=files, format_version=version, new_tensors=new_tensors,
+                    dropped_tensors=dropped, quantization=quantization)
+
+
+def _names(doc: dict[str, Any], key: str) -> tuple[str, ...]:
+    """An optional list of distinct tensor names (``new_tensors``, ``dropped_tensors``)."""
+    value = doc.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_PARTS * 16:
+        raise ManifestError(f"manifest field {key!r} must be a list of tensor names")
+    out = tuple(check_tensor_name(v) for v in value)
+    if len(set(out)) != len(out):
+        raise ManifestError(f"manifest field {key!r} lists a name twice")
+    return out

@@ -24,11 +24,13 @@ Publisher unchanged, so the same step can be retried.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 import queue
+import warnings
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,20 +40,26 @@ from typing import Any
 import torch
 
 from ._memory import release_memory
+from . import progress as _progress
 from ._version import __version__
+from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
-from .errors import ManifestError, StepOrderError, TargetMismatchError, VersionExistsError
+from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import MAX_STEP, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest, Part, TensorRecord, VersionRef,
+                       check_tensor_name, sha256_digest)
+from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
-from .store import DeltaStore, open_store
+from .quantize import get_quantizer
+from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
+_log = logging.getLogger(__name__)
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 #: whole tensors (anchors) are cut into objects of about model / 64 bytes, within these bounds, so that
 #: an anchor streams through memory (encode, upload, free) a few objects at a time
@@ -80,10 +88,18 @@ class _Captured:
     mirror: Mirror
     diff: Diff | None
     captured: float
+    #: a layout change against the parent: (tensors stored whole, tensors dropped); the mirror is then a
+    #: new one in this version's layout, holding the parent's bits for the other tensors
+    layout: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     @property
     def fresh(self) -> bool:
         return self.diff is None
+
+
+def _post_commit(message: str) -> str:
+    warnings.warn(message, PostCommitWarning, stacklevel=3)
+    return message
 
 
 def _check_name(name: str) -> None:
@@ -91,31 +107,6 @@ def _check_name(name: str) -> None:
         check_tensor_name(name)
     except ManifestError as e:
         raise TargetMismatchError(str(e)) from None
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """What :meth:`Publisher.publish` committed.
-
-    kind: ``"anchor"`` (full objects written, plus a delta when there is a parent) or ``"delta"``.
-    changed / total: elements whose bits changed since the previous version / all elements.
-    nbytes: bytes stored for this version (its objects and its manifest).
-    digest: sha256 of the manifest bytes, the version's identity.
-    differential: whether the version also carries a differential (anchor -> this version).
-    """
-
-    step: int
-    kind: str
-    changed: int
-    total: int
-    nbytes: int
-    digest: str
-    created: float
-    differential: bool = False
-
-    @property
-    def fraction(self) -> float:
-        return self.changed / self.total if self.total else 0.0
 
 
 class Publisher:
@@ -147,9 +138,9 @@ class Publisher:
         source_dir: a model folder whose ``config.json`` and tokenizer files are
             recorded, so ``deltastore materialize`` writes a loadable model.
         max_workers: parallel encode/upload workers.
-        background: make ``publish()`` return once the changes are captured;
-            encoding, upload and commit run in a background writer (see
-            :meth:`publish`). The writer and the capture share one mirror; the
+        background: make ``publish()`` return once the changes are captured,
+            with a pending :class:`VersionInfo`; encoding, upload and commit run
+            in a background writer (see :meth:`publish`). The writer and the capture share one mirror; the
             queued versions' changes are held until they are written.
         max_pending: versions the background writer may have queued before
             ``publish()`` blocks (back-pressure when the store is slower than training).
@@ -157,6 +148,11 @@ class Publisher:
             ``"cpu"`` (default; pinned when CUDA is present) or a CUDA device
             to diff on the GPU (costs the published model's size in GPU memory;
             only changed positions cross to the host).
+        quantize: publish quantized served weights: ``"fp8_block128"`` or a
+            quantizer (:mod:`deltastore.quantize`); the manifest records the scheme.
+        adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
+            (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
+            a model that is not a PEFT model is a :class:`TargetMismatchError`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -170,7 +166,8 @@ class Publisher:
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
-                 mirror_device: str | torch.device | None = None):
+                 mirror_device: str | torch.device | None = None, quantize: Any = None,
+                 adapter_only: bool = False):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -204,10 +201,13 @@ class Publisher:
         self._anchor: VersionRef | None = None
         self._chain = ChainState()
         self._drift = DriftTracker()
+        self._relaid_since_anchor = False  # a layout change since the last anchor (no drift, no differentials)
         self._files: dict[str, dict[str, Any]] = {}
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
+        self.quantizer = get_quantizer(quantize)
+        self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
         # writer advances after each commit) corrected by what the queued versions changed.
         self._capture_mirror: Mirror | None = None
@@ -239,7 +239,7 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
-    def publish(self, state: StateLike, *, step: int) -> VersionInfo | Future[VersionInfo]:
+    def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
@@ -252,14 +252,34 @@ class Publisher:
         version is committed; on any error nothing is committed and the
         Publisher is unchanged, so the same step can be retried.
 
-        With ``background=True``: returns a ``Future[VersionInfo]`` as soon as
-        the changes are captured (the bit-compare is all the caller waits for,
-        plus back-pressure when ``max_pending`` versions are already queued).
-        Versions commit in ``publish()`` order. A failure in the background is
-        raised by the next ``publish()``, ``flush()`` or ``close()``; the
-        versions queued behind it are dropped (their futures fail too) and the
-        next publish starts a new chain with an anchor.
+        With ``background=True``: returns a :class:`PendingVersionInfo` (a
+        ``VersionInfo``) as soon as the changes are captured (the bit-compare is
+        all the caller waits for, plus back-pressure when ``max_pending``
+        versions are already queued). Its ``step``, ``changed`` and ``total``
+        are known at once; ``committed`` says whether the writer has committed
+        it, ``wait(timeout=None)`` blocks for the commit and returns the
+        committed info or re-raises the background error, and the other fields
+        wait for the commit when read. (The ``Future`` calls earlier releases
+        returned, ``result()``, ``done()``, ``exception()``,
+        ``add_done_callback()``, still work.) Versions commit in ``publish()``
+        order. A failure in the background is also raised by the next
+        ``publish()``, ``flush()`` or ``close()``; the versions queued behind it
+        are dropped (their ``wait()`` raises too) and the next publish starts a
+        new chain with an anchor.
+
+        Either way, nothing after the commit point raises: a failure there
+        (the store marker, retention) is a :class:`PostCommitWarning` and an
+        entry of ``VersionInfo.warnings``. Non-contiguous tensors are read in
+        row-major order. A step that adds, drops, reshapes or re-types a
+        tensor stays on the chain (``docs/format.md``, "Layout changes").
+
+        ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
+        (see :mod:`deltastore.progress`); it counts objects stored (not
+        reported in background mode).
         """
+        if progress is not None and progress is not False:
+            with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
+                return self.publish(state, step=step)
         if self._closed:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
@@ -269,7 +289,16 @@ class Publisher:
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
         same_layout = mirror is not None and specs == self._capture_specs and aliases == self._capture_aliases
-        if same_layout:
+        if not same_layout and mirror is not None and aliases == self._capture_aliases:
+            # a layout change (a tensor added, dropped, reshaped or re-typed): the version stays on the chain
+            if background:  # wait until the writer's mirror holds the last captured version
+                self._queue.join()
+                self._raise_background_error()
+                self._pending.clear()
+            fresh, new, dropped = mirror.relayout(specs, tensors)
+            diff = fresh.diff(tensors, chunk_elems=self.chunk_elems)
+            captured = _Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
+        elif same_layout:
             assert mirror is not None
             if background:
                 self._pending.prune(mirror.version)  # what the writer has written in already
@@ -291,14 +320,18 @@ class Publisher:
                 self._capture_specs, self._capture_aliases = self._specs, self._aliases
                 raise
         # Background: note what this version changed (the writer advances the mirror after its commit).
-        if captured.diff is None:
+        if captured.diff is None or captured.layout is not None:
             self._capture_mirror = captured.mirror
             self._pending.clear()
-        else:
+        if captured.diff is not None:
             self._pending.add(captured.diff.changes, step)
         future: Future[VersionInfo] = Future()
+        total = sum(sp.numel for sp in specs.values())
+        changed = total if captured.diff is None else captured.diff.changed + sum(
+            specs[n].numel for n in (captured.layout[0] if captured.layout is not None else ()))
+        info = PendingVersionInfo(step, changed, total, future)
         self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
-        return future
+        return info
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
@@ -344,11 +377,14 @@ class Publisher:
         mirror is moved back.
         """
         step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
-        same_layout = c.diff is not None
+        same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
+        new, dropped = c.layout if c.layout is not None else ((), ())
+        relaid = set(new)
         changes = c.diff.changes if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
-        proposed = (self._drift.propose(changes, c.diff.flat) if c.diff is not None and self.policy.tracks_drift
-                    else None)
+        # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
+        tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
+        proposed = self._drift.propose(changes, c.diff.flat) if same_layout and tracks else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})
@@ -379,13 +415,16 @@ class Publisher:
             for role_index in {id(ix): ix for _, ix in whole}.values():
                 names = [n for n, ix in whole if ix is role_index]
                 later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
+            if new:  # stored whole, in objects of their own (a follower reads them and nothing else whole)
+                later += self._dense_jobs(specs, list(new), mirror, full_of, object_bytes)
             if is_anchor:
-                later += self._dense_jobs(specs, list(specs), mirror, full_of, object_bytes)
+                later += self._dense_jobs(specs, [n for n in specs if n not in relaid], mirror, full_of,
+                                          object_bytes)
             objects += store_jobs(self._pool, self.store, later, inflight=inflight, first_index=len(objects))
             checksums = self._new_checksums(c)
             records = []
             for name, spec in specs.items():
-                changed = changes[name].count if same_layout else spec.numel
+                changed = changes[name].count if same_layout and name not in relaid else spec.numel
                 dc = diff_changes[name].count if name in diff_changes else 0
                 records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
                                             format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
@@ -395,8 +434,11 @@ class Publisher:
                                 objects=tuple(objects), created=time.time(),
                                 producer={**self._producer(), "captured": c.captured},
                                 metadata=self.metadata, aliases=aliases,
-                                differential=self._anchor if with_diff else None, files=self._files)
-            data, digest = self.store.commit(manifest)
+                                differential=self._anchor if with_diff else None, files=self._files,
+                                new_tensors=new, dropped_tensors=dropped,
+                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION,
+                                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
+            data, digest, notes = self._commit(manifest)
         except BaseException:
             if advanced:
                 assert c.diff is not None
@@ -405,18 +447,50 @@ class Publisher:
 
         # Committed: now (and only now) the chain state moves forward.
         mirror.version = step
-        if c.fresh:
+        if c.fresh or c.layout is not None:
             self._specs, self._aliases = specs, aliases
+        self._relaid_since_anchor = not is_anchor and (self._relaid_since_anchor or c.layout is not None)
         self._mirror = mirror
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
+        _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
+                  manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
         if self.retention is not None:
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
+                notes.append(_post_commit(f"retention after version {step} failed: {e!r}"))
         release_memory()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
-                           differential=with_diff)
+                           differential=with_diff, warnings=tuple(notes))
+
+    def _commit(self, manifest: Manifest) -> tuple[bytes, str, list[str]]:
+        """Commit ``manifest``; returns its bytes, digest and what failed after the commit point.
+
+        The commit point is the create-only write of the manifest. If
+        :meth:`DeltaStore.commit` raises after it (the store marker, the
+        ``refs/latest`` hint), the manifest is read back: when it holds exactly
+        our bytes the version is committed and the failure is returned as a
+        warning; otherwise (another writer's version, nothing there, the read
+        fails too) the error stands and nothing moves forward.
+        """
+        try:
+            data, digest = self.store.commit(manifest)
+            return data, digest, []
+        except VersionExistsError:
+            raise
+        except Exception as e:
+            data = manifest.to_json()
+            try:
+                landed = self.store.backend.get(version_key(manifest.step)) == data
+            except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
+                landed = False
+            if not landed:
+                raise
+            return data, sha256_digest(data), [_post_commit(f"version {manifest.step} is committed, but a step "
+                                                            f"after its commit point failed: {e!r}")]
 
     def _run_writer(self) -> None:
         """Background thread: commit queued versions in order; after a failure, fail the rest."""
@@ -464,12 +538,18 @@ class Publisher:
     def _normalise(self, state: StateLike
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
+        if self.adapter_only:  # the adapter's tensors, and its config as a version file
+            state, config = peft_adapter(state)
+            self._files = record_config(self.store, self._files, config)
         tensors = named_tensors(state, aliases)
+        produced: set[str] = set()  # quantized tensors and their scales: never cast
+        if self.quantizer is not None:
+            tensors, produced = self.quantizer.apply(tensors, aliases, cast=self.dtype)
         prev = self._capture_specs  # the last layout: its specs are reused (names already checked)
         specs = {}
         cast = self.dtype
         for name, t in tensors.items():
-            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            dt = cast if cast is not None and t.is_floating_point() and name not in produced else t.dtype
             sp = prev.get(name)
             if sp is None or sp.dtype is not dt or sp.shape != t.shape:
                 _check_name(name)
@@ -583,11 +663,13 @@ class Publisher:
         """Every tensor's checksum after version ``c`` (the mirror already holds it)."""
         if c.diff is None:
             return c.mirror.checksums()
-        return {name: (self._checksums[name] + delta) & _M64 for name, delta in c.diff.sums.items()}
+        new = c.mirror.checksums(c.layout[0]) if c.layout is not None else {}
+        return {name: new[name] if name in new else (self._checksums[name] + delta) & _M64
+                for name, delta in c.diff.sums.items()}
 
     def _advance_chain(self, manifest: Manifest, is_anchor: bool, with_diff: bool, proposed: Any,
                        drift_elements: int, total: int) -> None:
-        delta_bytes = manifest.object_bytes(manifest.delta_objects)
+        delta_bytes = manifest.object_bytes(manifest.step_objects)
         c = self._chain
         per_element = delta_bytes / manifest.changed if manifest.parent is not None and manifest.changed \
             else c.bytes_per_element
@@ -625,14 +707,15 @@ class Publisher:
             since += 1
             if since_diff is None and m.differential is not None:
                 since_diff = delta_bytes
-            delta_bytes += m.object_bytes(m.delta_objects)
+            self._relaid_since_anchor = self._relaid_since_anchor or m.changes_layout
+            delta_bytes += m.object_bytes(m.step_objects)
             changed += m.changed
             m = self.store.manifest(m.parent.step)
         if m.kind != "anchor":
             return  # no anchor on the chain: the policy will ask for one
         self._anchor = self.store.ref(m.step)
         drift_elements = 0
-        if self.policy.tracks_drift and since:
+        if self.policy.tracks_drift and since and not self._relaid_since_anchor:
             anchor_state = sub.pull(step=m.step).state
             mirror = self._mirror
             changes = {n: find_changes(bits_view(anchor_state[n]), mirror.view(n)) for n in self._specs}

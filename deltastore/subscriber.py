@@ -9,6 +9,7 @@ target back (see :mod:`deltastore.pull.anchor` and ``docs/architecture.md``).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,13 +17,16 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import segments, tracking
+from . import progress as _progress, segments, tracking
 from ._memory import release_memory
-from .apply import FullState, Reader, SparseOverlay, _key, check_layout, mapping_reader, plain_cpu, write_sparse
+from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
+                    mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum
 from .codecs import OldBits, Update
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
-                     ParentMismatchError, StaleVersionError, VersionNotFoundError)
+                     InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
+                     VersionNotFoundError)
+from .layout import PathLayout, layout_of, path_layout, same_spec
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
 from .pull.objects import decode_object, object_index
@@ -31,6 +35,7 @@ from .tensors import bits_view, named_tensors
 from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -181,6 +186,7 @@ class Subscriber:
         Raises :class:`VersionNotFoundError` when no path exists (for example
         a broken chain with no anchor below the step).
         """
+        _check_step_arg(step)
         best: Plan | None = None
 
         def offer(candidate: Plan) -> None:
@@ -202,13 +208,13 @@ class Subscriber:
                 offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
             if m.differential is not None and not _uses(m, m.diff_objects, avoid):
                 self._offer_differential(m, chain, delta_bytes, current, offer, avoid)
-            if not m.has_delta or m.parent is None or _uses(m, m.delta_objects, avoid):
+            if not m.has_delta or m.parent is None or _uses(m, m.step_objects, avoid):
                 break  # every start further down would have to replay this version's delta
             if current is None and m.kind == "anchor":
                 break  # without a current version only anchors start a path; deeper ones cost more
             if current is not None and m.parent.step < current.step and best is not None:
                 break
-            delta_bytes += m.object_bytes(m.delta_objects)
+            delta_bytes += m.object_bytes(m.step_objects)
             if best is not None and delta_bytes >= best.nbytes:
                 break
             chain.append(m.step)
@@ -234,12 +240,15 @@ class Subscriber:
             bm, bdigest = self.store.manifest_with_digest(base.step)
         except VersionNotFoundError:
             return
+        if m.changes_layout or bm.layout_key != m.layout_key:
+            return  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
         if bdigest == base.digest and bm.kind == "anchor" and not _uses(bm, bm.full_objects, avoid):
             offer(Plan(base.step, chain[::-1], bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes,
                        differential=m.step))
 
     # -- pulling -------------------------------------------------------------------
-    def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True) -> PullResult:
+    def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True,
+             progress: _progress.ProgressArg = None) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
 
         ``target`` is an ``nn.Module`` or a mutable mapping of tensors (any
@@ -255,9 +264,18 @@ class Subscriber:
         (``allow_anchor=False`` and the target is not on the chain),
         :class:`TargetMismatchError`, :class:`CorruptObjectError`,
         :class:`ChecksumMismatchError`, :class:`ObjectNotFoundError`,
-        :class:`UnknownCodecError`, :class:`ApplyError`. On any error the target
-        keeps its previous version.
+:class:`UnknownCodecError`, :class:`ApplyError`, :class:`InvalidStepError`
+        (``step`` is not an integer). On any error the target keeps its previous version.
+
+        ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
+        (see :mod:`deltastore.progress`); it counts object bytes fetched.
         """
+        if step is not None:
+            _check_step_arg(step)
+        if progress is not None and progress is not False:
+            with _progress.reporting(progress, desc="pull"):
+                return self.pull(target, step=step, allow_anchor=allow_anchor)
+        t0 = time.perf_counter()
         versions = self.versions()
         if step is None:
             if not versions:
@@ -272,7 +290,10 @@ class Subscriber:
         collected = False
         while True:
             try:
-                return self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                _log.info("pulled version %d (%s): %d B fetched, %d versions applied, %.3f s", res.step, res.path,
+                          res.bytes_fetched, len(res.versions_applied), time.perf_counter() - t0)
+                return res
             except CorruptObjectError as e:
                 # Nothing was written. Go around the bad object if another path exists
                 # (an anchor, a differential); else the typed error stands.
@@ -304,7 +325,8 @@ class Subscriber:
         return self.pull(target)
 
     def stage(self, step: int, current: VersionRef | None = None, reader: Reader | None = None, *,
-              allow_anchor: bool = True, avoid: frozenset[str] = frozenset()) -> Staged:
+              allow_anchor: bool = True, avoid: frozenset[str] = frozenset(),
+              layout_changes: bool = False) -> Staged:
         """Plan, fetch, verify and decode the way from ``current`` to ``step``, writing nothing.
 
         ``reader`` gives the bits the target holds now (needed to start from
@@ -312,14 +334,24 @@ class Subscriber:
         values); without it only paths that start at an anchor are possible.
         Integrations whose targets are not a mapping of tensors (vLLM's fused
         parameters) use this and write :attr:`Staged.state` themselves (an
-        anchor path is staged whole in host memory). Raises the same typed
-        errors as :meth:`pull`.
+        anchor path is staged whole in host memory). Such a target is taken to
+        have a fixed layout: a path that adds, drops, reshapes or re-types a
+        tensor raises :class:`TargetMismatchError` naming it before any object
+        is fetched, unless ``layout_changes=True`` (then a ``FullState`` holds
+        the final layout, and a ``SparseOverlay`` lists tensors held whole in
+        ``.whole`` / ``.whole_specs`` and tensors to delete in ``.dropped``).
+        Raises the same typed errors as :meth:`pull`.
         """
+        _check_step_arg(step)
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         if current == ref:
             return Staged(ref, manifest, None, None)
         plan = self._plan_for(step, current if reader is not None else None, allow_anchor, avoid)
+        lay = self.path_layout(plan, current)
+        if lay.changes and not layout_changes:
+            raise TargetMismatchError(f"the path to version {step} {lay.first_change()}; the target's layout is "
+                                      "fixed (stage with layout_changes=True to get such a path)")
         fetched = 0
         state: FullState | SparseOverlay
         if plan.anchor is not None:
@@ -327,7 +359,6 @@ class Subscriber:
             am = self.store.manifest(plan.anchor)
             bits = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am),
                                  verify=self.verify_anchors)
-            assert bits is not None
             fetched = am.object_bytes(am.full_objects)
             state = FullState.from_bits(am, bits)
         else:
@@ -357,11 +388,31 @@ class Subscriber:
         steps: list[tuple[int, Role]] = [(plan.differential, "diff")] if plan.differential is not None else []
         steps += [(s, "delta") for s in plan.deltas]
         for s, role in steps:
-            m = self.store.manifest(s)
-            updates, n = self.fetch_updates(m, role, state.old_bits)
-            fetched += n
-            state.apply(m, updates)
+            fetched += self.advance(state, self.store.manifest(s), role)
         return fetched
+
+    def advance(self, state: FullState | SparseOverlay, m: Manifest, role: Role = "delta") -> int:
+        """Fetch, decode, check and stage version ``m``'s ``role`` objects onto ``state``; returns bytes read.
+
+        For a delta that changes the layout, its dropped tensors leave the
+        state and its new tensors (stored whole) enter it first. The layout
+        step must have been validated (:func:`deltastore.layout.path_layout`).
+        """
+        fetched = 0
+        if role == "delta" and m.changes_layout:
+            whole, fetched = self.fetch_updates(m, "full", None, names=set(m.new_tensors))
+            state.relayout(m, whole)
+        updates, n = self.fetch_updates(m, role, state.old_bits)
+        state.apply(m, updates)
+        return fetched + n
+
+    def path_layout(self, plan: Plan, current: VersionRef | None) -> PathLayout:
+        """What ``plan`` does to the layout (validated; :class:`ManifestError` naming a tensor if a step is off)."""
+        start = plan.anchor if plan.anchor is not None else current.step if current is not None else None
+        if start is None:
+            raise VersionNotFoundError("a plan without anchor needs the target's version")
+        diff = self.store.manifest(plan.differential) if plan.differential is not None else None
+        return path_layout(self.store.manifest(start), [self.store.manifest(s) for s in plan.deltas], diff)
 
     def _ahead(self, am: Manifest) -> int:
         """Anchor objects downloaded ahead of the one being decoded: about a tenth of the model in flight."""
@@ -377,75 +428,114 @@ class Subscriber:
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         created = manifest.created
-        tensors = named_tensors(target) if target is not None else None
-        copies = check_layout(tensors, manifest) if tensors is not None else {}
+        tied: dict[str, str] = {}
+        tensors = named_tensors(target, tied) if target is not None else None
         current = tracking.get_version(target) if target is not None else None
         if current == ref:
+            assert tensors is not None
+            check_layout(tensors, manifest)
             return PullResult(step, target, path="none", digest=ref.digest, lag=lag, created=created)
+        if tensors is not None and current is not None and not self._holds_layout(tensors, current, manifest):
+            current = None  # laid out otherwise than the tracked version: start from an anchor
         plan = self._plan_for(step, current if tensors is not None else None, allow_anchor, avoid)
         applied = plan.steps
         if plan.anchor is not None and tensors is None:  # a new dict: stream the anchor into new tensors
-            staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid)
+            staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid, layout_changes=True)
             assert isinstance(staged.state, FullState)
             result = staged.state.as_tensors()
             release_memory()
             return PullResult(step, result, staged.bytes_fetched, applied, "anchor", ref.digest, lag=lag,
                               created=created)
         assert tensors is not None
+        lay = self.path_layout(plan, current)
+        check_tied(manifest, tied)
+        copies = check_target(target, tensors, manifest, lay)
+        check_overlaps(tensors, manifest, copies)
         if plan.anchor is not None:
-            fetched, written = self._pull_anchor(target, tensors, copies, plan, current)
+            fetched = self._pull_anchor(target, tensors, copies, plan, current, lay)
+            written = {r.name: r.numel for r in manifest.tensors}
             path: Literal["anchor", "delta", "none"] = "anchor"
         else:
             assert current is not None
             self._prefetch(plan)
-            flat = {r.name: bits_view(tensors[r.name]) for r in manifest.tensors}
+            flat = {r.name: bits_view(tensors[r.name]) for r in lay.start_manifest.tensors}
             overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), flat)
             fetched = self._apply_steps(plan, overlay)
             written = {n: p.positions.numel() for n, p in overlay.pending.items()}
+            written.update((n, b.numel()) for n, b in overlay.whole.items())
             tracking.set_version(target, None)  # unknown while writing
             try:
-                write_sparse(tensors, overlay, copies)
-            except ApplyError as e:
-                tracking.set_version(target, current if e.restored else None)
+                write_sparse(tensors, overlay, copies, owner=target)
+            except BaseException as e:  # an interrupt too: undone by write_sparse, then re-raised
+                tracking.set_version(target, current if restored_after(e) else None)
                 raise
             path = "delta"
         tracking.set_version(target, ref)
         release_memory()
         return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
 
+    def _holds_layout(self, tensors: dict[str, torch.Tensor], current: VersionRef, wanted: Manifest) -> bool:
+        """False when the target is laid out otherwise than ``current`` where ``wanted``'s layout differs.
+
+        (A model resized by its owner after its last pull: it no longer holds
+        that version, and a delta from it would be read against the wrong
+        layout.) Where both versions agree, a mismatch is left to the layout
+        check, which names it.
+        """
+        try:
+            held = self.store.manifest(current.step)
+        except VersionNotFoundError:
+            return True  # planning handles a vanished version
+        if held.layout_key == wanted.layout_key:
+            return True
+        final = layout_of(wanted)
+        for rec in held.tensors:
+            if same_spec(final.get(rec.name), rec.spec):
+                continue
+            t = tensors.get(rec.name)
+            if t is None or t.dtype != rec.spec.dtype or tuple(t.shape) != tuple(rec.shape):
+                return False
+        return True
+
     def _pull_anchor(self, target: Target, tensors: dict[str, torch.Tensor], copies: dict[str, list[str]],
-                     plan: Plan, current: VersionRef | None) -> tuple[int, dict[str, int]]:
+                     plan: Plan, current: VersionRef | None, lay: PathLayout) -> int:
         """Stream the plan's anchor into the live target, then its differential and deltas; all or nothing.
 
         Every target tensor's old bits go to an undo journal just before the
         anchor overwrites them; if anything fails (a corrupt or missing
         object, a checksum, a write), the journal puts them back and the
         error is raised: typed as it was when the target is restored, else
-        :class:`ApplyError` with ``restored = False``.
+        :class:`ApplyError` with ``restored = False``. Tensors whose layout the
+        path changes are kept on the host from the anchor on and written (or,
+        in a mapping, set) at the end; the ones it drops are deleted then.
         """
         assert plan.anchor is not None
         am = self.store.manifest(plan.anchor)
         self._prefetch(plan)
+        keep = _kept(am, lay)
         dests = {r.name: [bits_view(tensors[r.name])] + [bits_view(tensors[a]) for a in copies.get(r.name, ())]
-                 for r in am.tensors}
+                 for r in am.tensors if keep is None or r.name in keep}
         journal = UndoJournal(self.journal_dir, self.journal_memory)
         tracking.set_version(target, None)  # unknown while writing
         try:
-            stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=dests,
-                          journal=journal, verify=self.verify_anchors)
+            held = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=dests,
+                                 journal=journal, verify=self.verify_anchors)
             fetched = am.object_bytes(am.full_objects)
             overlay = SparseOverlay(mapping_reader(tensors), am, {n: d[0] for n, d in dests.items()})
+            records = am.tensor_map()
+            for name, bits in held.items():
+                overlay.hold(name, records[name].spec, bits, int(records[name].checksum, 16))
             fetched += self._apply_steps(plan, overlay)
-            write_sparse(tensors, overlay, copies)
+            write_sparse(tensors, overlay, copies, owner=target)
         except BaseException as e:
             failed = journal.restore()
             journal.close()
-            restored = failed == 0 and not (isinstance(e, ApplyError) and not e.restored)
+            restored = failed == 0 and restored_after(e)
             tracking.set_version(target, current if restored else None)
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt & co., after the restore (the tracked version says if it worked)
             if restored and isinstance(e, DeltaStoreError) and not isinstance(e, ApplyError):
                 raise  # nothing changed: the typed error stands (a corrupt object is planned around)
-            if restored and not isinstance(e, (Exception, WriteFailed)):
-                raise  # KeyboardInterrupt & co., after the restore
             cause = e.__cause__ if isinstance(e, WriteFailed) and e.__cause__ is not None else e
             if restored:
                 err = ApplyError(f"writing into the target failed ({cause!r}); the target was restored")
@@ -456,7 +546,7 @@ class Subscriber:
             err.restored = restored
             raise err from cause
         journal.close()
-        return fetched, {r.name: r.numel for r in am.tensors}
+        return fetched
 
     def _pull_scratch(self, dests: dict[str, torch.Tensor], step: int) -> None:
         """Write version ``step`` into ``dests`` (flat bit views whose current content does not matter).
@@ -467,11 +557,16 @@ class Subscriber:
         plan = self._plan_for(step, None, True, frozenset())
         assert plan.anchor is not None
         am = self.store.manifest(plan.anchor)
+        keep = _kept(am, self.path_layout(plan, None))
+        direct = {r.name: [dests[r.name]] for r in am.tensors if keep is None or r.name in keep}
         self._prefetch(plan)
-        stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am),
-                      dests={n: [d] for n, d in dests.items()}, verify=self.verify_anchors)
-        state = FullState.from_bits(am, dests)
+        held = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=direct,
+                             verify=self.verify_anchors)
+        state = FullState.from_bits(am, {**{n: d[0] for n, d in direct.items()}, **held})
         self._apply_steps(plan, state)
+        for name, bits in state.bits.items():  # tensors the path re-laid: held on the host until now
+            if bits.data_ptr() != dests[name].data_ptr():
+                dests[name].copy_(bits)
         release_memory()
 
     def _prefetch(self, plan: Plan) -> None:
@@ -484,8 +579,8 @@ class Subscriber:
             if s == plan.anchor:
                 continue
             m = self.store.manifest(s)
-            role: Role = "full" if s == plan.anchor else "diff" if s == plan.differential else "delta"
-            wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(m.objects_for(role))]
+            indices = m.objects_for("diff") if s == plan.differential else m.step_objects
+            wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(indices)]
         self.store.prefetch(wanted, max_workers=self.max_workers)
 
     def identify(self, target: Target, step: int) -> VersionRef:
@@ -495,6 +590,7 @@ class Subscriber:
         checkpoint, a restart) so the next pull can go through deltas.
         Raises :class:`ChecksumMismatchError` if any tensor differs.
         """
+        _check_step_arg(step)
         self.verify(target, step)
         ref = self.store.ref(step)
         tracking.set_version(target, ref)
@@ -512,6 +608,7 @@ class Subscriber:
             if ref is None:
                 raise VersionNotFoundError("the target's version is unknown; pass step=")
             step = ref.step
+        _check_step_arg(step)
         manifest = self.store.manifest(step)
         tensors = named_tensors(target)
         copies = check_layout(tensors, manifest)
@@ -531,9 +628,12 @@ class Subscriber:
         self.close()
 
     # -- decoding --------------------------------------------------------------------
-    def fetch_updates(self, manifest: Manifest, role: Role,
-                      old: OldBits | None) -> tuple[dict[str, Update], int]:
+    def fetch_updates(self, manifest: Manifest, role: Role, old: OldBits | None,
+                      names: set[str] | None = None) -> tuple[dict[str, Update], int]:
         """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read.
+
+        With ``names``, only the objects holding one of those tensors are read
+        and only their updates returned (a layout change's new tensors).
 
         Each tensor's parts are decoded from their objects, checked against the
         manifest and joined into one update per tensor: dense (whole tensor)
@@ -543,17 +643,23 @@ class Subscriber:
         """
         pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
-        for i, pairs in object_index(manifest, role).items():
+        index = object_index(manifest, role)
+        if names is not None:
+            index = {i: pairs for i, pairs in index.items() if any(t.name in names for t, _ in pairs)}
+        bar = _progress.current()
+        _progress.grow(bar, manifest.object_bytes(set(index)))
+        for i, pairs in index.items():
             rec = manifest.objects[i]
             data = self.store.get_object(rec.digest, rec.size)
             fetched += len(data)
+            _progress.advance(bar, len(data))
             for t, p, u in decode_object(manifest, i, data, pairs, role, old):
                 pieces.setdefault(t.name, []).append((p, u))
             del data
         updates = {}
         for t in manifest.tensors:
             got = pieces.get(t.name)
-            if got is not None:
+            if got is not None and (names is None or t.name in names):
                 updates[t.name] = _join(t, got, role, manifest.step)
         return updates, fetched
 
@@ -592,6 +698,21 @@ def _full_checksums(items: list[tuple[str, torch.Tensor]]) -> list[int]:
 
 
 _MAX_AVOIDED = 8  # corrupt objects a single pull routes around before giving up
+
+
+def _check_step_arg(step: object) -> None:
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise InvalidStepError(f"step must be an integer, got {step!r} ({type(step).__name__})")
+
+
+def _kept(am: Manifest, lay: PathLayout) -> set[str] | None:
+    """Anchor tensors written straight into their destination: those the path keeps laid out as they are
+    (None: all of them). The others are held on the host until the path's end."""
+    if not lay.changes:
+        return None
+    whole = set(lay.whole)
+    final = lay.final
+    return {r.name for r in am.tensors if r.name in final and r.name not in whole}
 
 
 def _uses(m: Manifest, indices: set[int], avoid: frozenset[str]) -> bool:

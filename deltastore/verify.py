@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .apply import FullState
-from .errors import DeltaStoreError
+from .errors import DeltaStoreError, VersionNotFoundError
+from .layout import check_step
 from .manifest import Manifest
 from .store import DeltaStore
 from .subscriber import Subscriber
@@ -42,7 +43,14 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     For each manifest: it parses; each delta's parent exists with the recorded
     digest; every object exists and matches its sha256. Then every chain is
     replayed from its anchors: each version's tensors must match the checksums
-    in its manifest. Nothing is modified. Returns a :class:`VerifyReport`.
+    in its manifest, and a layout change must agree with its parent's layout.
+    A version that does not follow from the one replayed before it (a writer
+    that lost a race and continued from its own last version) is rebuilt the
+    way a reader would pull it, from the cheapest anchor path; only when no
+    path reaches it is it reported. Nothing is modified. Returns a
+    :class:`VerifyReport`.
+    ``progress(message)`` is called twice per readable version: before its
+    objects are re-hashed and before it is replayed.
     """
     report = VerifyReport()
     sub = Subscriber(store)
@@ -57,6 +65,7 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
 
     seen: set[str] = set()
     for step, (m, _) in manifests.items():
+        say(f"re-hashing the objects of version {step}")
         if m.parent is not None and m.kind == "delta":
             parent = manifests.get(m.parent.step)
             if parent is None:
@@ -73,7 +82,8 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
                 report.problems.append((step, str(e)))
     report.objects = len(seen)
 
-    # Replay: walk versions in order, keeping the state of the previous one when it is the parent.
+    # Replay: walk versions in order, keeping the state of the previous one when it is the parent; a version
+    # whose parent is not that state is judged as a reader would get it: the cheapest path from an anchor.
     state: FullState | None = None
     state_ref: tuple[int, str] | None = None
     for step, (m, digest) in manifests.items():
@@ -81,17 +91,22 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
         try:
             if (state is not None and m.parent is not None and m.has_delta
                     and state_ref == (m.parent.step, m.parent.digest)):
-                updates, _ = sub.fetch_updates(m, "delta", state.old_bits)
-                state.apply(m, updates)
+                assert state_ref is not None
+                check_step(state.specs, m, base=state_ref[0])
+                sub.advance(state, m)
                 if m.kind == "anchor":  # the full objects must agree too
                     FullState(m, sub.fetch_updates(m, "full", None)[0])
             elif m.kind == "anchor":
                 state = FullState(m, sub.fetch_updates(m, "full", None)[0])
             else:
-                state = None
-                state_ref = None
-                report.problems.append((step, "delta is not reachable from a verified predecessor"))
-                continue
+                state, state_ref = None, None
+                try:
+                    staged = sub.stage(step, layout_changes=True)
+                except VersionNotFoundError:
+                    report.problems.append((step, "delta is not reachable from a verified predecessor"))
+                    continue
+                assert isinstance(staged.state, FullState)
+                state = staged.state
             state_ref = (step, digest)
             report.replayed.append(step)
         except DeltaStoreError as e:

@@ -182,3 +182,40 @@ def test_mirror_device_cpu_is_accepted_and_sync_mode_unchanged(memory_uri):
         for i, s in enumerate(states):
             assert pub.publish(s, step=i).step == i
     assert bits_equal(ds.Subscriber(memory_uri).pull().state, states[2])
+
+
+def test_background_publish_returns_a_pending_version_info():
+    backend = GatedBackend()
+    pub = ds.Publisher(DeltaStore(backend), background=True, max_pending=2, codec="raw", anchor_every=100)
+    states = _states(2)
+    info = pub.publish(states[0], step=0)
+    assert isinstance(info, ds.VersionInfo)  # always a VersionInfo, never a bare Future
+    assert (info.step, info.changed, info.total) == (0, 128 * 64 + 64, 128 * 64 + 64)  # known at capture
+    assert not info.committed and not info.done() and "pending" in repr(info)
+    with pytest.raises(TimeoutError):
+        info.wait(timeout=0.05)
+    seen = []
+    info.add_done_callback(seen.append)
+    backend.gate.set()
+    committed = info.wait(timeout=30)
+    assert info.committed and info.done() and info.exception() is None and seen == [info]
+    assert committed.digest == info.digest == ds.Subscriber(DeltaStore(backend)).store.ref(0).digest
+    assert info.kind == "anchor" and info.nbytes > 0 and info.warnings == () and info.result() is committed
+    pub.close()
+
+
+def test_pending_version_info_reraises_the_background_error():
+    backend = SlowBackend(fail_on=lambda key: key == "versions/000000000001.json")
+    pub = ds.Publisher(DeltaStore(backend), background=True, max_pending=4, anchor_every=100)
+    states = _states(3)
+    infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
+    assert infos[0].wait(timeout=10).step == 0
+    with pytest.raises(ConnectionError):
+        infos[1].wait(timeout=10)
+    with pytest.raises(ConnectionError):
+        infos[1].digest  # a commit-only field waits too, and raises
+    with pytest.raises(RuntimeError, match="dropped"):
+        infos[2].wait(timeout=10)
+    assert not infos[1].committed and not infos[2].committed and infos[0].committed
+    with pytest.raises(ConnectionError):
+        pub.close()

@@ -12,7 +12,7 @@ import torch
 import deltastore as ds
 from conftest import bits_equal
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
-                               ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
+                               InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                                UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
                                VersionNotFoundError)
 from deltastore.manifest import sha256_digest
@@ -390,3 +390,44 @@ def test_digest_helper_matches_store_layout(published):
     o = m.objects[0]
     data = open(_path(uri, object_key(o.digest)), "rb").read()
     assert sha256_digest(data) == o.digest and len(data) == o.size
+
+
+@pytest.mark.parametrize("step", ["3", 3.0, True, [3]])
+def test_step_of_the_wrong_type_is_typed(published, step):
+    uri, states, sub, target = published
+    err = _expect(sub, target, states[3], InvalidStepError, step=step)
+    assert isinstance(err, TypeError) and "step must be an integer" in str(err) and repr(step) in str(err)
+    for call in (lambda: sub.stage(step), lambda: sub.identify(target, step), lambda: sub.plan(step)):
+        with pytest.raises(InvalidStepError):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_non_contiguous_tensors_are_accepted_at_every_step(store_uri, dtype):
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(48, 32, generator=g)  # an fp32 master held transposed
+    if dtype is None:
+        master = master.bfloat16()
+    pub = ds.Publisher(store_uri, dtype=dtype, anchor_every=100)
+    sub = ds.Subscriber(store_uri)
+    for step in range(3):
+        state = {"w": master.t(), "b": master[:, 0]}  # both views are non-contiguous
+        assert not state["w"].is_contiguous() and not state["b"].is_contiguous()
+        pub.publish(state, step=step)
+        want = {k: v.contiguous().to(torch.bfloat16) for k, v in state.items()}
+        assert bits_equal(sub.pull(step=step).state, want)
+        with torch.no_grad():
+            master.view(-1)[step::7] += 1
+    pub.close()
+    assert [sub.manifest(s).kind for s in range(3)] == ["anchor", "delta", "delta"]
+
+
+def test_extreme_created_time_is_readable(published):
+    uri, states, sub, target = published
+    assert sub.manifest(4).created_at.year >= 2024
+    for created in (1e300, -1e300, 2.0 ** 63):
+        _rewrite_manifest(uri, 4, lambda doc: doc.update(created=created))
+        m = ds.Manifest.from_json(open(_path(uri, version_key(4)), "rb").read())
+        assert m.created == created and m.created_at is None  # no OverflowError / ValueError / OSError
+    sub.store.forget(4)
+    assert sub.pull(target, step=4).age == 0.0  # created in the far future: age clamps at 0

@@ -1,4 +1,8 @@
-"""Object stores through fsspec: ``s3://``, ``gs://`` / ``gcs://``, and any other fsspec protocol.
+"""Object stores through fsspec: ``s3://`` / ``s3a://`` and ``gs://`` / ``gcs://``.
+
+Another fsspec protocol (``az://``, ``abfs://``, ...) is not registered: it
+would get check-then-write creates and is untested. Register it yourself to
+use it: ``deltastore.registry.backends.register("az", "deltastore.backends.fsspec:FsspecBackend")``.
 
 URI form: ``PROTOCOL://BUCKET[/PREFIX]``. Keys live under ``BUCKET/PREFIX/``.
 Storage options go to the fsspec filesystem unchanged (``endpoint_url``,

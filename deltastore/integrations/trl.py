@@ -1,4 +1,9 @@
-"""Publish from a Hugging Face ``transformers`` / TRL trainer: :class:`DeltaStoreCallback`.
+"""Publish from a Hugging Face ``transformers`` / TRL trainer.
+
+* :class:`DeltaStoreWeightTransfer` (:mod:`.trl_transfer`): TRL's own weight-sync
+  plug point, ``AsyncGRPOTrainer(weight_transfer=...)``; it replaces TRL's NCCL sync.
+* :class:`DeltaStoreCallback` (below): any ``transformers.Trainer``; it publishes
+  next to whatever sync the trainer already does.
 
 Three lines to adopt::
 
@@ -25,7 +30,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,13 +37,14 @@ import torch
 from ..errors import MissingDependencyError
 from ..publisher import Publisher, VersionInfo
 from ..tensors import StateLike
+from .trl_transfer import DeltaStoreWeightTransfer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback as _TrainerCallbackBase
 else:
     _TrainerCallbackBase = object
 
-__all__ = ["DeltaStoreCallback", "unwrap_model", "INSTALL_HINT"]
+__all__ = ["DeltaStoreCallback", "DeltaStoreWeightTransfer", "unwrap_model", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'deltastore[trl]'"
 _log = logging.getLogger("deltastore.integrations.trl")
@@ -126,8 +131,8 @@ def _make_class() -> type:
 
         Attributes:
             publisher: the Publisher (None before ``on_train_begin`` and on non-publishing processes).
-            last: what the last ``publish`` returned: a :class:`~deltastore.publisher.VersionInfo`,
-                or a ``Future`` of one with a background Publisher (``background=True``); None before.
+            last: what the last ``publish`` returned: a :class:`~deltastore.publisher.VersionInfo`
+                (pending until its commit with a background Publisher: ``last.wait()``); None before.
             published: the steps this callback published, in order.
         """
 
@@ -158,7 +163,7 @@ def _make_class() -> type:
             self.publish_initial = publish_initial
             self.state_fn = state_fn
             self.publisher: Publisher | None = None
-            self.last: VersionInfo | Future[VersionInfo] | None = None
+            self.last: VersionInfo | None = None
             self.published: list[int] = []
             self._warned_stale = False
             self._floor: int | None = None  # highest step in the store when opened, then the last published
@@ -192,7 +197,7 @@ def _make_class() -> type:
                 self._floor = last.step if last is not None else self.publisher.store.latest()
             return self.publisher
 
-        def _publish(self, model: Any, step: int) -> VersionInfo | Future[VersionInfo] | None:
+        def _publish(self, model: Any, step: int) -> VersionInfo | None:
             """Publish ``model`` as ``step`` on a publishing process; run ``state_fn`` on every process."""
             if model is None:
                 raise ValueError("the trainer passed no model to DeltaStoreCallback")
@@ -270,6 +275,6 @@ if TYPE_CHECKING:  # pragma: no cover
                      publish_initial: bool = ..., state_fn: Callable[[torch.nn.Module], StateLike] | None = ...,
                      **publisher_kwargs: Any) -> None: ...
         publisher: Publisher | None
-        last: VersionInfo | Future[VersionInfo] | None
+        last: VersionInfo | None
         published: list[int]
         def close(self) -> None: ...

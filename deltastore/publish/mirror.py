@@ -29,7 +29,7 @@ the pending positions need a second look, O(changed) per version.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,11 +121,31 @@ class Mirror:
         m.fill(tensors)
         return m
 
-    def fill(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy every tensor's bits in (a cast to the spec's dtype where it differs)."""
+    def relayout(self, specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor]
+                 ) -> tuple[Mirror, tuple[str, ...], tuple[str, ...]]:
+        """A mirror in the layout ``specs``: the tensors this one has with the same spec keep its bits, the
+        others (new, reshaped, re-typed) get ``tensors``' bits. Returns it, those others and the dropped names.
+
+        One copy of the model, on a layout change only.
+        """
+        m = Mirror(specs, self.device)
+        m.version = self.version
+        new = tuple(n for n, sp in specs.items() if self.specs.get(n) != sp)
+        dropped = tuple(n for n in self.specs if n not in specs)
+        relaid = set(new)
+        kept = [n for n in specs if n not in relaid]
+        with torch.no_grad():
+            for n in kept:
+                m._views[n].copy_(self._views[n])
+        m.fill(tensors, new)
+        return m, new, dropped
+
+    def fill(self, tensors: Mapping[str, torch.Tensor], names: Sequence[str] | None = None) -> None:
+        """Copy every tensor's bits in (``names``: only those), cast to the spec's dtype where it differs."""
         fast: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         with torch.no_grad():
-            for name, spec in self.specs.items():
+            for name in self.specs if names is None else names:
+                spec = self.specs[name]
                 t = tensors[name]
                 dst = self._views[name]
                 if t.dtype == spec.dtype and t.is_cpu and dst.is_cpu and t.is_contiguous():
@@ -133,7 +153,7 @@ class Mirror:
                     src.append(t)
                     dsts.append(dst)
                 elif t.dtype == spec.dtype:
-                    dst.copy_(bits_view(t))
+                    dst.copy_(bits_view(t.contiguous()))  # non-contiguous: row-major order, as everywhere
                 else:
                     dst.copy_(bits_view(t.detach().to(spec.dtype).contiguous()))
         for src, dsts in fast.values():
@@ -153,17 +173,23 @@ class Mirror:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
-    def checksums(self) -> dict[str, int]:
-        """Every tensor's whole checksum (:mod:`deltastore.checksum`), one kernel pass per element width."""
+    def checksums(self, only: Sequence[str] | None = None) -> dict[str, int]:
+        """Every tensor's whole checksum (:mod:`deltastore.checksum`), one kernel pass per element width
+        (``only``: just those tensors)."""
         out: dict[str, int] = {}
-        for w, names in self._groups.items():
+        wanted = set(only) if only is not None else None
+        for w, all_names in self._groups.items():
+            idx = [i for i, n in enumerate(all_names) if wanted is None or n in wanted]
+            if not idx:
+                continue
+            names = [all_names[i] for i in idx]
             views = [self._views[n] for n in names]
             if self.device.type == "cpu":
-                sums = segments.full_sums(views, self._keys[w])
+                sums = segments.full_sums(views, self._keys[w][idx])
                 out.update((n, int(v)) for n, v in zip(names, sums))
             else:
                 out.update((n, full_checksum(n, v)) for n, v in zip(names, views))
-        return {n: out[n] for n in self.specs}
+        return {n: out[n] for n in self.specs if n in out}
 
     def keys(self) -> dict[str, int]:
         return {n: int(k) for w, names in self._groups.items() for n, k in zip(names, self._keys[w])}
@@ -189,9 +215,7 @@ class Mirror:
                 spec = self.specs[name]
                 if t.numel() != spec.numel:
                     raise TargetMismatchError(f"{name!r} has {t.numel()} elements, the mirror {spec.numel}")
-                if not t.is_contiguous():
-                    raise TargetMismatchError("tensor is not contiguous; deltastore needs contiguous tensors")
-                if t.dtype == spec.dtype and t.is_cpu and self.device.type == "cpu":
+                if t.dtype == spec.dtype and t.is_cpu and self.device.type == "cpu" and t.is_contiguous():
                     fast_names.append(name)
                     olds.append(self._views[name])
                     news.append(t)

@@ -8,7 +8,8 @@ go and drops the object, so a pull holds a few objects at a time:
   the tensor itself and any alias copies): each view's old bits are saved in
   an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
   caller can put the target back if anything fails later;
-* into new tensors (``dests`` None): the decoded bits become the result.
+* into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
+  whose layout changes later on the path): the decoded bits become the result.
 
 Every tensor's full checksum is compared with the manifest once all its parts
 are in (read back from where they were written), in one kernel pass per
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import segments
+from .. import progress, segments
 from ..apply import _key, plain_cpu
 from ..checksum import full_checksum
 from ..errors import ChecksumMismatchError, ManifestError
@@ -38,19 +39,22 @@ class WriteFailed(Exception):
 
 def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                   dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
-                  verify: bool = True) -> dict[str, torch.Tensor] | None:
-    """Write anchor ``am``'s whole tensors into ``dests`` (or return them as new flat bit tensors)."""
+                  verify: bool = True) -> dict[str, torch.Tensor]:
+    """Write anchor ``am``'s whole tensors into ``dests``; return the others as new flat bit tensors."""
     index = object_index(am, "full")
     records = am.tensor_map()
     received = dict.fromkeys(records, 0)
     out: dict[str, torch.Tensor] = {}
+    bar = progress.current()
+    progress.grow(bar, am.object_bytes(set(index)))
     for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
+        progress.advance(bar, len(data))
         decoded = decode_object(am, i, data, index[i], "full", None)
         del data
         complete = []
         for t, p, u in decoded:
             whole = t.is_whole(p)
-            if dests is None:
+            if dests is None or t.name not in dests:
                 if whole:
                     out[t.name] = u.bits
                 else:
@@ -76,11 +80,12 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 complete.append(t.name)
         del decoded
         if verify and complete:
-            _verify(am, records, complete, out if dests is None else {n: dests[n][0] for n in complete})
+            _verify(am, records, complete, {n: dests[n][0] if dests is not None and n in dests else out[n]
+                                            for n in complete})
     missing = [n for n, got in received.items() if got != records[n].numel]
     if missing:
         raise ManifestError(f"anchor {am.step} does not hold every element of {missing[:5]}")
-    return out if dests is None else None
+    return out
 
 
 def _verify(am: Manifest, records: Mapping, names: list[str], where: Mapping[str, torch.Tensor]) -> None:

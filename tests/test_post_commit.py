@@ -1,0 +1,95 @@
+"""publish() never raises after its commit point: marker and retention failures become warnings."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import deltastore as ds
+from conftest import bits_equal
+from deltastore.backends.memory import MemoryBackend
+from deltastore.errors import PostCommitWarning
+from deltastore.gc import Retention
+from deltastore.store import STORE_MARKER, DeltaStore
+from deltastore.testing.faults import Fault, FaultyBackend
+
+
+def _states(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {"w": torch.randn(64, 32, generator=g).bfloat16(), "b": torch.randn(32, generator=g).bfloat16()}
+    out = [s]
+    for _ in range(1, n):
+        nxt = {}
+        for k, v in out[-1].items():
+            bits = v.view(torch.int16).clone()
+            bits[torch.rand(bits.shape, generator=g) < 0.05] += 1
+            nxt[k] = bits.view(torch.bfloat16)
+        out.append(nxt)
+    return out
+
+
+def _faulty(*rules):
+    inner = MemoryBackend(uuid.uuid4().hex)
+    return inner, FaultyBackend(inner, rules=list(rules))
+
+
+def _check_pulls(inner, states, steps):
+    sub = ds.Subscriber(DeltaStore(inner))
+    for s in steps:
+        assert bits_equal(sub.pull(step=s).state, states[s])
+    target = sub.pull(step=steps[0]).state
+    sub.identify(target, steps[0])
+    for s in steps[1:]:
+        assert sub.pull(target, step=s).path == "delta"  # the chain kept moving: a follower takes deltas
+        assert bits_equal(target, states[s])
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_marker_failure_after_commit_is_a_warning(background):
+    inner, faulty = _faulty(Fault("permanent", ops="put", prefix=STORE_MARKER))
+    states = _states(4)
+    pub = ds.Publisher(DeltaStore(faulty), anchor_every=100, background=background)
+    with pytest.warns(PostCommitWarning, match="committed"):
+        infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
+        infos = [i.result() for i in infos]
+        pub.close()
+    assert faulty.injected["permanent"] >= 1
+    assert [i.step for i in infos] == [0, 1, 2, 3]
+    assert all(i.warnings and "PermissionError" in i.warnings[0] for i in infos)
+    m = DeltaStore(inner).manifest(3)
+    assert m.parent is not None and m.parent.step == 2 and m.kind == "delta"
+    assert not inner.exists(STORE_MARKER)
+    _check_pulls(inner, states, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_retention_failure_after_commit_is_a_warning(background):
+    inner, faulty = _faulty(Fault("permanent", ops="delete"))
+    states = _states(6)
+    pub = ds.Publisher(DeltaStore(faulty), anchor_every=2, retention=Retention(keep_last=2, keep_anchors=1),
+                       gc_grace=0, background=background)
+    with pytest.warns(PostCommitWarning, match="retention"):
+        infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
+        infos = [i.result() for i in infos]
+        pub.close()
+    assert faulty.injected["permanent"] >= 1
+    assert [i.step for i in infos] == list(range(6))
+    assert any(w.startswith("retention after version") for i in infos for w in i.warnings)
+    assert DeltaStore(inner).versions() == list(range(6))  # nothing could be deleted, nothing was lost
+    _check_pulls(inner, states, [4, 5])
+
+
+def test_failed_manifest_write_still_raises_and_can_be_retried():
+    inner, faulty = _faulty(Fault("permanent", ops="put", prefix="versions/", skip=1, limit=1))
+    states = _states(3)
+    pub = ds.Publisher(DeltaStore(faulty), anchor_every=100)
+    assert not pub.publish(states[0], step=0).warnings
+    with pytest.raises(PermissionError):
+        pub.publish(states[1], step=1)  # before the commit point: an error, nothing committed
+    assert DeltaStore(inner).versions() == [0]
+    assert pub.publish(states[1], step=1).step == 1
+    pub.publish(states[2], step=2)
+    pub.close()
+    _check_pulls(inner, states, [0, 1, 2])
