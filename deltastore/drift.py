@@ -1,32 +1,39 @@
 """Elements that differ from the last anchor, tracked in O(drift) memory.
 
-The Publisher keeps, per tensor, the sorted flat positions whose bits differ
-from the last anchor's now, and the anchor's bits there (6 bytes per drifted
-bf16 element with 32-bit positions; nothing else: the current bits are the
-mirror's). From it come the *drift* (how many elements differ from the anchor)
-and the *differential* (anchor -> now) that a joiner can use instead of
-replaying the chain. Each version's changes are merged in one pass per tensor
-(:func:`deltastore.kernels.diff.drift_merge`); an element that changes back to
-the anchor's bits leaves the set.
+The Publisher keeps the flat positions whose bits differ from the last
+anchor's now, and the anchor's bits there (6 bytes per drifted bf16 element
+with 32-bit positions; nothing else: the current bits are the mirror's). From
+it come the *drift* (how many elements differ from the anchor) and the
+*differential* (anchor -> now) that a joiner can use instead of replaying the
+chain. An element that changes back to the anchor's bits leaves the set.
+
+Layout: one compressed-row table per element width (:class:`_Table`): tensor
+``k`` of the table owns ``positions[bounds[k]:bounds[k + 1]]`` (sorted) and the
+anchor's bits there. A version's changes are merged into a table by one
+kernel call (:func:`deltastore.kernels.diff.drift_merge_rows`) whatever the
+tensor count, so the cost follows the drifted and changed elements, not the
+number of tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .diff import Change
-from .kernels.diff import drift_merge, segment_runs
-from .kernels.parallel import chunked, threads
+from .kernels.diff import drift_merge_rows
+from .segments import FlatChanges
 
 #: ``read(name, positions) -> bits`` of the current version at those flat positions
 Read = Callable[[str, torch.Tensor], torch.Tensor]
 
+_INT32_MAX = 2**31 - 1
 
-@dataclass
+
+@dataclass(frozen=True)
 class _Since:
     positions: torch.Tensor    # sorted positions whose bits differ from the anchor (int32 when they fit)
     anchor_bits: torch.Tensor  # the anchor's bits there
@@ -36,73 +43,157 @@ class _Since:
         return int(self.positions.numel())
 
 
-def _positions_dtype(ch: Change, prev: _Since | None) -> torch.dtype:
-    if prev is not None and prev.positions.dtype == torch.int64:
-        return torch.int64
-    last = int(ch.positions[-1]) if ch.count else 0
-    return torch.int32 if last < 2**31 - 1 else torch.int64
+@dataclass(frozen=True)
+class _Table:
+    """The drift of every tensor of one element width (see the module docstring)."""
+
+    names: tuple[str, ...]
+    index: dict[str, int]
+    bounds: np.ndarray     # int64, len(names) + 1
+    positions: np.ndarray  # int32, or int64 once a position needs it
+    anchor: np.ndarray     # the anchor's bits (integer view dtype)
+
+    def row(self, name: str) -> _Since | None:
+        k = self.index.get(name)
+        if k is None:
+            return None
+        a, b = int(self.bounds[k]), int(self.bounds[k + 1])
+        if a == b:
+            return None
+        return _Since(torch.from_numpy(self.positions[a:b]), torch.from_numpy(self.anchor[a:b]))
+
+
+class Drift:
+    """A drift state (proposed or committed): per tensor, the elements that differ from the anchor."""
+
+    def __init__(self, tables: Mapping[np.dtype, _Table]):
+        self._tables = dict(tables)
+
+    def get(self, name: str) -> _Since | None:
+        """The elements of ``name`` that differ from the anchor (views), or None when none do."""
+        for t in self._tables.values():
+            since = t.row(name)
+            if since is not None:
+                return since
+        return None
+
+    @property
+    def count(self) -> int:
+        return sum(int(t.bounds[-1]) for t in self._tables.values())
+
+    def items(self) -> list[tuple[str, _Since]]:
+        out = []
+        for t in self._tables.values():
+            sizes = np.diff(t.bounds)
+            for k in np.flatnonzero(sizes).tolist():
+                since = t.row(t.names[k])
+                assert since is not None
+                out.append((t.names[k], since))
+        return out
+
+
+def _rows(prev: _Table | None, group: list[tuple[str, Change]]
+          ) -> tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The version's changes of ``group`` as rows of ``prev``'s table (new tensors appended)."""
+    names = list(prev.names) if prev is not None else []
+    index = dict(prev.index) if prev is not None else {}
+    for name, _ in group:
+        if name not in index:
+            index[name] = len(names)
+            names.append(name)
+    group.sort(key=lambda item: index[item[0]])
+    keys = np.fromiter((index[n] for n, _ in group), dtype=np.int64, count=len(group))
+    counts = np.zeros(len(names), np.int64)
+    counts[keys] = np.fromiter((ch.count for _, ch in group), dtype=np.int64, count=len(group))
+    c_bounds = np.zeros(len(names) + 1, np.int64)
+    np.cumsum(counts, out=c_bounds[1:])
+    return (tuple(names), index, c_bounds, np.concatenate([ch.positions.numpy() for _, ch in group]),
+            np.concatenate([ch.old_bits.numpy() for _, ch in group]),
+            np.concatenate([ch.new_bits.numpy() for _, ch in group]))
+
+
+def _flat_rows(prev: _Table | None, names: list[str], fc: FlatChanges
+               ) -> tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The compare's flat changes as rows, when their tensors are exactly ``prev``'s rows (or it has none)."""
+    if prev is not None and prev.names != tuple(names):
+        return None
+    index = prev.index if prev is not None else {n: k for k, n in enumerate(names)}
+    pos, new, old = (np.concatenate([p[j].numpy() for p in fc.parts]) if len(fc.parts) != 1 else fc.parts[0][j].numpy()
+                     for j in range(3))
+    return tuple(names), index, np.ascontiguousarray(fc.bounds, dtype=np.int64), pos, old, new
+
+
+def _merge(prev: _Table | None, rows: tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray,
+                                            np.ndarray]) -> _Table:
+    names, index, c_bounds, c_pos, c_old, c_new = rows
+    k_all = len(names)
+    if prev is not None:
+        p_bounds = np.concatenate([prev.bounds, np.full(k_all - len(prev.names), prev.bounds[-1], np.int64)])
+        p_pos, p_anchor = prev.positions, prev.anchor
+    else:
+        p_bounds = np.zeros(k_all + 1, np.int64)
+        p_pos, p_anchor = np.zeros(0, np.int32), np.zeros(0, c_old.dtype)
+    wide = p_pos.dtype == np.int64 or (c_pos.size and int(c_pos.max()) > _INT32_MAX)
+    n = p_pos.size + c_pos.size
+    out_pos = np.empty(n, np.int64 if wide else np.int32)
+    out_anchor = np.empty(n, c_old.dtype)
+    out_bounds = np.empty(k_all + 1, np.int64)
+    used = drift_merge_rows(p_bounds, p_pos, p_anchor, c_bounds, c_pos, c_old, c_new,
+                            out_bounds, out_pos, out_anchor)
+    out_pos.resize(used, refcheck=False)  # in place: no second copy of the drift at its peak
+    out_anchor.resize(used, refcheck=False)
+    return _Table(names, index, out_bounds, out_pos, out_anchor)
 
 
 class DriftTracker:
-    """Per tensor, the elements that differ from the anchor and the anchor's bits there."""
+    """The committed drift, and proposals of what it becomes after one more version."""
 
     def __init__(self) -> None:
-        self._since: dict[str, _Since] = {}
+        self._drift = Drift({})
 
     def reset(self) -> None:
         """Forget everything (a new anchor was committed)."""
-        self._since = {}
+        self._drift = Drift({})
 
-    def propose(self, changes: Mapping[str, Change]) -> dict[str, _Since]:
-        """The per-tensor state after ``changes`` (nothing is modified until :meth:`commit`).
+    def propose(self, changes: Mapping[str, Change],
+                flat: Sequence[tuple[list[str], FlatChanges]] = ()) -> Drift:
+        """The drift after ``changes`` (nothing is modified until :meth:`commit`); one merge per element width.
 
-        Tensors are merged in parallel on the kernel threads (the merge kernel runs without the GIL).
+        ``flat``: the compare's flat changes (:attr:`deltastore.publish.mirror.Diff.flat`); when they
+        cover every tensor of ``changes``, they are merged as they are, with no work per tensor.
         """
-        out = dict(self._since)
-        merges = []
+        tables = dict(self._drift._tables)
+        if flat and sum(len(names) for names, _ in flat) == len(changes):
+            staged = []
+            for names, fc in flat:
+                if not fc.parts:
+                    continue
+                dt = fc.parts[0][2].numpy().dtype
+                rows = _flat_rows(tables.get(dt), names, fc)
+                if rows is None:
+                    break
+                staged.append((dt, rows))
+            else:
+                for dt, rows in staged:
+                    tables[dt] = _merge(tables.get(dt), rows)
+                return Drift(tables)
+        groups: dict[np.dtype, list[tuple[str, Change]]] = {}
         for name, ch in changes.items():
-            if not ch.count:
-                continue
-            prev = self._since.get(name)
-            pdt = _positions_dtype(ch, prev)
-            if prev is None:  # every change is a first change: the old bits are the anchor's
-                out[name] = _Since(ch.positions.to(pdt, copy=True), ch.old_bits.clone())
-            else:
-                merges.append((name, ch, prev, pdt))
+            if ch.count:
+                groups.setdefault(ch.old_bits.numpy().dtype, []).append((name, ch))
+        for dt, group in groups.items():
+            tables[dt] = _merge(tables.get(dt), _rows(tables.get(dt), group))
+        return Drift(tables)
 
-        def merge(i: int) -> _Since | None:
-            name, ch, prev, pdt = merges[i]
-            n = prev.positions.numel() + ch.count
-            pos = np.empty(n, dtype=np.int32 if pdt == torch.int32 else np.int64)
-            anchor = np.empty(n, dtype=ch.old_bits.numpy().dtype)
-            c = drift_merge(prev.positions.numpy(), prev.anchor_bits.numpy(), ch.positions.numpy(),
-                            ch.old_bits.numpy(), ch.new_bits.numpy(), pos, anchor)
-            pos.resize(c, refcheck=False)
-            anchor.resize(c, refcheck=False)
-            return _Since(torch.from_numpy(pos), torch.from_numpy(anchor)) if c else None
-
-        sizes = np.fromiter((m[2].positions.numel() + m[1].count for m in merges), dtype=np.int64,
-                            count=len(merges))
-        runs = segment_runs(np.concatenate([[0], np.cumsum(sizes)]), threads())
-        done = chunked(len(runs), lambda a, b: [[merge(i) for i in range(*runs[r])] for r in range(a, b)],
-                       min_chunk=1, pieces=len(runs)) if runs else []
-        results = [x for part in done for run in part for x in run]
-        for (name, *_), since in zip(merges, results):
-            if since is None:
-                out.pop(name, None)
-            else:
-                out[name] = since
-        return out
-
-    def commit(self, proposed: dict[str, _Since]) -> None:
-        self._since = proposed
+    def commit(self, proposed: Drift) -> None:
+        self._drift = proposed
 
     @staticmethod
-    def count(proposed: Mapping[str, _Since]) -> int:
-        return sum(s.differing for s in proposed.values())
+    def count(proposed: Drift) -> int:
+        return proposed.count
 
     @staticmethod
-    def differential(proposed: Mapping[str, _Since], read: Read) -> dict[str, Change]:
+    def differential(proposed: Drift, read: Read) -> dict[str, Change]:
         """Per tensor, the elements that differ from the anchor: positions, current bits, anchor bits.
 
         ``read`` gives the current version's bits (the publisher's mirror once it holds this version).

@@ -364,7 +364,7 @@ class Publisher:
         total = sum(s.numel for s in specs.values())
         # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
         tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
-        proposed = self._drift.propose(changes) if same_layout and tracks else None
+        proposed = self._drift.propose(changes, c.diff.flat) if c.diff is not None and tracks else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})

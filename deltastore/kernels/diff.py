@@ -223,38 +223,39 @@ def all_zero(like, ptr, n):
 
 
 @njit(nogil=True, cache=True)
-def drift_merge(prev_pos, prev_anchor, pos, old, new, out_pos, out_anchor):
-    """Merge one version's changes into the positions that differ from the anchor (both sorted).
+def drift_merge_rows(p_bounds, p_pos, p_anchor, c_bounds, c_pos, c_old, c_new, out_bounds, out_pos, out_anchor):
+    """Merge one version's changes into the positions that differ from the anchor, every row at once.
 
-    ``prev_*``: positions differing from the anchor before, with the anchor's
-    bits there; ``pos/old/new``: the version's changes. Writes the positions
-    differing after it (with the anchor's bits) to ``out_*`` and returns how
-    many. An element that changes back to the anchor's bits leaves the set.
+    Rows are tensors; within a row positions are sorted. Row ``k`` of the previous table is ``p_pos/p_anchor[p_bounds[k]:p_bounds[k + 1]]``, of the
+    version's changes ``c_pos/c_old/c_new[c_bounds[k]:c_bounds[k + 1]]``; both tables have the same
+    rows. Writes the merged table to ``out_*`` (``out_bounds``: same length as the inputs') and returns
+    its element count. An element that changes back to the anchor's bits leaves the set.
     """
-    i = 0
-    j = 0
     c = 0
-    n_p = prev_pos.size
-    n_c = pos.size
-    while i < n_p or j < n_c:
-        if j >= n_c or (i < n_p and prev_pos[i] < pos[j]):
-            out_pos[c] = prev_pos[i]
-            out_anchor[c] = prev_anchor[i]
-            c += 1
-            i += 1
-        elif i >= n_p or pos[j] < prev_pos[i]:  # first change since the anchor: the old bits are the anchor's
-            out_pos[c] = pos[j]
-            out_anchor[c] = old[j]
-            c += 1
-            j += 1
-        else:
-            a = prev_anchor[i]
-            if a != new[j]:
-                out_pos[c] = prev_pos[i]
-                out_anchor[c] = a
+    out_bounds[0] = 0
+    for k in range(p_bounds.size - 1):
+        i, n_p = p_bounds[k], p_bounds[k + 1]
+        j, n_c = c_bounds[k], c_bounds[k + 1]
+        while i < n_p or j < n_c:
+            if j >= n_c or (i < n_p and p_pos[i] < c_pos[j]):
+                out_pos[c] = p_pos[i]
+                out_anchor[c] = p_anchor[i]
                 c += 1
-            i += 1
-            j += 1
+                i += 1
+            elif i >= n_p or c_pos[j] < p_pos[i]:  # first change since the anchor: the old bits are the anchor's
+                out_pos[c] = c_pos[j]
+                out_anchor[c] = c_old[j]
+                c += 1
+                j += 1
+            else:
+                a = p_anchor[i]
+                if a != c_new[j]:
+                    out_pos[c] = p_pos[i]
+                    out_anchor[c] = a
+                    c += 1
+                i += 1
+                j += 1
+        out_bounds[k + 1] = c
     return c
 
 

@@ -1,0 +1,89 @@
+"""The drift tracker against a plain reference: per tensor, the elements that differ from the anchor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore.diff import find_changes
+from deltastore.drift import DriftTracker
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_drift_matches_a_direct_compare_with_the_anchor(seed):
+    g = torch.Generator().manual_seed(seed)
+    # mixed widths (two tables), a tensor that only appears later, and elements that change back
+    anchor = {"a": torch.randint(-5, 5, (4000,), dtype=torch.int16, generator=g),
+              "b": torch.randint(-5, 5, (10,), dtype=torch.int16, generator=g),
+              "f": torch.randint(-5, 5, (3000,), dtype=torch.int32, generator=g)}
+    state = {k: v.clone() for k, v in anchor.items()}
+    tracker = DriftTracker()
+    for step in range(12):
+        before = {k: v.clone() for k, v in state.items()}
+        for k, t in state.items():
+            if k == "b" and step < 5:
+                continue  # untouched for a while: no row yet
+            hit = torch.rand(t.numel(), generator=g) < 0.05
+            t[hit] = torch.randint(-5, 5, (int(hit.sum()),), dtype=t.dtype, generator=g)  # often back to the anchor
+        changes = {k: find_changes(before[k], state[k]) for k in state}
+        proposed = tracker.propose(changes)
+        if step % 4 == 3:  # a proposal that is not committed changes nothing
+            state = before
+            continue
+        tracker.commit(proposed)
+        want = {k: torch.nonzero(anchor[k] != state[k]).reshape(-1) for k in state}
+        assert DriftTracker.count(proposed) == sum(int(w.numel()) for w in want.values())
+        diff = DriftTracker.differential(proposed, lambda n, p: state[n][p])
+        for k, w in want.items():
+            if not w.numel():
+                assert k not in diff and proposed.get(k) is None
+                continue
+            ch = diff[k]
+            assert torch.equal(ch.positions, w)
+            assert torch.equal(ch.old_bits, anchor[k][w]) and torch.equal(ch.new_bits, state[k][w])
+            assert ch.old_bits.dtype == anchor[k].dtype
+
+
+def test_positions_beyond_32_bits_widen_the_table():
+    big = 2**31 + 5
+    ch = find_changes(torch.zeros(3, dtype=torch.int16), torch.tensor([0, 1, 0], dtype=torch.int16))
+    tracker = DriftTracker()
+    tracker.commit(tracker.propose({"x": ch}))
+    far = type(ch)(torch.tensor([big]), torch.tensor([7], dtype=torch.int16), torch.tensor([0], dtype=torch.int16))
+    proposed = tracker.propose({"y": far, "x": ch.__class__(torch.tensor([1]), torch.tensor([0], dtype=torch.int16),
+                                                           torch.tensor([1], dtype=torch.int16))})
+    assert proposed.get("x") is None  # changed back
+    y = proposed.get("y")
+    assert y is not None and y.positions.tolist() == [big] and np.asarray(y.positions).dtype == np.int64
+
+
+def test_flat_changes_give_the_same_drift_as_per_tensor_changes(monkeypatch):
+    from deltastore import drift, segments
+    per_tensor = []
+    rows = drift._rows
+    monkeypatch.setattr(drift, "_rows", lambda *a: per_tensor.append(1) or rows(*a))
+    g = torch.Generator().manual_seed(5)
+    names = [f"t{i}" for i in range(40)]
+    anchor = [torch.randint(-3, 3, (int(n),), dtype=torch.int16, generator=g)
+              for n in torch.randint(1, 300, (40,), generator=g)]
+    state = [a.clone() for a in anchor]
+    by_dict, by_flat = DriftTracker(), DriftTracker()
+    keys = np.arange(40, dtype=np.uint64)
+    for step in range(6):
+        before = [s.clone() for s in state]
+        for t in state:
+            hit = torch.rand(t.numel(), generator=g) < 0.2
+            t[hit] = torch.randint(-3, 3, (int(hit.sum()),), dtype=t.dtype, generator=g)
+        fc = segments.diff_segments(before, state, keys)
+        changes = dict(zip(names, fc.changes()))
+        flat = [(names, fc)] if step != 3 else []  # one step without flat changes (a corrected diff)
+        by_dict.commit(by_dict.propose(changes))
+        before_flat = len(per_tensor)
+        by_flat.commit(by_flat.propose(changes, flat))
+        assert len(per_tensor) - before_flat == (1 if step == 3 else 0)  # the flat path, except without flat
+        for name, a, s in zip(names, anchor, state):
+            want = torch.nonzero(a != s).reshape(-1)
+            for tracker in (by_dict, by_flat):
+                got = tracker._drift.get(name)
+                assert (got is None and not want.numel()) or torch.equal(got.positions.to(torch.int64), want)
