@@ -252,7 +252,12 @@ class Subscriber:
         ``target`` is an ``nn.Module`` or a mutable mapping of tensors (any
         device), updated in place with storage kept; with None a new dict of
         CPU tensors is returned in ``.state``. With ``allow_anchor=False`` only
-        a path from the target's current version is accepted.
+        a path from the target's current version is accepted. When the wanted
+        version's layout differs from the one the target holds (a tensor
+        added, dropped, reshaped, re-typed), a mapping target gets such tensors
+        set or deleted and a Module refuses before anything is written
+        (``docs/format.md``, "Layout changes"). Target tensors that overlap in
+        memory where the version keeps them apart are refused too.
 
         If a version or object on the planned path disappears meanwhile
         (garbage collection), the pull plans once more through newer versions.
