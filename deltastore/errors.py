@@ -144,3 +144,38 @@ class InvalidStepError(DeltaStoreError, TypeError):
 
     Derives from ``TypeError``, which is what such a call raised before it was typed.
     """
+
+
+# -- store/backend failures (issue 12) ---------------------------------------------
+class BackendUnavailableError(BackendError, ConnectionError):
+    """The store could not be reached (refused, timed out, dropped) within the retry deadline."""
+
+
+class ReadOnlyStoreError(BackendError):
+    """The store is on a read-only file system (EROFS) or refuses writes as such."""
+
+
+class StoreFullError(BackendError):
+    """The store has no space left (ENOSPC, EDQUOT) for a write."""
+
+
+class ValueTooLargeError(DeltaStoreError, ValueError):
+    """A stored value is larger than the limit its reader allows (it was not read whole).
+
+    ``size`` is the stored size when the backend knows it, else None.
+    """
+
+    def __init__(self, message: str = "", *, size: int | None = None):
+        super().__init__(message)
+        self.size = size
+
+    def __reduce__(self):
+        return (_rebuild_too_large, (str(self), self.size))
+
+
+class UnknownOptionError(DeltaStoreError, ValueError):
+    """A storage option (or a retry-policy field) is not one the backend knows; the message lists the valid ones."""
+
+
+def _rebuild_too_large(message: str, size: int | None) -> ValueTooLargeError:
+    return ValueTooLargeError(message, size=size)

@@ -10,8 +10,14 @@ version:
 1. manifests first (oldest first): a reader can no longer plan through them;
 2. wait ``grace`` seconds, so readers that already hold those manifests can
    finish downloading;
-3. list the manifests again and delete only candidate objects that no
-   manifest references now (a version committed meanwhile keeps its objects).
+3. read the store's clock, list the manifests again, and delete only
+   candidate objects that no manifest references now *and* that were last
+   modified more than ``grace`` seconds before that clock reading. A publish
+   that reuses an object refreshes it and commits within the store's refresh
+   window, so an object a version committed after the listing needs is never
+   deleted (the full argument, interleaving by interleaving, is in
+   docs/format.md, "Garbage collection and concurrent publishers"). Objects
+   spared for being young stay until a later collection (``orphans=True``).
 
 A reader that loses a race gets :class:`VersionNotFoundError` or
 :class:`ObjectNotFoundError`, never a wrong tensor, and its retry plans a path
@@ -23,13 +29,16 @@ Publisher is writing to the store.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import DeltaStoreError, VersionNotFoundError
 from .manifest import Manifest
-from .store import DeltaStore, object_key, version_key
+from .store import DeltaStore
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,12 +108,18 @@ def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
 def delete_versions(store: DeltaStore, steps: list[int]) -> None:
     """Delete manifests, oldest first (phase 1)."""
     for s in sorted(steps):
-        store.backend.delete(version_key(s))
-        store.forget(s)
+        store.delete_version(s)
 
 
-def delete_unreferenced(store: DeltaStore, digests: list[str]) -> list[str]:
-    """Delete the ``digests`` that no manifest in the store references now (phase 3); returns those deleted."""
+def delete_unreferenced(store: DeltaStore, digests: list[str], *, grace: float = 0.0) -> list[str]:
+    """Delete the ``digests`` that no manifest in the store references now and that were last modified
+    more than ``grace`` seconds before this call read the store's clock (phase 3); returns those deleted.
+
+    ``grace`` must exceed the publishers' refresh window
+    (:data:`deltastore.store.REFRESH_WINDOW`) for the GC-safety guarantee;
+    0 spares only objects refreshed after the clock reading.
+    """
+    before = store.clock() - grace  # read before the listing: a commit after it names fresh objects only
     referenced: set[str] = set()
     for s in store.versions():
         try:
@@ -113,10 +128,7 @@ def delete_unreferenced(store: DeltaStore, digests: list[str]) -> list[str]:
             continue  # deleted meanwhile
         except DeltaStoreError:
             return []  # an unreadable manifest might reference anything: delete nothing
-    deleted = [d for d in digests if d not in referenced]
-    for d in deleted:
-        store.backend.delete(object_key(d))
-    return deleted
+    return [d for d in digests if d not in referenced and store.delete_object(d, older_than=before)]
 
 
 def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = False, grace: float = 30.0,
@@ -144,5 +156,7 @@ def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = 
     if plan.delete_objects:
         if grace > 0:
             sleep(grace)
-        plan.delete_objects = delete_unreferenced(store, plan.delete_objects)
+        plan.delete_objects = delete_unreferenced(store, plan.delete_objects, grace=grace)
+    _log.info("gc of %s: deleted %d versions and %d objects, kept %d versions", store.uri,
+              len(plan.delete_versions), len(plan.delete_objects), len(plan.keep))
     return plan

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
+from .quantize import check_record as check_quantization
 from .tensors import DTYPES
 
 FORMAT = "deltastore.manifest"
@@ -153,6 +154,8 @@ class Manifest:
     (added, reshaped or re-typed); each is stored whole in this version
     (``full`` parts, no delta). ``dropped_tensors`` names the parent's tensors
     this version no longer has.
+    ``quantization`` names the scheme of quantized served weights (absent from
+    the JSON when None).
     """
 
     step: int
@@ -169,6 +172,8 @@ class Manifest:
     format_version: str = FORMAT_VERSION
     new_tensors: tuple[str, ...] = ()
     dropped_tensors: tuple[str, ...] = ()
+    #: how the tensors were quantized (``deltastore.quantize``), None for weights as trained
+    quantization: dict[str, Any] | None = None
 
     # -- derived figures -----------------------------------------------------
     @property
@@ -249,7 +254,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         layout = {k: list(v) for k, v in (("new_tensors", self.new_tensors),
                                           ("dropped_tensors", self.dropped_tensors)) if v}
-        return {**layout,
+        doc = {**layout,
             "format": FORMAT,
             "format_version": self.format_version,
             "step": self.step,
@@ -271,6 +276,9 @@ class Manifest:
                 for t in self.tensors
             ],
         }
+        if self.quantization is not None:
+            doc["quantization"] = self.quantization
+        return doc
 
     def to_json(self) -> bytes:
         """Canonical bytes (sorted keys, compact); the version digest is their sha256."""
@@ -476,6 +484,9 @@ def _parse(doc: Any) -> Manifest:
     for name in dropped:
         if name in names or name in aliases:
             raise ManifestError(f"dropped tensor {name!r} is still listed")
+    quantization = doc.get("quantization")
+    if quantization is not None:  # an unknown scheme: UnsupportedFormatError, never bits served as bf16
+        check_quantization(quantization, {t.name: t for t in tensors})
     used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
     for i in range(len(objects)):
         if i not in used:
@@ -483,7 +494,7 @@ def _parse(doc: Any) -> Manifest:
     return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                     created=float(created), producer=producer, metadata=metadata, aliases=aliases,
                     differential=differential, files=files, format_version=version, new_tensors=new_tensors,
-                    dropped_tensors=dropped)
+                    dropped_tensors=dropped, quantization=quantization)
 
 
 def _names(doc: dict[str, Any], key: str) -> tuple[str, ...]:

@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .progress import ProgressArg
+from .adapters import is_adapter, write_adapter_folder
+from .quantize import served_config_json
 from .store import DeltaStore
 from .subscriber import Subscriber
 
@@ -16,7 +19,7 @@ DEFAULT_SHARD_BYTES = 5 << 30
 
 
 def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *,
-                shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+                shard_bytes: int = DEFAULT_SHARD_BYTES, progress: ProgressArg = None) -> list[str]:
     """Rebuild version ``step`` and write it to ``out_dir`` as safetensors.
 
     One ``model.safetensors`` when the model fits in ``shard_bytes``, else
@@ -24,16 +27,26 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     ``model.safetensors.index.json`` (the layout ``transformers`` and vLLM
     load). Files the Publisher recorded from its ``source_dir``
     (``config.json``, tokenizer files) are written beside them, so the folder
-    loads with ``transformers`` and vLLM. Returns the file names written.
-    Raises what :meth:`Subscriber.pull` raises.
+    loads with ``transformers`` and vLLM; for a quantized version (``fp8_block128``)
+    ``config.json`` gains the matching ``quantization_config``. A version
+    published with ``adapter_only=True`` is written as a PEFT adapter folder
+    (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written.
+    ``progress`` is passed to :meth:`Subscriber.pull`. Raises what
+    :meth:`Subscriber.pull` raises.
     """
-    state = Subscriber(store).pull(step=step).state
+    state = Subscriber(store).pull(step=step, progress=progress).state
     os.makedirs(out_dir, exist_ok=True)
     extra = []
-    for fname, rec in store.manifest(step).files.items():
+    manifest = store.manifest(step)
+    for fname, rec in manifest.files.items():
+        data = store.get_object(rec["digest"], rec["size"])
+        if fname == "config.json" and manifest.quantization is not None:  # load as the quantized model it is
+            data = served_config_json(data, manifest.quantization)
         with open(os.path.join(out_dir, fname), "wb") as f:
-            f.write(store.get_object(rec["digest"], rec["size"]))
+            f.write(data)
         extra.append(fname)
+    if is_adapter(manifest.files):  # a PEFT adapter folder: adapter_model.safetensors + adapter_config.json
+        return write_adapter_folder(state, out_dir, step) + extra
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

@@ -24,6 +24,7 @@ Publisher unchanged, so the same step can be retried.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -39,7 +40,9 @@ from typing import Any
 import torch
 
 from ._memory import release_memory
+from . import progress as _progress
 from ._version import __version__
+from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, Update, get_codec
@@ -52,9 +55,11 @@ from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.upload import Job, store_jobs
+from .quantize import get_quantizer
 from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
 
+_log = logging.getLogger(__name__)
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 #: whole tensors (anchors) are cut into objects of about model / 64 bytes, within these bounds, so that
 #: an anchor streams through memory (encode, upload, free) a few objects at a time
@@ -143,6 +148,11 @@ class Publisher:
             ``"cpu"`` (default; pinned when CUDA is present) or a CUDA device
             to diff on the GPU (costs the published model's size in GPU memory;
             only changed positions cross to the host).
+        quantize: publish quantized served weights: ``"fp8_block128"`` or a
+            quantizer (:mod:`deltastore.quantize`); the manifest records the scheme.
+        adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
+            (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
+            a model that is not a PEFT model is a :class:`TargetMismatchError`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -156,7 +166,8 @@ class Publisher:
                  dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
-                 mirror_device: str | torch.device | None = None):
+                 mirror_device: str | torch.device | None = None, quantize: Any = None,
+                 adapter_only: bool = False):
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)
@@ -195,6 +206,8 @@ class Publisher:
         self._gc_pending: list[tuple[float, list[str]]] = []
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
+        self.quantizer = get_quantizer(quantize)
+        self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
         # writer advances after each commit) corrected by what the queued versions changed.
         self._capture_mirror: Mirror | None = None
@@ -226,7 +239,7 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
-    def publish(self, state: StateLike, *, step: int) -> VersionInfo:
+    def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
@@ -259,7 +272,14 @@ class Publisher:
         entry of ``VersionInfo.warnings``. Non-contiguous tensors are read in
         row-major order. A step that adds, drops, reshapes or re-types a
         tensor stays on the chain (``docs/format.md``, "Layout changes").
+
+        ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
+        (see :mod:`deltastore.progress`); it counts objects stored (not
+        reported in background mode).
         """
+        if progress is not None and progress is not False:
+            with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
+                return self.publish(state, step=step)
         if self._closed:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
@@ -364,7 +384,7 @@ class Publisher:
         total = sum(s.numel for s in specs.values())
         # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
         tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
-        proposed = self._drift.propose(changes, c.diff.flat) if c.diff is not None and tracks else None
+        proposed = self._drift.propose(changes, c.diff.flat) if same_layout and tracks else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})
@@ -416,7 +436,8 @@ class Publisher:
                                 metadata=self.metadata, aliases=aliases,
                                 differential=self._anchor if with_diff else None, files=self._files,
                                 new_tensors=new, dropped_tensors=dropped,
-                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION)
+                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION,
+                                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
             data, digest, notes = self._commit(manifest)
         except BaseException:
             if advanced:
@@ -433,6 +454,8 @@ class Publisher:
         self._checksums = checksums
         self._last = VersionRef(step, digest)
         self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
+        _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
+                  manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
         if self.retention is not None:
             try:
                 self._apply_retention()
@@ -515,12 +538,18 @@ class Publisher:
     def _normalise(self, state: StateLike
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
+        if self.adapter_only:  # the adapter's tensors, and its config as a version file
+            state, config = peft_adapter(state)
+            self._files = record_config(self.store, self._files, config)
         tensors = named_tensors(state, aliases)
+        produced: set[str] = set()  # quantized tensors and their scales: never cast
+        if self.quantizer is not None:
+            tensors, produced = self.quantizer.apply(tensors, aliases, cast=self.dtype)
         prev = self._capture_specs  # the last layout: its specs are reused (names already checked)
         specs = {}
         cast = self.dtype
         for name, t in tensors.items():
-            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            dt = cast if cast is not None and t.is_floating_point() and name not in produced else t.dtype
             sp = prev.get(name)
             if sp is None or sp.dtype is not dt or sp.shape != t.shape:
                 _check_name(name)
@@ -728,7 +757,7 @@ class Publisher:
         due = [d for t, ds in self._gc_pending if now - t >= self.gc_grace for d in ds]
         self._gc_pending = [(t, ds) for t, ds in self._gc_pending if now - t < self.gc_grace]
         if due:
-            delete_unreferenced(self.store, due)
+            delete_unreferenced(self.store, due, grace=self.gc_grace)
 
     def _producer(self) -> dict[str, Any]:
         return {"library": "deltastore", "version": __version__, "writer": self.writer_id,

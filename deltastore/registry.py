@@ -26,6 +26,23 @@ T = TypeVar("T")
 class _Entry:
     target: Any  # a class, or a dotted path "module:attr" not yet imported
     install_hint: str | None = None
+    entry_point: str | None = None  # "group: name = value (distribution)" when found through an entry point
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered plugin, as :meth:`Registry.describe` lists it.
+
+    target: ``"module:Class"``; origin: ``"built-in"`` (shipped in
+    deltastore), ``"entry point <group> (<distribution>)"`` or
+    ``"registered"`` (a ``register()`` call from other code);
+    install_hint: what to install when its module is missing.
+    """
+
+    name: str
+    target: str
+    origin: str
+    install_hint: str | None
 
 
 def _import_dotted(path: str) -> Any:
@@ -109,6 +126,18 @@ class Registry(Generic[T]):
             self._load_entry_points()
             return sorted(self._entries)
 
+    def describe(self) -> list[PluginInfo]:
+        """Every registered plugin with where it comes from (entry points included; nothing is imported)."""
+        with self._lock:
+            self._load_entry_points()
+            out = []
+            for name, e in sorted(self._entries.items()):
+                target = _describe(e.target)
+                origin = (e.entry_point if e.entry_point is not None
+                          else "built-in" if target.startswith("deltastore.") else "registered")
+                out.append(PluginInfo(name, target, origin, e.install_hint))
+            return out
+
     def __contains__(self, name: object) -> bool:
         with self._lock:
             if name not in self._entries:
@@ -127,8 +156,9 @@ class Registry(Generic[T]):
         for ep in metadata.entry_points(group=self.group):
             if ep.name not in self._entries:  # explicit registrations win
                 dist = getattr(ep, "dist", None)
-                hint = f"pip install {dist.name}" if dist is not None and getattr(dist, "name", None) else None
-                self._entries[ep.name] = _Entry(ep.value, hint)
+                dist_name = getattr(dist, "name", None) if dist is not None else None
+                hint = f"pip install {dist_name}" if dist_name else None
+                self._entries[ep.name] = _Entry(ep.value, hint, f"entry point {self.group} ({dist_name or '?'})")
 
 
 def _same_target(a: Any, b: Any) -> bool:

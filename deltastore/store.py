@@ -10,21 +10,46 @@ Layout under the store root::
 Commit order gives crash safety: objects first, manifest last with a
 create-only write. A version exists exactly when its manifest does; an object
 no manifest names is garbage, never half a version.
+
+GC safety (docs/format.md, "Garbage collection and concurrent publishers"):
+an object a publish reuses (found present) is *refreshed* (its modification
+time made new) instead of skipped; right before the commit every object the
+manifest names that was reused and last refreshed more than
+:attr:`DeltaStore.refresh_window` seconds ago (or that this store never
+wrote) is refreshed again, and on a
+backend without an atomic conditional delete the store waits
+:data:`DELETE_WINDOW` after its last refresh of a reused object and checks
+that each is still there. GC (:meth:`DeltaStore.delete_object`) deletes an
+object only when it is older than the GC's listing time minus its grace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from typing import Any
 
 from .backends import Backend, open_backend
+from .backends.base import KeyInfo
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
-                     ObjectNotFoundError, VersionExistsError, VersionNotFoundError)
-from .manifest import MAX_STEP, Manifest, VersionRef, sha256_digest
+                     ObjectNotFoundError, ValueTooLargeError, VersionExistsError, VersionNotFoundError)
+from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
 
+log = logging.getLogger("deltastore.store")
+
+REFRESH_WINDOW = 10.0
+"""Seconds: a commit re-refreshes every object it names that was last written or refreshed longer ago.
+GC's grace must exceed it (plus the commit's own latency) for the GC-safety guarantee."""
+DELETE_WINDOW = 5.0
+"""Seconds: on backends without conditional delete, the bound on the time between GC's stat of an object
+and its delete landing; a publish that reused objects checks them this long after its last refresh."""
+STAT_TO_DELETE = 1.0
+"""Seconds GC may take between its stat of an object and sending the delete (else it stats again)."""
+CLOCK_KEY = "gc/clock"
 STORE_MARKER = "deltastore.json"
 STORE_FORMAT = {"format": "deltastore", "format_version": "1.0"}
 _VERSION_KEY = re.compile(r"^versions/(\d{12})\.json$")
@@ -49,12 +74,19 @@ class DeltaStore:
     and cached by step (they are immutable).
     """
 
-    def __init__(self, backend: Backend, uri: str = ""):
+    def __init__(self, backend: Backend, uri: str = "", *, refresh_window: float = REFRESH_WINDOW,
+                 delete_window: float = DELETE_WINDOW):
         self.backend = backend
         self.uri = uri or repr(backend)
+        self.refresh_window = refresh_window
+        self.delete_window = delete_window
         self._manifests: dict[int, tuple[Manifest, str]] = {}
         self._verified: dict[str, bytes] = {}  # filled by prefetch, consumed by get_object
         self._lock = threading.Lock()
+        # GC safety: monotonic time before this store last wrote/refreshed each object, and which
+        # objects since the last commit were reused (found present, refreshed) rather than uploaded
+        self._written: dict[str, float] = {}
+        self._reused: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -70,19 +102,70 @@ class DeltaStore:
 
     # -- objects -----------------------------------------------------------------
     def put_object(self, data: bytes) -> str:
-        """Store ``data`` (idempotent) and return its digest."""
+        """Store ``data`` (idempotent) and return its digest.
+
+        An object already present is refreshed (its modification time made
+        new, so a concurrent GC spares it; see the module docstring); one that
+        vanishes meanwhile is written again.
+        """
         digest = sha256_digest(data)
         key = object_key(digest)
-        if not self.backend.exists(key):
+        started = time.monotonic()
+        reused = False
+        if self.backend.exists(key):
+            try:
+                self.backend.touch(key)
+                reused = True
+            except KeyNotFoundError:
+                pass  # deleted (by GC) since the check: upload it
+        if not reused:
             try:
                 self.backend.put(key, data, mode="create")
             except KeyExistsError:
-                pass  # same digest, same bytes: another writer got there first
+                self.backend.touch(key)  # another writer's copy (same bytes): make it ours
+                reused = True
+        with self._lock:
+            self._written[digest] = started
+            if reused:
+                self._reused[digest] = started
         return digest
+
+    def _prepare_commit(self, manifest: Manifest) -> None:
+        """The GC-safety steps before a commit (module docstring); raises :class:`ObjectNotFoundError`
+        when a concurrent GC deleted an object this version needs (nothing is committed; publish again)."""
+        digests = [o.digest for o in manifest.objects] + [f["digest"] for f in manifest.files.values()]
+        now = time.monotonic()
+        with self._lock:  # reused objects refreshed too long ago, and any this store never wrote
+            stale = [d for d in dict.fromkeys(digests) if d not in self._written
+                     or (d in self._reused and now - self._written[d] > self.refresh_window)]
+        for d in stale:
+            try:
+                self.backend.touch(object_key(d))
+            except KeyNotFoundError:
+                raise ObjectNotFoundError(
+                    f"object {d} was deleted (by a concurrent GC) before version {manifest.step} was committed; "
+                    f"nothing was committed, publish the step again") from None
+            with self._lock:
+                self._written[d] = now
+                self._reused[d] = now
+        with self._lock:
+            reused = {d: t for d, t in self._reused.items() if d in set(digests)}
+        if reused and not self.backend.capabilities.conditional_delete:
+            # a GC that stat'ed one of them before our refresh may still delete it: let such deletes land
+            wait = max(reused.values()) + self.delete_window - time.monotonic()
+            if wait > 0:
+                log.debug("commit of step %d waits %.2f s for concurrent GC deletes to land", manifest.step, wait)
+                time.sleep(wait)
+            for d in reused:
+                if not self.backend.exists(object_key(d)):
+                    raise ObjectNotFoundError(
+                        f"object {d} was deleted by a concurrent GC before version {manifest.step} was "
+                        "committed; nothing was committed, publish the step again")
 
     def get_object(self, digest: str, size: int | None = None) -> bytes:
         """The verified bytes of object ``digest``.
 
+        With ``size`` (the manifest's) at most ``size + 1`` bytes are ever read.
         Raises :class:`ObjectNotFoundError` when absent and
         :class:`CorruptObjectError` when the bytes (or their size) do not match.
         """
@@ -90,10 +173,15 @@ class DeltaStore:
             cached = self._verified.pop(digest, None)
         if cached is not None and (size is None or len(cached) == size):
             return cached
+        key = object_key(digest)
         try:
-            data = self.backend.get(object_key(digest))
+            data = self.backend.get(key) if size is None else self.backend.get_bounded(key, size)
         except KeyNotFoundError:
             raise ObjectNotFoundError(f"object {digest} is missing from {self.uri}") from None
+        except ValueTooLargeError as e:
+            stored = f"{e.size} bytes" if e.size is not None else "more bytes"
+            raise CorruptObjectError(f"object {digest} holds {stored}, manifest says {size} (not read whole)",
+                                     digest=digest) from None
         if size is not None and len(data) != size:
             raise CorruptObjectError(f"object {digest} has {len(data)} bytes, manifest says {size} (truncated?)",
                                      digest=digest)
@@ -113,35 +201,60 @@ class DeltaStore:
             self._verified.clear()
         if len(wanted) < 2:
             return
-        get_many = getattr(self.backend, "get_many", None)
-        if get_many is not None:  # the backend batches on its own client (one event loop, one xet batch)
-            sizes = dict(wanted)
-            try:
-                got = get_many([object_key(d) for d in sizes])
-            except (DeltaStoreError, OSError):
-                return
-            for d, size in sizes.items():
-                data = got.get(object_key(d))
-                if data is not None and len(data) == size and sha256_digest(data) == d:
-                    with self._lock:
-                        self._verified[d] = data
+        sizes = dict(wanted)
+        keys = {object_key(d): d for d in sizes}
+        try:  # the backend batches on its own client (one event loop, one xet batch)
+            got = self.backend.get_many(list(keys), limits={k: sizes[d] for k, d in keys.items()})
+        except (DeltaStoreError, OSError):
             return
-        if max_workers < 2:
-            return
-
-        def fetch(item: tuple[str, int]) -> None:
-            try:
-                data = self.get_object(*item)
-            except (DeltaStoreError, OSError):
-                return
-            with self._lock:
-                self._verified[item[0]] = data
-
-        with ThreadPoolExecutor(max_workers=min(max_workers, len(wanted))) as pool:
-            list(pool.map(fetch, wanted))
+        for d, size in sizes.items():
+            data = got.get(object_key(d))
+            if data is not None and len(data) == size and sha256_digest(data) == d:
+                with self._lock:
+                    self._verified[d] = data
 
     def has_object(self, digest: str) -> bool:
         return self.backend.exists(object_key(digest))
+
+    def delete_object(self, digest: str, *, older_than: float | None = None) -> bool:
+        """Delete object ``digest``; True when this call deleted it.
+
+        With ``older_than`` (a time by the store's clock, see :meth:`clock`)
+        only an object last modified before it (less the backend's mtime
+        resolution) is deleted, atomically against a concurrent refresh where
+        the backend has a conditional delete, else with the delete sent within
+        :data:`STAT_TO_DELETE` of the stat (the GC protocol of docs/format.md).
+        """
+        key = object_key(digest)
+        if older_than is None:
+            self.backend.delete(key)
+            return True
+        limit = older_than - self.backend.capabilities.mtime_resolution
+        while True:
+            try:
+                seen: KeyInfo = self.backend.stat(key)
+            except KeyNotFoundError:
+                return False
+            stat_at = time.monotonic()
+            if seen.mtime >= limit:
+                return False  # written or refreshed recently: a publish may be about to name it
+            if self.backend.capabilities.conditional_delete:
+                return self.backend.delete_if_unmodified(key, seen)
+            if time.monotonic() - stat_at <= STAT_TO_DELETE:
+                self.backend.delete(key)
+                return True
+
+    def delete_version(self, step: int) -> None:
+        """Delete the manifest of ``step`` (its objects stay; GC deletes those separately)."""
+        self.backend.delete(version_key(step))
+        self.forget(step)
+
+    def clock(self) -> float:
+        """The store's current time (seconds since the epoch, by the store's own clock): the
+        modification time of a probe key written now. GC compares object times with it, so clock
+        skew between the GC's machine, the publishers' machines and the store does not matter."""
+        self.backend.put(CLOCK_KEY, b"", mode="overwrite")
+        return self.backend.stat(CLOCK_KEY).mtime
 
     def list_objects(self) -> list[str]:
         """Digests of every stored object."""
@@ -182,9 +295,13 @@ class DeltaStore:
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
             raise VersionNotFoundError(f"no version {step!r}: steps are integers in [0, {MAX_STEP}]")
         try:
-            data = self.backend.get(version_key(step))
+            data = self.backend.get_bounded(version_key(step), MAX_MANIFEST_BYTES)
         except KeyNotFoundError:
             raise VersionNotFoundError(f"no version {step} in {self.uri}") from None
+        except ValueTooLargeError as e:
+            stored = f"{e.size} bytes" if e.size is not None else "larger"
+            raise ManifestError(f"{version_key(step)} is {stored}, over the {MAX_MANIFEST_BYTES} byte manifest "
+                                "limit (not read)") from None
         manifest = Manifest.from_json(data)
         if manifest.step != step:
             raise ManifestError(f"{version_key(step)} holds the manifest of step {manifest.step}")
@@ -203,10 +320,16 @@ class DeltaStore:
     def commit(self, manifest: Manifest) -> tuple[bytes, str]:
         """Write ``manifest`` create-only; returns its bytes and digest.
 
-        Call only after every object it names is stored. Raises
-        :class:`VersionExistsError` when the step is already committed (this
-        is how a conflicting writer is detected).
+        Call only after every object it names is stored (by :meth:`put_object`).
+        Raises :class:`VersionExistsError` when the step is already committed
+        (this is how a conflicting writer is detected) and
+        :class:`ObjectNotFoundError` when a concurrent GC deleted an object it
+        names (nothing committed). On a backend without atomic create-only
+        writes the manifest's ``producer`` records ``"commit": "check-then-write"``.
         """
+        self._prepare_commit(manifest)
+        if not self.backend.capabilities.atomic_create:
+            manifest = dataclasses.replace(manifest, producer={**manifest.producer, "commit": "check-then-write"})
         data = manifest.to_json()
         try:
             self.backend.put(version_key(manifest.step), data, mode="create")
@@ -214,6 +337,10 @@ class DeltaStore:
             raise VersionExistsError(f"version {manifest.step} already exists in {self.uri}") from None
         digest = sha256_digest(data)
         self._manifests[manifest.step] = (manifest, digest)
+        keep = {o.digest for o in manifest.objects} | {f["digest"] for f in manifest.files.values()}
+        with self._lock:  # the ledger holds what the next commit may name again
+            self._written = {d: t for d, t in self._written.items() if d in keep}
+            self._reused.clear()
         self._ensure_marker()
         try:
             self.backend.put("refs/latest", str(manifest.step).encode(), mode="overwrite")

@@ -9,6 +9,7 @@ target back (see :mod:`deltastore.pull.anchor` and ``docs/architecture.md``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import segments, tracking
+from . import progress as _progress, segments, tracking
 from ._memory import release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
@@ -35,6 +36,7 @@ from .tensors import bits_view, named_tensors
 from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -246,7 +248,8 @@ class Subscriber:
                        differential=m.step))
 
     # -- pulling -------------------------------------------------------------------
-    def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True) -> PullResult:
+    def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True,
+             progress: _progress.ProgressArg = None) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
 
         ``target`` is an ``nn.Module`` or a mutable mapping of tensors (any
@@ -267,11 +270,18 @@ class Subscriber:
         (``allow_anchor=False`` and the target is not on the chain),
         :class:`TargetMismatchError`, :class:`CorruptObjectError`,
         :class:`ChecksumMismatchError`, :class:`ObjectNotFoundError`,
-        :class:`UnknownCodecError`, :class:`ApplyError`, :class:`InvalidStepError`
+:class:`UnknownCodecError`, :class:`ApplyError`, :class:`InvalidStepError`
         (``step`` is not an integer). On any error the target keeps its previous version.
+
+        ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
+        (see :mod:`deltastore.progress`); it counts object bytes fetched.
         """
         if step is not None:
             _check_step_arg(step)
+        if progress is not None and progress is not False:
+            with _progress.reporting(progress, desc="pull"):
+                return self.pull(target, step=step, allow_anchor=allow_anchor)
+        t0 = time.perf_counter()
         versions = self.versions()
         if step is None:
             if not versions:
@@ -286,7 +296,10 @@ class Subscriber:
         collected = False
         while True:
             try:
-                return self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                _log.info("pulled version %d (%s): %d B fetched, %d versions applied, %.3f s", res.step, res.path,
+                          res.bytes_fetched, len(res.versions_applied), time.perf_counter() - t0)
+                return res
             except CorruptObjectError as e:
                 # Nothing was written. Go around the bad object if another path exists
                 # (an anchor, a differential); else the typed error stands.
@@ -648,12 +661,16 @@ class Subscriber:
         """
         pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
-        for i, pairs in object_index(manifest, role).items():
-            if names is not None and not any(t.name in names for t, _ in pairs):
-                continue
+        index = object_index(manifest, role)
+        if names is not None:
+            index = {i: pairs for i, pairs in index.items() if any(t.name in names for t, _ in pairs)}
+        bar = _progress.current()
+        _progress.grow(bar, manifest.object_bytes(set(index)))
+        for i, pairs in index.items():
             rec = manifest.objects[i]
             data = self.store.get_object(rec.digest, rec.size)
             fetched += len(data)
+            _progress.advance(bar, len(data))
             for t, p, u in decode_object(manifest, i, data, pairs, role, old):
                 pieces.setdefault(t.name, []).append((p, u))
             del data

@@ -21,6 +21,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # FP8 served weights (deltastore.quantize)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -49,6 +49,8 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     way a reader would pull it, from the cheapest anchor path; only when no
     path reaches it is it reported. Nothing is modified. Returns a
     :class:`VerifyReport`.
+    ``progress(message)`` is called twice per readable version: before its
+    objects are re-hashed and before it is replayed.
     """
     report = VerifyReport()
     sub = Subscriber(store)
@@ -63,6 +65,7 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
 
     seen: set[str] = set()
     for step, (m, _) in manifests.items():
+        say(f"re-hashing the objects of version {step}")
         if m.parent is not None and m.kind == "delta":
             parent = manifests.get(m.parent.step)
             if parent is None:

@@ -36,6 +36,10 @@ Fault injection for tests: ``server.fail_next(route, count, status)`` makes the
 next ``count`` requests whose route name is ``route`` (``"batch"``,
 ``"paths-info"``, ``"tree"``, ...) answer ``status`` (or, with ``status=0``,
 close the connection without an answer).
+
+``server.absent_prefix_status``: what a tree listing of a prefix that holds no
+file answers: 200 with an empty page (default) or 404 ``EntryNotFound``, the
+two answers a real Hub can give.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class HFBucketStandin:
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str]] = []  # (method, route name), for tests
         self._faults: dict[str, list[int]] = {}
+        self.absent_prefix_status = 200
         self._sizes: dict[str, int] = {}
         self._xet: Any = None
         self._httpd: ThreadingHTTPServer | None = None
@@ -263,6 +268,8 @@ class _Handler(BaseHTTPRequestHandler):
                     out.append({"type": "directory", "path": folder, "uploadedAt": _iso(entry["uploaded"])})
                 continue
             out.append(self._file_entry(path, entry))
+        if prefix and not out and self.standin.absent_prefix_status == 404:
+            return self._error(404, f"{prefix} not found in bucket {bucket_id}", "EntryNotFound")
         self._send(200, out)
 
     @staticmethod

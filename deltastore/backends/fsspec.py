@@ -1,18 +1,37 @@
-"""Object stores through fsspec: ``s3://``, ``gs://`` / ``gcs://``, and any other fsspec protocol.
+"""Object stores through fsspec: ``s3://`` / ``s3a://`` and ``gs://`` / ``gcs://``.
+
+Another fsspec protocol (``az://``, ``abfs://``, ...) is not registered: it
+would get check-then-write creates and is untested. Register it yourself to
+use it: ``deltastore.registry.backends.register("az", "deltastore.backends.fsspec:FsspecBackend")``.
 
 URI form: ``PROTOCOL://BUCKET[/PREFIX]``. Keys live under ``BUCKET/PREFIX/``.
 Storage options go to the fsspec filesystem unchanged (``endpoint_url``,
 ``key``/``secret``, ``token``, ``anon``, ...), except the transport options
 this module consumes itself:
 
-``retry``           a :class:`RetryPolicy`, a dict of its fields, or an attempt count
 ``max_workers``     parallel transfers in :meth:`get_many` / :meth:`put_many` (default 16)
 ``progress``        a :data:`ProgressCallback` ``progress(op, key, nbytes)``
-``timeout``         seconds per request (S3: connect and read timeouts; GCS: ``requests_timeout``)
-``retries``         (S3 only) tries of s3fs's inner retry loop, default 2 (botocore retries too)
+``connect_timeout`` seconds to open a connection (default 5)
+``read_timeout``    seconds a request may wait for data (default 30; GCS: the whole request)
+``timeout``         sets both timeouts at once
 ``check_bucket``    check at open that the bucket exists and the credentials work (default True)
 ``atomic_create``   override the declared create-only atomicity (for an S3-compatible server
                     that ignores ``If-None-Match``, pass False)
+
+(``retry`` and ``deadline`` are consumed by :func:`~deltastore.backends.open_backend`: the
+retry layer wraps this backend.) The clients' own retries are off (botocore
+``total_max_attempts=1``, s3fs ``retries=1``, gcsfs's request retry loop
+bypassed) so that the one retry layer's deadline is the total time. The
+S3 region comes from the usual places (``client_kwargs``, ``AWS_REGION``,
+the AWS config) and is ``us-east-1`` when none names one; nothing is written
+to ``os.environ``. GCS uses gcsfs's core filesystem (not the experimental
+one, which probes a gRPC endpoint and stalls offline).
+
+Client errors are translated in one place, :meth:`FsspecBackend._call`:
+missing key :class:`KeyNotFoundError`, missing bucket
+:class:`BucketNotFoundError`, refused credentials :class:`AccessDeniedError`,
+a dropped or refused connection or a timeout :class:`BackendUnavailableError`
+(retried by the retry layer), anything else :class:`BackendError`.
 
 Create-only writes:
 
@@ -35,15 +54,15 @@ exactly its bytes counts as its own.
 
 from __future__ import annotations
 
-import os
+import datetime as _dt
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..errors import AccessDeniedError, BackendError, BucketNotFoundError, KeyExistsError, KeyNotFoundError, MissingDependencyError
-from .base import Backend, Capabilities, PutMode, check_key
-from .retry import (Progress, ProgressCallback, RetryPolicy, http_status,
-                    is_transient, run_parallel)
+from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BucketNotFoundError, KeyExistsError,
+                      KeyNotFoundError, MissingDependencyError, ValueTooLargeError)
+from .base import Backend, Capabilities, KeyInfo, PutMode
+from .retry import Progress, ProgressCallback, http_status, is_transient, run_parallel
 
 _ATOMIC_CREATE = {"s3": True, "s3a": True, "gs": True, "gcs": True}
 _GCS = {"gs", "gcs"}
@@ -51,7 +70,9 @@ _INSTALL_HINTS = {"s3": "pip install 'deltastore[s3]'", "s3a": "pip install 'del
                   "gs": "pip install 'deltastore[gcs]'", "gcs": "pip install 'deltastore[gcs]'"}
 _S3 = {"s3", "s3a"}
 _PUT_ID = "deltastore-put-id"  # object metadata: the id of the create-only put that wrote it
-_TRANSPORT_OPTIONS = ("retry", "max_workers", "progress", "timeout", "check_bucket", "atomic_create")
+_TRANSPORT_OPTIONS = ("max_workers", "progress", "check_bucket", "atomic_create")
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 30.0
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:
@@ -73,29 +94,91 @@ def _is_precondition_failure(exc: BaseException) -> bool:
     return False
 
 
-def _prepare_protocol(protocol: str) -> None:
-    """Environment defaults a protocol's client needs before it is imported."""
+def _s3_region(options: dict[str, Any]) -> str | None:
+    """The region the S3 client would use, or None when nothing (options, environment, AWS config) names one."""
+    if (options.get("client_kwargs") or {}).get("region_name"):
+        return options["client_kwargs"]["region_name"]
+    try:
+        import botocore.session
+
+        return botocore.session.get_session().get_config_variable("region")
+    except Exception:  # noqa: BLE001 - a broken AWS config: let the client report it
+        return None
+
+
+def _s3_filesystem(options: dict[str, Any], connect: float, read: float) -> Any:
+    import s3fs
+
+    config = dict(options.pop("config_kwargs", None) or {})
+    config.setdefault("connect_timeout", connect)
+    config.setdefault("read_timeout", read)
+    config.setdefault("retries", {"total_max_attempts": 1})  # the retry layer retries, not botocore
+    client = dict(options.pop("client_kwargs", None) or {})
+    if _s3_region({"client_kwargs": client}) is None:
+        client["region_name"] = "us-east-1"
+    fs = s3fs.S3FileSystem(config_kwargs=config, client_kwargs=client, **options)
+    fs.retries = 1  # s3fs's own retry loop (an attribute): one try
+    return fs
+
+
+def _gcs_filesystem(options: dict[str, Any], connect: float, read: float) -> Any:
+    options.setdefault("requests_timeout", read)
+    return _GcsNoRetry(**options)
+
+
+_GcsNoRetry: Any = None
+
+
+def _define_gcs() -> None:
+    """gcsfs's core filesystem with its request retry loop (6 tries, up to 32 s sleeps) bypassed."""
+    global _GcsNoRetry
+    if _GcsNoRetry is not None:
+        return
+    import gcsfs.core
+
+    base = gcsfs.core.GCSFileSystem
+    undecorated = {name: getattr(base, name).__wrapped__ for name in
+                   ("_request", "_get_file_request", "_get_file_concurrent")
+                   if hasattr(getattr(base, name, None), "__wrapped__")}
+    _GcsNoRetry = type("GCSFileSystemNoRetry", (base,), {**undecorated, "protocol": ("gs", "gcs")})
+
+
+def _make_filesystem(protocol: str, options: dict[str, Any], connect: float, read: float) -> Any:
+    import fsspec
+
+    options.setdefault("use_listings_cache", False)  # other writers change the store
+    if protocol in _S3:
+        return _s3_filesystem(options, connect, read)
     if protocol in _GCS:
-        # Otherwise gcsfs probes a gRPC endpoint on every call and stalls offline.
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    if protocol in _S3 and not (os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")):
-        os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+        _define_gcs()
+        return _gcs_filesystem(options, connect, read)
+    return fsspec.filesystem(protocol, **options)
+
+
+def _timestamp(value: Any) -> float | None:
+    if isinstance(value, _dt.datetime):
+        return value.timestamp()
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 class FsspecBackend(Backend):
     """Keys under ``root`` (``BUCKET/PREFIX``) of an fsspec filesystem.
 
     ``fs`` is an fsspec ``AbstractFileSystem``; ``protocol`` selects the
-    create-only strategy. Every call is retried on transient errors with
-    ``retry``; a missing key raises :class:`KeyNotFoundError`, a conflicting
-    create :class:`KeyExistsError`, refused credentials
-    :class:`AccessDeniedError`, and a transport failure that outlives the
-    retries :class:`BackendError`.
+    create-only strategy. Errors are typed as in the module docstring; this
+    class does not retry (the retry layer around it does).
     """
 
-    def __init__(self, fs: Any, root: str, *, protocol: str, uri: str = "", retry: Any = None,
-                 max_workers: int = 16, progress: ProgressCallback | None = None,
-                 atomic_create: bool | None = None):
+    def __init__(self, fs: Any, root: str, *, protocol: str, uri: str = "", max_workers: int = 16,
+                 progress: ProgressCallback | None = None, atomic_create: bool | None = None,
+                 check_bucket: bool = True):
         self.fs = fs
         self.protocol = protocol
         self.root = root.strip("/")
@@ -103,13 +186,14 @@ class FsspecBackend(Backend):
             raise ValueError(f"{protocol}:// URI needs a bucket: {protocol}://BUCKET[/PREFIX]")
         self.bucket = self.root.split("/", 1)[0]
         self.uri = uri or f"{protocol}://{self.root}"
-        self.retry = RetryPolicy.coerce(retry)
         if not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive integer, got {max_workers!r}")
         self.max_workers = max_workers
         self.progress = Progress(progress)
+        self._check_bucket = bool(check_bucket)
         atomic = _ATOMIC_CREATE.get(protocol, False) if atomic_create is None else bool(atomic_create)
-        self.capabilities = Capabilities(atomic_create=atomic, listing=True, ranged_reads=True)
+        self.capabilities = Capabilities(atomic_create=atomic, listing=True, ranged_reads=True, remote=True,
+                                         mtime_resolution=1.0 if protocol in _S3 else 0.001)
 
     def __repr__(self) -> str:
         return f"FsspecBackend({self.uri!r})"
@@ -119,52 +203,35 @@ class FsspecBackend(Backend):
         """Open ``PROTOCOL://BUCKET[/PREFIX]``; see the module docstring for ``options``.
 
         Raises :class:`MissingDependencyError` (with the install hint) when the
-        protocol's package is missing, :class:`BucketNotFoundError` or
-        :class:`AccessDeniedError` when ``check_bucket`` finds the bucket
-        absent or the credentials refused.
+        protocol's package is missing. The bucket is checked by
+        :meth:`check_access` (``open_backend`` calls it).
         """
-        import fsspec
-
         protocol, sep, path = uri.partition("://")
         if not sep:
             raise ValueError(f"not a URI: {uri!r}")
         protocol = protocol.lower()
         ours = {k: options.pop(k) for k in _TRANSPORT_OPTIONS if k in options}
-        timeout = ours.pop("timeout", None)
-        if timeout is not None:
-            if protocol in _S3:
-                config = dict(options.get("config_kwargs") or {})
-                config.setdefault("connect_timeout", timeout)
-                config.setdefault("read_timeout", timeout)
-                options["config_kwargs"] = config
-            elif protocol in _GCS:
-                options.setdefault("requests_timeout", timeout)
-        options.setdefault("use_listings_cache", False)  # other writers change the store
-        s3_retries = options.pop("retries", 2) if protocol in _S3 else None
-        _prepare_protocol(protocol)
+        timeout = options.pop("timeout", None)
+        connect = float(options.pop("connect_timeout", timeout if timeout is not None else CONNECT_TIMEOUT))
+        read = float(options.pop("read_timeout", timeout if timeout is not None else READ_TIMEOUT))
+        options.pop("retries", None)  # the clients' own retries stay off
         try:
-            fs = fsspec.filesystem(protocol, **options)
+            fs = _make_filesystem(protocol, options, connect, read)
         except ImportError as e:
             hint = _INSTALL_HINTS.get(protocol, "install the fsspec implementation of this protocol")
             raise MissingDependencyError(f"backend {protocol!r} needs a package that is not installed ({e}); "
                                          f"install it with: {hint}") from e
-        if s3_retries is not None:  # s3fs's own retry loop (a class attribute); ``retry`` is the outer one
-            fs.retries = max(1, int(s3_retries))
-        check = ours.pop("check_bucket", True)
-        backend = cls(fs, path, protocol=protocol, uri=uri, **ours)
-        if check:
-            backend.check_bucket()
-        return backend
+        return cls(fs, path, protocol=protocol, uri=uri, **ours)
 
     # -- helpers -------------------------------------------------------------------
     def _path(self, key: str) -> str:
-        return f"{self.root}/{check_key(key)}"
+        return f"{self.root}/{key}"
 
-    def _call(self, what: str, key: str, fn: Any) -> Any:
-        """Run ``fn(attempt)`` under the retry policy, translating errors for ``key``."""
+    def _call(self, what: str, key: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()``, translating the client's errors for ``key`` (the one place for this client)."""
         try:
-            return self.retry.call(fn)
-        except (KeyExistsError, KeyNotFoundError):
+            return fn()
+        except (KeyExistsError, KeyNotFoundError, ValueTooLargeError, BackendError):
             raise
         except FileNotFoundError as e:
             if self._bucket_missing(e):
@@ -172,22 +239,26 @@ class FsspecBackend(Backend):
             raise KeyNotFoundError(f"{key!r} not found in {self.uri}") from None
         except PermissionError as e:
             raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
-        except OSError as e:
+        except Exception as e:
             if http_status(e) in (401, 403):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
-            raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
-        except Exception as e:
-            if is_transient(e):  # a client's own network error type (botocore, httpx, ...), retries spent
-                raise BackendError(f"{what} {key!r} in {self.uri} failed after retries: {e}") from e
+            if is_transient(e):
+                raise BackendUnavailableError(f"{what} {key!r} in {self.uri}: {type(e).__name__}: {e}") from e
+            if isinstance(e, OSError):
+                raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
             raise
 
     @staticmethod
     def _bucket_missing(e: BaseException) -> bool:
         return "bucket" in str(e).lower() and ("not exist" in str(e).lower() or "nosuchbucket" in str(e).lower())
 
-    def check_bucket(self) -> None:
-        """Raise :class:`BucketNotFoundError` / :class:`AccessDeniedError` unless the bucket is usable."""
-        def probe(attempt: int) -> bool:
+    def check_access(self) -> None:
+        """Raise :class:`BucketNotFoundError` / :class:`AccessDeniedError` unless the bucket is usable
+        (nothing when opened with ``check_bucket=False``)."""
+        if not self._check_bucket:
+            return
+
+        def probe() -> bool:
             if self.protocol in _S3:  # HEAD bucket: 404 missing, 403 refused
                 try:
                     self.fs.call_s3("head_bucket", Bucket=self.bucket)
@@ -196,47 +267,42 @@ class FsspecBackend(Backend):
                     return False
             return bool(self.fs.exists(self.bucket))
 
-        try:
-            found = self.retry.call(probe)
-        except PermissionError as e:
-            raise AccessDeniedError(f"access to bucket {self.bucket!r} denied ({self.uri}): {e}") from e
-        except OSError as e:
-            if http_status(e) in (401, 403):
-                raise AccessDeniedError(f"access to bucket {self.bucket!r} denied ({self.uri}): {e}") from e
-            raise BackendError(f"cannot reach bucket {self.bucket!r} ({self.uri}): {e}") from e
-        if not found:
+        if not self._call("open bucket", self.bucket, probe):
             raise BucketNotFoundError(f"bucket {self.bucket!r} does not exist ({self.uri})")
 
-    # -- Backend -------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
+    # -- Backend hooks ---------------------------------------------------------------
+    def _get(self, key: str) -> bytes:
         path = self._path(key)
-        data = self._call("get", key, lambda attempt: self.fs.cat_file(path))
+        data = self._call("get", key, lambda: self.fs.cat_file(path))
         self.progress("get", key, len(data))
         return data
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
         if end <= start:
-            if not self.exists(key):
+            if not self._exists(key):
                 raise KeyNotFoundError(f"{key!r} not found in {self.uri}")
             return b""
-        return self._call("get", key, lambda attempt: self.fs.cat_file(path, start=start, end=end))
+        try:
+            return self._call("get", key, lambda: self.fs.cat_file(path, start=start, end=end))
+        except BackendError as e:
+            if "range" in str(e).lower() and "satisf" in str(e).lower():  # 416: start at or past the end
+                self._stat(key)  # missing -> KeyNotFoundError
+                return b""
+            raise
 
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        if mode not in ("overwrite", "create"):
-            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+    def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         path = self._path(key)
         data = bytes(data)
         put_id = uuid.uuid4().hex
 
-        def attempt_put(attempt: int) -> None:
+        def attempt_put() -> None:
             if mode == "overwrite":
                 self.fs.pipe_file(path, data)
                 return
             if not self.capabilities.atomic_create or self.protocol not in _ATOMIC_CREATE:
                 if self.fs.isfile(path):
-                    self._conflict(key, path, data, attempt)
-                    return
+                    raise KeyExistsError(f"{key!r} already exists in {self.uri}")
                 self.fs.pipe_file(path, data)
                 return
             kwargs: dict[str, Any] = {"mode": "create"}
@@ -249,8 +315,9 @@ class FsspecBackend(Backend):
                 self.fs.pipe_file(path, data, **kwargs)
             except Exception as e:
                 if _is_precondition_failure(e):
+                    # a client-internal resend of this very call may have landed (its answer lost)
                     if self._put_id(path) == put_id:
-                        return  # an earlier try of this very call landed (its answer was lost)
+                        return
                     raise KeyExistsError(f"{key!r} already exists in {self.uri}") from None
                 raise
 
@@ -268,24 +335,14 @@ class FsspecBackend(Backend):
             return None
         return meta.get(_PUT_ID)
 
-    def _conflict(self, key: str, path: str, data: bytes, attempt: int) -> None:
-        """A create found ``key`` present: fine if an earlier attempt of this call wrote exactly ``data``."""
-        if attempt > 0:
-            try:
-                if self.fs.cat_file(path) == data:
-                    return
-            except FileNotFoundError:
-                pass
-        raise KeyExistsError(f"{key!r} already exists in {self.uri}")
-
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         path = self._path(key)
-        return bool(self._call("exists", key, lambda attempt: self.fs.isfile(path)))
+        return bool(self._call("exists", key, lambda: self.fs.isfile(path)))
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         path = self._path(key)
 
-        def rm(attempt: int) -> None:
+        def rm() -> None:
             try:
                 self.fs.rm_file(path)
             except FileNotFoundError:
@@ -293,14 +350,39 @@ class FsspecBackend(Backend):
 
         self._call("delete", key, rm)
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def _stat(self, key: str) -> KeyInfo:
+        path = self._path(key)
+
+        def info() -> KeyInfo:
+            self.fs.invalidate_cache(path)
+            d = self.fs.info(path)
+            if d.get("type") == "directory":
+                raise FileNotFoundError(path)
+            mtime = _timestamp(d.get("LastModified", d.get("mtime", d.get("updated"))))
+            if mtime is None:
+                raise BackendError(f"stat {key!r} in {self.uri}: the server reports no modification time")
+            return KeyInfo(int(d.get("size", 0)), mtime)
+
+        return self._call("stat", key, info)
+
+    def _touch(self, key: str) -> None:
+        if self.protocol not in _S3:
+            return super()._touch(key)  # GCS and others: rewrite the bytes
+        path = self._path(key)
+        bucket, _, object_key = path.partition("/")
+
+        def copy_onto_itself() -> None:  # a server-side copy: new LastModified, no bytes through us
+            self.fs.call_s3("copy_object", Bucket=bucket, Key=object_key, MetadataDirective="REPLACE",
+                            CopySource={"Bucket": bucket, "Key": object_key})
+
+        self._call("touch", key, copy_onto_itself)
+
+    def _list(self, prefix: str) -> Iterator[str]:
         folder = prefix.rpartition("/")[0]
-        if folder:
-            check_key(folder)
         base = f"{self.root}/{folder}" if folder else self.root
         cut = len(self.root) + 1
 
-        def find(attempt: int) -> list[str]:
+        def find() -> list[str]:
             self.fs.invalidate_cache(base)
             try:
                 return list(self.fs.find(base, withdirs=False))
@@ -321,53 +403,63 @@ class FsspecBackend(Backend):
         """Nothing to release: fsspec filesystems are cached and shared per process."""
 
     # -- batch transfers -------------------------------------------------------------
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        """``{key: value}`` for every key, fetched concurrently.
-
-        Async filesystems (s3fs, gcsfs) fetch the whole batch on their event
-        loop in one ``cat``; a key that fails there is retried alone under the
-        retry policy. Raises :class:`KeyNotFoundError` when any key is missing.
-        """
-        keys = list(dict.fromkeys(keys))
+    def _get_many(self, keys: list[str], limits: dict[str, int]) -> dict[str, bytes]:
+        """Async filesystems (s3fs, gcsfs) fetch the whole batch on their event loop in one ``cat``
+        (``cat_ranges`` of ``limit + 1`` bytes for keys with a limit); a key that fails there is read
+        alone. Raises :class:`KeyNotFoundError` when any key is missing."""
         paths = {self._path(k): k for k in keys}
         got: dict[str, Any] = {}
         if len(keys) > 1 and getattr(self.fs, "async_impl", False):
             try:
-                got = self.fs.cat(list(paths), on_error="return")
+                if limits:
+                    ranged = list(paths)
+                    values = self.fs.cat_ranges(ranged, [0] * len(ranged),
+                                                [limits.get(paths[p], 1 << 62) + 1 for p in ranged],
+                                                on_error="return")
+                    got = dict(zip(ranged, values))
+                else:
+                    got = self.fs.cat(list(paths), on_error="return")
             except Exception:  # noqa: BLE001 - fall back to one key at a time below
                 got = {}
         out: dict[str, bytes] = {}
         missing = []
         for path, key in paths.items():
             value = got.get(path)
-            if isinstance(value, bytes):
+            if isinstance(value, bytes) and (key not in limits or len(value) <= limits[key]):
                 out[key] = value
                 self.progress("get", key, len(value))
             else:
                 missing.append(key)
         if missing:
-            out.update(zip(missing, run_parallel(self.get, missing, self.max_workers)))
+            def one(k: str) -> bytes:
+                return self.get_bounded(k, limits[k]) if k in limits else self._get(k)
+
+            out.update(zip(missing, run_parallel(one, missing, self.max_workers)))
         return {k: out[k] for k in keys}
 
-    def put_many(self, items: Mapping[str, bytes], *, mode: PutMode = "overwrite") -> None:
-        """Store every ``key -> value`` concurrently.
-
-        Overwrites on an async filesystem go out as one ``pipe`` batch (any
-        failure: each key is retried alone). With ``mode="create"`` every key
-        is a create-only put and a present key raises :class:`KeyExistsError`
-        after every transfer ended (the other keys are written).
-        """
-        if mode not in ("overwrite", "create"):
-            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+    def _put_many(self, items: dict[str, bytes], mode: PutMode) -> None:
+        """Overwrites on an async filesystem go out as one ``pipe`` batch (any failure: each key is
+        written alone). With ``mode="create"`` every key is a create-only put; a present key raises
+        :class:`KeyExistsError` after every transfer ended."""
         items = {k: bytes(v) for k, v in items.items()}
         paths = {self._path(k): k for k in items}
         if mode == "overwrite" and len(items) > 1 and getattr(self.fs, "async_impl", False):
             try:
                 self.fs.pipe({p: items[k] for p, k in paths.items()})
-            except Exception:  # noqa: BLE001 - fall back to one key at a time (with retries)
+            except Exception:  # noqa: BLE001 - fall back to one key at a time
                 pass
             else:
                 for k, v in items.items():
                     self.progress("put", k, len(v))
                 return
-        run_parallel(lambda kv: self.put(kv[0], kv[1], mode=mode), list(items.items()), self.max_workers)
+        conflicts: list[str] = []
+
+        def one(kv: tuple[str, bytes]) -> None:
+            try:
+                self._put(kv[0], kv[1], mode)
+            except KeyExistsError:
+                conflicts.append(kv[0])
+
+        run_parallel(one, list(items.items()), self.max_workers)
+        if conflicts:
+            raise KeyExistsError(f"{len(conflicts)} key(s) already exist in {self.uri}: {sorted(conflicts)[:5]}")

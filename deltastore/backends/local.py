@@ -4,103 +4,164 @@ Every write goes to a temporary file in the destination folder first and is
 then published with ``os.link`` (create-only: fails if the name exists) or
 ``os.replace`` (overwrite). Both are atomic on POSIX file systems, so a reader
 sees either the old value, nothing, or the complete new value.
+
+Files are created with mode ``0666`` and folders ``0777`` less the process
+umask (``0644`` / ``0755`` with the usual ``022``), so a reader running as
+another user on a shared file system can read the store.
+
+OS errors are translated in one place (:func:`_translate`): a missing file
+is :class:`KeyNotFoundError`, ``EACCES``/``EPERM`` :class:`AccessDeniedError`,
+``EROFS`` :class:`ReadOnlyStoreError`, ``ENOSPC``/``EDQUOT``
+:class:`StoreFullError`, anything else :class:`BackendError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-import tempfile
+import uuid
 from collections.abc import Iterator
 
-from ..errors import KeyExistsError, KeyNotFoundError
-from .base import Backend, Capabilities, PutMode, check_key
+from ..errors import (AccessDeniedError, BackendError, KeyExistsError, KeyNotFoundError, ReadOnlyStoreError,
+                      StoreFullError, UnknownOptionError, ValueTooLargeError)
+from .base import Backend, Capabilities, KeyInfo, PutMode, check_key
 
 _TMP_PREFIX = ".tmp-"
+_OPTIONS = ("fsync",)
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+@contextlib.contextmanager
+def _translate(op: str, key: str, root: str) -> Iterator[None]:
+    """Turn an OSError of ``op`` on ``key`` into the typed error of its kind."""
+    try:
+        yield
+    except (KeyNotFoundError, KeyExistsError, ValueTooLargeError):
+        raise
+    except _MISSING:
+        raise KeyNotFoundError(f"{key!r} not found in {root}") from None
+    except PermissionError as e:
+        raise AccessDeniedError(f"{op} {key!r} in {root}: permission denied ({e.strerror})") from e
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            raise ReadOnlyStoreError(f"{op} {key!r} in {root}: the file system is read-only") from e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(f"{op} {key!r} in {root}: no space left ({e.strerror})") from e
+        raise BackendError(f"{op} {key!r} in {root} failed: {e}") from e
 
 
 class LocalBackend(Backend):
     """Files under ``root``; ``fsync=True`` also flushes each file and its folder to disk."""
 
-    capabilities = Capabilities(atomic_create=True, listing=True, ranged_reads=True)
+    capabilities = Capabilities(atomic_create=True, listing=True, ranged_reads=True, conditional_delete=True)
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False):
         self.root = os.path.abspath(os.fspath(root))
-        self.fsync = fsync
+        self.fsync = bool(fsync)
 
     def __repr__(self) -> str:
         return f"LocalBackend({self.root!r})"
 
     @classmethod
     def from_uri(cls, uri: str, **options: object) -> LocalBackend:
-        """A bare path or ``file://PATH``; ``options`` may hold ``fsync``."""
+        """A bare path or ``file://PATH``; ``options`` may hold ``fsync`` (:class:`UnknownOptionError` otherwise)."""
+        bad = sorted(k for k in options if k not in _OPTIONS)
+        if bad:
+            raise UnknownOptionError(f"unknown storage option(s) {bad} for a local store; valid: {list(_OPTIONS)} "
+                                     "(and 'retry', 'deadline')")
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         return cls(path, **options)  # type: ignore[arg-type]
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
+        return os.path.join(self.root, *key.split("/"))
 
-    def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise KeyNotFoundError(f"{key!r} not found in {self.root}") from None
+    def _get(self, key: str) -> bytes:
+        with _translate("get", key, self.root), open(self._path(key), "rb") as f:
+            return f.read()
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                f.seek(start)
-                return f.read(max(0, end - start))
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise KeyNotFoundError(f"{key!r} not found in {self.root}") from None
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        with _translate("get", key, self.root), open(self._path(key), "rb") as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
 
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        if mode not in ("overwrite", "create"):
-            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
+    def _get_bounded(self, key: str, limit: int) -> bytes:
+        with _translate("get", key, self.root), open(self._path(key), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise ValueTooLargeError(f"{key!r} holds {size} bytes, more than {limit}", size=size)
+            return f.read(limit + 1)
+
+    def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         path = self._path(key)
         folder = os.path.dirname(path)
-        if mode == "create" and os.path.exists(path):
-            raise KeyExistsError(f"{key!r} already exists in {self.root}")
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+        with _translate("put", key, self.root):
+            if mode == "create" and os.path.exists(path):
+                raise KeyExistsError(f"{key!r} already exists in {self.root}")
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+            # os.open applies the umask (mkstemp would force 0600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                if mode == "create":
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        raise KeyExistsError(f"{key!r} already exists in {self.root}") from None
+                else:
+                    os.replace(tmp, path)
+                    tmp = ""
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            if mode == "create":
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise KeyExistsError(f"{key!r} already exists in {self.root}") from None
-            else:
-                os.replace(tmp, path)
-                tmp = ""
-            if self.fsync:
-                _fsync_dir(folder)
-        finally:
-            if tmp:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
+                    _fsync_dir(folder)
+            finally:
+                if tmp:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
 
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
 
-    def delete(self, key: str) -> None:
-        try:
+    def _delete(self, key: str) -> None:
+        with _translate("delete", key, self.root), contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def _stat(self, key: str) -> KeyInfo:
+        with _translate("stat", key, self.root):
+            st = os.stat(self._path(key))
+        return KeyInfo(st.st_size, st.st_mtime)
+
+    def _touch(self, key: str) -> None:
+        with _translate("touch", key, self.root):
+            os.utime(self._path(key))  # times=None: "now" by the file system (the server's, on NFS)
+
+    def _delete_if_unmodified(self, key: str, seen: KeyInfo) -> bool:
+        """Rename the file aside (atomic), then check it: a touch or put that came first shows in its
+        mtime and the file is put back; one that comes later finds the name absent and writes anew."""
+        path = self._path(key)
+        aside = os.path.join(os.path.dirname(path), f"{_TMP_PREFIX}gc-{uuid.uuid4().hex}")
+        with _translate("delete", key, self.root):
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                return False
+            st = os.stat(aside)
+            if (st.st_size, st.st_mtime) != (seen.size, seen.mtime):
+                with contextlib.suppress(FileExistsError):  # a new copy was written meanwhile: keep it
+                    os.link(aside, path)
+                os.unlink(aside)
+                return False
+            os.unlink(aside)
+            return True
+
+    def _list(self, prefix: str) -> Iterator[str]:
         # Walk only the deepest folder the prefix fully names.
         folder_key = prefix.rpartition("/")[0]
         start = os.path.join(self.root, *folder_key.split("/")) if folder_key else self.root
-        if folder_key:
-            check_key(folder_key)
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [d for d in dirnames if not d.startswith(_TMP_PREFIX)]
             rel = os.path.relpath(dirpath, self.root)

@@ -7,19 +7,20 @@ Publisher and a Subscriber opened on ``memory://run`` meet each other.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
-from ..errors import KeyExistsError, KeyNotFoundError
-from .base import Backend, Capabilities, PutMode, check_key
+from ..errors import KeyExistsError, KeyNotFoundError, UnknownOptionError
+from .base import Backend, Capabilities, KeyInfo, PutMode
 
-_SHARED: dict[str, tuple[dict[str, bytes], threading.Lock]] = {}
+_SHARED: dict[str, tuple[dict[str, tuple[bytes, float]], threading.Lock]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
 class MemoryBackend(Backend):
-    """A dict of bytes guarded by a lock; ``name`` selects a process-wide shared dict."""
+    """A dict of ``(bytes, mtime)`` guarded by a lock; ``name`` selects a process-wide shared dict."""
 
-    capabilities = Capabilities(atomic_create=True, listing=True, ranged_reads=True)
+    capabilities = Capabilities(atomic_create=True, listing=True, ranged_reads=True, conditional_delete=True)
 
     def __init__(self, name: str = ""):
         self.name = name
@@ -33,33 +34,52 @@ class MemoryBackend(Backend):
     def from_uri(cls, uri: str, **options: object) -> MemoryBackend:
         """``memory://NAME`` -> the shared in-process store NAME."""
         if options:
-            raise TypeError(f"memory:// takes no storage options, got {sorted(options)}")
+            raise UnknownOptionError(f"memory:// takes no storage options, got {sorted(options)}; valid: []")
         return cls(uri.split("://", 1)[1])
 
-    def get(self, key: str) -> bytes:
-        check_key(key)
+    def _entry(self, key: str) -> tuple[bytes, float]:
         try:
             return self._data[key]
         except KeyError:
             raise KeyNotFoundError(f"{key!r} not found in memory://{self.name}") from None
 
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        if mode not in ("overwrite", "create"):
-            raise ValueError(f"mode must be 'overwrite' or 'create', got {mode!r}")
-        check_key(key)
+    def _get(self, key: str) -> bytes:
+        return self._entry(key)[0]
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes:
+        return self._entry(key)[0][start:end]
+
+    def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         with self._lock:
             if mode == "create" and key in self._data:
                 raise KeyExistsError(f"{key!r} already exists in memory://{self.name}")
-            self._data[key] = bytes(data)
+            self._data[key] = (bytes(data), time.time())
 
-    def exists(self, key: str) -> bool:
-        return check_key(key) in self._data
+    def _exists(self, key: str) -> bool:
+        return key in self._data
 
-    def delete(self, key: str) -> None:
+    def _delete(self, key: str) -> None:
         with self._lock:
-            self._data.pop(check_key(key), None)
+            self._data.pop(key, None)
 
-    def list(self, prefix: str = "") -> Iterator[str]:
+    def _stat(self, key: str) -> KeyInfo:
+        data, mtime = self._entry(key)
+        return KeyInfo(len(data), mtime)
+
+    def _touch(self, key: str) -> None:
+        with self._lock:
+            data, _ = self._entry(key)
+            self._data[key] = (data, time.time())
+
+    def _delete_if_unmodified(self, key: str, seen: KeyInfo) -> bool:
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None or (len(entry[0]), entry[1]) != (seen.size, seen.mtime):
+                return False
+            del self._data[key]
+            return True
+
+    def _list(self, prefix: str) -> Iterator[str]:
         with self._lock:
             keys = [k for k in self._data if k.startswith(prefix)]
         yield from keys

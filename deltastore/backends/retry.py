@@ -1,15 +1,22 @@
-"""Transport helpers: retries with exponential backoff and jitter, parallel transfers,
-progress hooks, and the typed errors of network backends.
+"""Transport helpers: the retry layer (exponential backoff, jitter, a total deadline), parallel
+transfers and progress hooks.
 
-Shared by the network backends (:mod:`.fsspec`, :mod:`.hf`). Nothing here
-knows about a particular service: :func:`is_transient` classifies an
-exception by its type, errno and HTTP status, and :class:`RetryPolicy` runs a
-call until it succeeds, fails for good, or runs out of attempts or time.
+Nothing here knows about a particular service: :func:`is_transient`
+classifies an exception by its type, errno and HTTP status,
+:class:`RetryPolicy` runs a call until it succeeds, fails for good, or runs
+out of attempts or time, and :class:`RetryingBackend` wraps any backend in
+that policy (the one retry layer: :func:`~deltastore.backends.open_backend`
+puts every remote backend behind it, and the clients' own retries are turned
+off so the layers do not multiply). A transient failure that outlives the
+deadline becomes :class:`BackendUnavailableError`. Each retry is logged at
+DEBUG on ``deltastore.backends.retry`` with its cause.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
 import random
 import re
 import threading
@@ -19,7 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import DeltaStoreError
+from ..errors import BackendUnavailableError, DeltaStoreError, KeyExistsError, KeyNotFoundError, UnknownOptionError
+from .base import Backend, PutMode, WrapperBackend
+
+log = logging.getLogger("deltastore.backends.retry")
+DEFAULT_DEADLINE = 30.0
+"""Seconds after a call's first try past which no retry starts (storage option ``deadline``)."""
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,7 +99,9 @@ def is_transient(exc: BaseException) -> bool:
     in the exception's cause chain); False for deltastore's own errors,
     missing keys or buckets, conflicts, permission and argument errors.
     """
-    if isinstance(exc, DeltaStoreError) or is_refused(exc):
+    if isinstance(exc, DeltaStoreError):
+        return isinstance(exc, BackendUnavailableError)
+    if is_refused(exc):
         return False
     status = http_status(exc)
     if status is not None:
@@ -114,13 +128,23 @@ class RetryPolicy:
     attempts: total tries per call (1 = no retry).
     base_delay / max_delay: the n-th retry sleeps a random time in
         ``[0, min(max_delay, base_delay * 2**n)]`` ("full jitter").
-    deadline: seconds after the first try past which no retry starts (None: no limit).
+    deadline: seconds after the first try past which no retry starts (None: no limit);
+        a try that would start later fails the call instead.
     """
 
-    attempts: int = 6
+    attempts: int = 8
     base_delay: float = 0.2
     max_delay: float = 8.0
-    deadline: float | None = 300.0
+    deadline: float | None = DEFAULT_DEADLINE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
+            raise ValueError(f"retry attempts must be a positive integer, got {self.attempts!r}")
+        for name in ("base_delay", "max_delay"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"retry {name} must be a non-negative number, got {getattr(self, name)!r}")
+        if self.deadline is not None and (not isinstance(self.deadline, (int, float)) or self.deadline < 0):
+            raise ValueError(f"retry deadline must be a non-negative number or None, got {self.deadline!r}")
 
     @classmethod
     def coerce(cls, value: RetryPolicy | Mapping[str, Any] | int | None) -> RetryPolicy:
@@ -134,6 +158,10 @@ class RetryPolicy:
         if isinstance(value, int):
             return cls(attempts=max(1, value))
         if isinstance(value, Mapping):
+            fields = [f.name for f in dataclasses.fields(cls)]
+            bad = sorted(str(k) for k in value if k not in fields)
+            if bad:
+                raise UnknownOptionError(f"unknown retry option(s) {bad}; valid: {fields}")
             return cls(**value)
         raise TypeError(f"retry must be a RetryPolicy, a dict or an int, got {type(value).__name__}")
 
@@ -141,18 +169,24 @@ class RetryPolicy:
         """Seconds to sleep before retry number ``retry`` (0-based)."""
         return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** retry)))
 
-    def call(self, fn: Callable[[int], R], *, transient: Callable[[BaseException], bool] = is_transient) -> R:
-        """Run ``fn(attempt)`` (attempt = 0, 1, ...) until it returns; re-raise a permanent or the last error."""
+    def call(self, fn: Callable[[int], R], *, transient: Callable[[BaseException], bool] = is_transient,
+             what: str = "call") -> R:
+        """Run ``fn(attempt)`` (attempt = 0, 1, ...) until it returns; re-raise a permanent or the last error.
+
+        Only ``Exception`` is retried: ``KeyboardInterrupt``/``SystemExit`` pass at once.
+        """
         start = time.monotonic()
         for attempt in range(self.attempts):
             try:
                 return fn(attempt)
-            except BaseException as e:
+            except Exception as e:
                 if attempt + 1 >= self.attempts or not transient(e):
                     raise
                 pause = self.delay(attempt)
                 if self.deadline is not None and time.monotonic() + pause - start > self.deadline:
                     raise
+                log.debug("retry %d/%d of %s in %.2f s after %s: %s", attempt + 1, self.attempts - 1, what,
+                          pause, type(e).__name__, e)
                 time.sleep(pause)
         raise AssertionError("unreachable")
 
@@ -189,3 +223,64 @@ class Progress:
             return
         with self._lock:
             self.callback(op, key, nbytes)
+
+
+class RetryingBackend(WrapperBackend):
+    """``inner`` with every call retried on transient errors under ``retry`` (a :class:`RetryPolicy`,
+    a dict of its fields or an attempt count); the one retry layer (see the module docstring).
+
+    A transient failure still there when the attempts or the deadline run out
+    raises :class:`BackendUnavailableError` naming the operation, the key, the
+    tries and the time spent. A create-only put retried after a transient
+    error that then finds the key present compares the stored bytes with its
+    own: equal means its earlier try landed and lost its answer (success),
+    anything else is a real conflict (:class:`KeyExistsError`). ``retries``
+    counts retried tries.
+    """
+
+    def __init__(self, inner: Backend, retry: RetryPolicy | Mapping[str, Any] | int | None = None):
+        super().__init__(inner)
+        self.retry = RetryPolicy.coerce(retry)
+        self.retries = 0
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, key: str, fn: Callable[[], R]) -> R:
+        start = time.monotonic()
+        tries = [0]
+
+        def attempt(n: int) -> R:
+            tries[0] = n + 1
+            if n:
+                with self._lock:
+                    self.retries += 1
+            return fn()
+
+        try:
+            return self.retry.call(attempt, what=f"{op} {key!r} on {self.inner!r}")
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            cause = str(e) if isinstance(e, BackendUnavailableError) else f"{op} {key!r} on {self.inner!r}: " \
+                f"{type(e).__name__}: {e}"
+            raise BackendUnavailableError(
+                f"store unreachable after {tries[0]} tries in {time.monotonic() - start:.1f} s "
+                f"(deadline {self.retry.deadline} s): {cause}") from e
+
+    def _put(self, key: str, data: bytes, mode: PutMode) -> None:
+        tried = [0]
+
+        def once() -> None:
+            tried[0] += 1
+            try:
+                self.inner.put(key, data, mode=mode)
+            except KeyExistsError:
+                if tried[0] == 1:
+                    raise
+                try:  # an earlier try may have landed and lost its answer
+                    if self.inner.get(key) == bytes(data):
+                        return
+                except KeyNotFoundError:
+                    pass
+                raise
+
+        self._call("put", key, once)

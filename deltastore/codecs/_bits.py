@@ -45,9 +45,10 @@ def ordered(bits: np.ndarray, is_float: bool) -> np.ndarray:
 
     For floats ``x >= 0`` maps to itself and a negative pattern ``x`` (sign bit
     set, magnitude ``m``) maps to ``-m - 1``, so ``-0.0 -> -1`` and ``+0.0 -> 0``.
-    Integers map to their signed value (``uint8``/``bool`` bits to 0..255).
+    Integers map to their signed value (``uint8``/``bool`` bits to 0..255); 8-bit floats
+    (``float8_e4m3fn``, as ``uint8`` bits) take the float mapping.
     """
-    if bits.dtype == np.uint8:
+    if bits.dtype == np.uint8 and not is_float:
         return bits.astype(np.int64)
     x = signed_view(bits).astype(np.int64)
     if not is_float:
@@ -63,7 +64,7 @@ def unordered(o: np.ndarray, bits_dtype: np.dtype, is_float: bool) -> np.ndarray
     """Inverse of :func:`ordered`; raises :class:`CorruptObjectError` when ``o`` is out of range."""
     bits_dtype = np.dtype(bits_dtype)
     width = bits_dtype.itemsize * 8
-    if bits_dtype == np.uint8:
+    if bits_dtype == np.uint8 and not is_float:
         if o.size and (int(o.min()) < 0 or int(o.max()) > 255):
             raise CorruptObjectError("decoded value out of range for an 8-bit dtype")
         return o.astype(np.uint8)

@@ -212,11 +212,15 @@ class _TensorHeader:
 
 
 def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    if spec.dtype not in MANTISSA_BITS:
+    if spec.dtype not in _MANTISSA:
         return bits
     width = bits.dtype.itemsize * 8
     return bits & bits.dtype.type((1 << (width - 1)) - 1)
 
+
+#: float dtypes ctx models by magnitude: the 1-byte e4m3 of FP8 served weights too (deltastore.quantize),
+#: whose change odds depend on the old exponent as bf16's do (positions cost 0.50-0.67x given it, on the traces)
+_MANTISSA = {**MANTISSA_BITS, torch.float8_e4m3fn: 3}
 
 _SAMPLE_ABOVE = 1 << 20  # larger tensors choose thresholds from every 16th element's class
 
@@ -226,7 +230,7 @@ class _Classes:
 
     def __init__(self, old: np.ndarray, spec: TensorSpec):
         self.old = old
-        self.shift = MANTISSA_BITS[spec.dtype]
+        self.shift = _MANTISSA[spec.dtype]
         self.mask = (1 << (old.dtype.itemsize * 8 - 1)) - 1
         self.n = (self.mask >> self.shift) + 1
 
@@ -287,7 +291,7 @@ class CtxCodec(Codec):
         old = np_bits(u.old_tensor).reshape(-1)
         pos = u.positions.numpy().astype(np.int64, copy=False)
         new = np_bits(u.bits).reshape(-1)
-        is_float = spec.dtype in MANTISSA_BITS
+        is_float = spec.dtype in _MANTISSA
         old_at = old[pos]
         mag_at = _magnitude(old_at, spec)
         thresholds: list[int] = []
@@ -379,7 +383,7 @@ class CtxCodec(Codec):
 
     def _parse_tensor(self, r: _Reader, spec: TensorSpec) -> _TensorHeader:
         nb = r.next()
-        if not 1 <= nb <= 16 or (nb > 1 and spec.dtype not in MANTISSA_BITS):
+        if not 1 <= nb <= 16 or (nb > 1 and spec.dtype not in _MANTISSA):
             raise CorruptObjectError(f"ctx: {spec.name!r} has {nb} buckets")
         thresholds = [r.next() for _ in range(nb - 1)]
         if any(b <= a for a, b in zip(thresholds, thresholds[1:])):
@@ -398,7 +402,7 @@ class CtxCodec(Codec):
     def decode_tensor(self, spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes,
                       old: np.ndarray) -> Update:
         """Decode one tensor given its parsed header, its two streams and the old flat bits."""
-        is_float = spec.dtype in MANTISSA_BITS
+        is_float = spec.dtype in _MANTISSA
         nb = len(th.buckets)
         if nb > 1:
             classes = _Classes(old, spec)

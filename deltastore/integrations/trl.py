@@ -1,4 +1,9 @@
-"""Publish from a Hugging Face ``transformers`` / TRL trainer: :class:`DeltaStoreCallback`.
+"""Publish from a Hugging Face ``transformers`` / TRL trainer.
+
+* :class:`DeltaStoreWeightTransfer` (:mod:`.trl_transfer`): TRL's own weight-sync
+  plug point, ``AsyncGRPOTrainer(weight_transfer=...)``; it replaces TRL's NCCL sync.
+* :class:`DeltaStoreCallback` (below): any ``transformers.Trainer``; it publishes
+  next to whatever sync the trainer already does.
 
 Three lines to adopt::
 
@@ -32,13 +37,14 @@ import torch
 from ..errors import MissingDependencyError
 from ..publisher import Publisher, VersionInfo
 from ..tensors import StateLike
+from .trl_transfer import DeltaStoreWeightTransfer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback as _TrainerCallbackBase
 else:
     _TrainerCallbackBase = object
 
-__all__ = ["DeltaStoreCallback", "unwrap_model", "INSTALL_HINT"]
+__all__ = ["DeltaStoreCallback", "DeltaStoreWeightTransfer", "unwrap_model", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'deltastore[trl]'"
 _log = logging.getLogger("deltastore.integrations.trl")

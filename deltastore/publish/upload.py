@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from .. import progress
 from ..codecs import Codec, Update
 from ..manifest import ObjectRecord, Part
 from ..store import DeltaStore
@@ -43,10 +44,14 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
     slots = threading.BoundedSemaphore(max(1, inflight))
     failed = threading.Event()
     futures: list[Future] = []
+    bar = progress.current()  # read here: the done-callbacks run on the workers
+    progress.grow(bar, len(jobs))
 
     def release(f: Future) -> None:
         if f.exception() is not None:
             failed.set()
+        else:
+            progress.advance(bar)
         slots.release()
 
     for job in jobs:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import segments
+from .. import progress, segments
 from ..apply import _key, plain_cpu
 from ..checksum import full_checksum
 from ..errors import ChecksumMismatchError, ManifestError
@@ -45,7 +45,10 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     records = am.tensor_map()
     received = dict.fromkeys(records, 0)
     out: dict[str, torch.Tensor] = {}
+    bar = progress.current()
+    progress.grow(bar, am.object_bytes(set(index)))
     for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
+        progress.advance(bar, len(data))
         decoded = decode_object(am, i, data, index[i], "full", None)
         del data
         complete = []

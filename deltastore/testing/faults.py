@@ -29,22 +29,26 @@ Fault kinds (``Fault.kind``):
 ``corrupt``     (get, get_range) return the bytes with bits flipped or truncated
 ``kill``        ``os.kill(os.getpid(), SIGKILL)``: before the call (``when="before"``) or after it
                 landed (``when="after"``); for crash tests in a child process
+``enospc``      raise ``OSError(ENOSPC)`` instead of doing the call (a full disk)
+``erofs``       raise ``OSError(EROFS)`` instead of doing the call (a read-only mount)
+``unreachable`` raise ``ConnectionRefusedError`` instead of doing the call (an endpoint that is down)
+``pause``       call ``Fault.hook(op, key)`` before the call, then do it: a test's hook blocks on
+                an event to hold this call at an exact point of an interleaving (no sleeps)
 
 A rule matches an operation in ``ops`` (``get``, ``get_range``, ``put``,
-``exists``, ``list``, ``delete``; ``"*"`` for all) whose key starts with
+``exists``, ``list``, ``delete``, ``stat``, ``touch``; ``"*"`` for all) whose key starts with
 ``prefix``; ``skip`` matching calls are let through first, at most ``limit``
 faults are injected, and each remaining matching call draws against ``rate``.
-The first rule (in order) that fires decides; ``latency`` combines with the others.
+The first rule (in order) that fires decides; ``latency`` and ``pause`` combine with the others.
 
-:class:`RetryingBackend` retries transient errors with a
-:class:`~deltastore.backends.retry.RetryPolicy`, the way the network
-backends do internally (local and memory stores have no retry layer of their
-own). A retried create-only put that finds the key holding exactly its bytes
-counts as its own write (the answer to an earlier try was lost).
+:class:`FaultyBackend` is a :class:`~deltastore.backends.base.WrapperBackend`;
+:class:`RetryingBackend` (the retry layer, re-exported from
+:mod:`deltastore.backends.retry`) stacks on top of it the same way.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -55,14 +59,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.base import Backend, PutMode
-from ..backends.retry import RetryPolicy, is_transient
-from ..errors import KeyExistsError, KeyNotFoundError
+from ..backends.base import Backend, PutMode, WrapperBackend
+from ..backends.retry import RetryingBackend
+from ..errors import KeyExistsError
 
 __all__ = ["Fault", "FaultyBackend", "RetryingBackend", "corrupt_bytes", "OPS", "KINDS"]
 
-OPS = ("get", "get_range", "put", "exists", "list", "delete")
-KINDS = ("transient", "permanent", "latency", "partial", "drop", "corrupt", "kill")
+OPS = ("get", "get_range", "put", "exists", "list", "delete", "stat", "touch")
+KINDS = ("transient", "permanent", "latency", "partial", "drop", "corrupt", "kill", "enospc", "erofs",
+         "unreachable", "pause")
+_PASSIVE = ("latency", "pause")  # they combine with the one other rule that may fire
 
 
 @dataclass
@@ -78,6 +84,7 @@ class Fault:
     delay: seconds of latency (``latency``).
     error: exception factory for ``permanent`` (default ``PermissionError``).
     when: ``kill`` before the call or after it.
+    hook: ``pause``: called as ``hook(op, key)`` before the call.
     """
 
     kind: str
@@ -90,6 +97,7 @@ class Fault:
     jitter: bool = True
     error: Callable[[str], BaseException] | None = None
     when: str = "before"
+    hook: Callable[[str, str], None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -132,7 +140,7 @@ def corrupt_bytes(data: bytes, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-class FaultyBackend(Backend):
+class FaultyBackend(WrapperBackend):
     """``inner`` with faults injected by ``rules`` from a generator seeded with ``seed`` (thread-safe).
 
     ``injected`` counts injections by kind, ``calls`` counts operations by name;
@@ -141,7 +149,7 @@ class FaultyBackend(Backend):
     """
 
     def __init__(self, inner: Backend, *, seed: int = 0, rules: Iterable[Fault] = (), keep_log: bool = False):
-        self.inner = inner
+        super().__init__(inner)
         self.rules = list(rules)
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
@@ -149,7 +157,6 @@ class FaultyBackend(Backend):
         self.log: list[tuple[str, str, str]] | None = [] if keep_log else None
         self.enabled = True
         self._lock = threading.Lock()
-        self.capabilities = inner.capabilities
 
     def __repr__(self) -> str:
         return f"FaultyBackend({self.inner!r}, rules={len(self.rules)})"
@@ -159,35 +166,41 @@ class FaultyBackend(Backend):
         return sum(self.injected.values())
 
     # -- machinery ------------------------------------------------------------------
-    def _decide(self, op: str, key: str) -> tuple[list[Fault], float]:
-        """The rules that fire for this call (one non-latency rule at most) and the latency to add."""
+    def _decide(self, op: str, key: str) -> tuple[Fault | None, float, list[Fault]]:
+        """The rule that fires for this call (one at most), the latency to add and the pause hooks to call."""
         with self._lock:
             self.calls[op] += 1
             if not self.enabled:
-                return [], 0.0
-            fired: list[Fault] = []
+                return None, 0.0, []
+            fired: Fault | None = None
             latency = 0.0
+            pauses: list[Fault] = []
             for rule in self.rules:
-                if rule.kind == "latency":
+                if rule.kind in _PASSIVE:
                     if rule._draw(op, key, self.rng):
-                        latency += self.rng.uniform(0, rule.delay) if rule.jitter else rule.delay
-                        self._note("latency", op, key)
-                elif not fired and rule._draw(op, key, self.rng):
-                    fired.append(rule)
+                        if rule.kind == "latency":
+                            latency += self.rng.uniform(0, rule.delay) if rule.jitter else rule.delay
+                        else:
+                            pauses.append(rule)
+                        self._note(rule.kind, op, key)
+                elif fired is None and rule._draw(op, key, self.rng):
+                    fired = rule
                     self._note(rule.kind, op, key)
-            return fired, latency
+            return fired, latency, pauses
 
     def _note(self, kind: str, op: str, key: str) -> None:
         self.injected[kind] += 1
         if self.log is not None:
             self.log.append((kind, op, key))
 
-    def _run(self, op: str, key: str, call: Callable[[], Any], *, data: bytes | None = None,
-             mode: PutMode = "overwrite") -> Any:
-        fired, latency = self._decide(op, key)
+    def _call(self, op: str, key: str, fn: Callable[[], Any], *, data: bytes | None = None,
+              mode: PutMode = "overwrite") -> Any:
+        rule, latency, pauses = self._decide(op, key)
+        for p in pauses:
+            if p.hook is not None:
+                p.hook(op, key)
         if latency:
             time.sleep(latency)
-        rule = fired[0] if fired else None
         kind = rule.kind if rule else None
         if kind == "kill" and rule is not None and rule.when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -195,6 +208,11 @@ class FaultyBackend(Backend):
             with self._lock:
                 cls = ConnectionResetError if self.rng.random() < 0.5 else TimeoutError
             raise cls(f"injected transient fault on {op} {key!r}")
+        if kind == "unreachable":
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"injected: endpoint unreachable on {op} {key!r}")
+        if kind in ("enospc", "erofs"):
+            code = errno.ENOSPC if kind == "enospc" else errno.EROFS
+            raise OSError(code, f"injected {os.strerror(code)} on {op} {key!r}")
         if kind == "permanent":
             assert rule is not None
             raise (rule.error or PermissionError)(f"injected permanent fault on {op} {key!r}")
@@ -206,7 +224,7 @@ class FaultyBackend(Backend):
             except KeyExistsError:
                 pass
             raise ConnectionResetError(f"injected partial write on {key!r}: {cut} of {len(data)} bytes landed")
-        result = call()
+        result = fn()
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "drop":
@@ -216,90 +234,15 @@ class FaultyBackend(Backend):
                 result = corrupt_bytes(result, self.rng)
         return result
 
-    # -- Backend ----------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        return self._run("get", key, lambda: self.inner.get(key))
+    def _put(self, key: str, data: bytes, mode: PutMode) -> None:
+        self._call("put", key, lambda: self.inner.put(key, data, mode=mode), data=bytes(data), mode=mode)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self._run("get_range", key, lambda: self.inner.get_range(key, start, end))
+    def _get_bounded(self, key: str, limit: int) -> bytes:
+        return self._call("get", key, lambda: self.inner.get_bounded(key, limit))
 
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        self._run("put", key, lambda: self.inner.put(key, data, mode=mode), data=data, mode=mode)
+    def _get_many(self, keys: list[str], limits: dict[str, int]) -> dict[str, bytes]:
+        # one call per key, so rules see each key (a batch would hide them behind its first key)
+        return {k: (self.get_bounded(k, limits[k]) if k in limits else self._get(k)) for k in keys}
 
-    def exists(self, key: str) -> bool:
-        return self._run("exists", key, lambda: self.inner.exists(key))
-
-    def delete(self, key: str) -> None:
-        self._run("delete", key, lambda: self.inner.delete(key))
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        yield from self._run("list", prefix, lambda: list(self.inner.list(prefix)))
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class RetryingBackend(Backend):
-    """``inner`` with every call retried on transient errors under ``retry`` (a :class:`RetryPolicy`,
-    a dict of its fields or an attempt count).
-
-    What the network backends do internally, as a wrapper for stores without
-    a retry layer (local, memory) or for faults injected outside one. A
-    create-only put whose earlier try may have landed (a retry after a
-    transient error) and that then finds the key present compares the stored
-    bytes with its own: equal means its own write (success), anything else a
-    real conflict (:class:`KeyExistsError`). ``retries`` counts retried calls.
-    """
-
-    def __init__(self, inner: Backend, retry: RetryPolicy | dict | int | None = None):
-        self.inner = inner
-        self.retry = RetryPolicy.coerce(retry)
-        self.capabilities = inner.capabilities
-        self.retries = 0
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"RetryingBackend({self.inner!r})"
-
-    def _call(self, fn: Callable[[int], Any]) -> Any:
-        def attempt(n: int) -> Any:
-            if n:
-                with self._lock:
-                    self.retries += 1
-            return fn(n)
-
-        return self.retry.call(attempt, transient=is_transient)
-
-    def get(self, key: str) -> bytes:
-        return self._call(lambda n: self.inner.get(key))
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self._call(lambda n: self.inner.get_range(key, start, end))
-
-    def put(self, key: str, data: bytes, *, mode: PutMode = "overwrite") -> None:
-        def attempt(n: int) -> None:
-            try:
-                self.inner.put(key, data, mode=mode)
-            except KeyExistsError:
-                if n == 0:
-                    raise
-                try:  # an earlier try may have landed and lost its answer
-                    if self.inner.get(key) == data:
-                        return
-                except KeyNotFoundError:
-                    pass
-                raise
-
-        self._call(attempt)
-
-    def exists(self, key: str) -> bool:
-        return self._call(lambda n: self.inner.exists(key))
-
-    def delete(self, key: str) -> None:
-        self._call(lambda n: self.inner.delete(key))
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        yield from self._call(lambda n: list(self.inner.list(prefix)))
-
-    def close(self) -> None:
-        self.inner.close()
+    def _put_many(self, items: dict[str, bytes], mode: PutMode) -> None:
+        Backend._put_many(self, items, mode)

@@ -241,13 +241,13 @@ def test_hf_verification_catches_an_overwrite(hf_server, request, tmp_path, monk
     target = target_for("hf", request, tmp_path)
     b = open_backend(target.uri, **target.options)
     other = open_backend(target.uri, **target.options)
-    real_download = b._download
+    real_download = b.inner._download  # b is the retry layer around the HF backend
 
     def download_after_rival(paths):
         other.put("versions/000000000005.json", b"rival", mode="overwrite")
         return real_download(paths)
 
-    monkeypatch.setattr(b, "_download", download_after_rival)
+    monkeypatch.setattr(b.inner, "_download", download_after_rival)
     with pytest.raises(KeyExistsError, match="concurrently"):
         b.put("versions/000000000005.json", b"mine", mode="create")
     assert other.get("versions/000000000005.json") == b"rival"
@@ -258,7 +258,7 @@ def test_progress_callback_and_batches(seaweed_server, request, tmp_path):
     seen: list[tuple[str, str, int]] = []
     b = open_backend(target.uri, **target.options, progress=lambda op, key, n: seen.append((op, key, n)),
                      max_workers=8)
-    assert isinstance(b, FsspecBackend)
+    assert isinstance(b.inner, FsspecBackend)
     b.put_many({f"k{i}": bytes(i) for i in range(10)})
     assert b.get_many([f"k{i}" for i in range(10)]) == {f"k{i}": bytes(i) for i in range(10)}
     assert sorted(seen) == sorted([("put", f"k{i}", i) for i in range(10)] + [("get", f"k{i}", i) for i in range(10)])

@@ -1,4 +1,4 @@
-"""Regenerate the golden codec objects: ``python -m tests.test_codecs.make_golden`` from the repo root.
+"""Regenerate the golden codec objects: ``python tests/test_codecs/make_golden.py`` from the repo root.
 
 Only run this when a codec's format version changes: add files for the new
 version, never overwrite existing ones (old objects must stay decodable).

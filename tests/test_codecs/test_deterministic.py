@@ -8,10 +8,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# make_golden is imported by path: a top-level ``tests`` package installed by a dependency (verl ships
+# one) would shadow this repository's ``tests`` namespace
 SCRIPT = """
-import hashlib
+import hashlib, sys
+sys.path.insert(0, "tests/test_codecs")
 from deltastore.codecs import get_codec
-from tests.test_codecs.make_golden import cases, whole
+from make_golden import cases, whole
 ups = cases()["mixed"]
 for record in ("raw", "zstd", "ulp", "ctx", {"id": "auto", "config": {"link_mbps": None}}, "dense",
                {"id": "dense", "config": {"planes": True}}):

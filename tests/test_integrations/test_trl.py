@@ -263,3 +263,72 @@ def test_trl_grpo_trainer_smoke(tmp_path):
     for step in (1, 2, 3):
         sub.pull(replica, step=step)
         assert bits_equal(_bf16_bits(replica), snaps.states[step]), f"step {step} differs"
+
+
+# -- DeltaStoreWeightTransfer: TRL's WeightTransferProtocol, driven the way AsyncGRPOTrainer drives it ---------------
+def _sync(wt, model):
+    """What ``AsyncGRPOTrainer._sync_weight_merged`` does on the main process (TRL 1.16)."""
+    wt.pause()
+    wt.send_weights((n, p.detach()) for n, p in model.named_parameters())
+    wt.resume()
+
+
+def test_weight_transfer_publishes_one_version_per_sync(tmp_path):
+    from deltastore.integrations.trl import DeltaStoreWeightTransfer
+
+    uri = str(tmp_path / "store")
+    model = tiny_llama(3).to(torch.bfloat16)
+    wt = DeltaStoreWeightTransfer(uri, anchor_every=100)
+    wt.init_weight_transfer()
+    states = []
+    for k in range(3):
+        _sync(wt, model)
+        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.view(-1)[k] += 1
+    wt.destroy()
+    assert wt.published == [1, 2, 3] and wt.publisher is None
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == [1, 2, 3]
+    for step, want in zip([1, 2, 3], states):
+        assert bits_equal(sub.pull(step=step).state, want), step
+    again = DeltaStoreWeightTransfer(uri)  # a new transfer on the same store continues its chain
+    _sync(again, model)
+    assert again.published == [4]
+    again.destroy()
+
+    class Trainer:
+        model_version = 9
+    att = DeltaStoreWeightTransfer(uri).attach(Trainer())
+    _sync(att, model)
+    assert att.published == [10]  # TRL's model_version + 1: the version the next rollouts carry
+    att.destroy()
+
+
+def test_weight_transfer_synchronous_swap_order(tmp_path):
+    from deltastore.integrations.trl import DeltaStoreWeightTransfer
+
+    calls = []
+
+    class Control:
+        def pause(self):
+            calls.append("pause")
+
+        def apply(self, uri, step, storage_options):
+            assert ds.Subscriber(uri).latest() == step  # committed before the server is told
+            calls.append(("apply", step))
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+        def set_version(self, label):
+            calls.append(("version", label))
+
+        def resume(self):
+            calls.append("resume")
+    wt = DeltaStoreWeightTransfer(str(tmp_path / "store"), control=Control())
+    wt.init_weight_transfer()
+    _sync(wt, tiny_llama(4))
+    wt.destroy()
+    assert calls == ["pause", ("apply", 1), "reset", ("version", "1"), "resume"]

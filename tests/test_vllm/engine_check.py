@@ -11,7 +11,10 @@
 4. a corrupt version 11, a wrong declared base and a foreign chain are refused, and
    the engine keeps serving version 10 (same outputs, verify still passes);
 5. engine B starts fresh from ``deltastore materialize URI 10`` and must give the
-   same greedy token ids and logprobs as engine A.
+   same greedy token ids and logprobs as engine A; its first deltastore call is
+   the weight-transfer API (the backend's own reload path, before any
+   worker-extension call), then vLLM's native sparse loader path (a NaN value
+   included) and the reload fallback on another store (:func:`native_checks`).
 
 Writes WORKDIR/result.json; exit status 0 when every check passed, 3 when vLLM is
 not importable.
@@ -33,6 +36,7 @@ from fake_vllm_model import perturb  # noqa: F401 - also used by serve_check (sc
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(callable): reads served bits
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42], [300, 301, 302, 303, 304, 305, 306], [9]]
 STEPS = 10
@@ -117,6 +121,72 @@ def expect_error(fn, name: str) -> str:
     raise AssertionError(f"expected {name}, nothing raised")
 
 
+def _bf16_set(t, index: int, bits: int):
+    import torch
+
+    flat = t.reshape(-1).clone().view(torch.int16)
+    flat[index] = bits - 0x10000 if bits >= 0x8000 else bits
+    return flat.view(t.dtype).reshape(t.shape)
+
+
+def native_checks(llm, state: dict, nuri: str) -> dict:
+    """vLLM's native sparse loader (load_checkpoint_weight_patches) inside our transaction, on the real engine.
+
+    The versions change only RMSNorm weights (the CPU build computes them from the parameters, not from a
+    packed copy), so ``path="auto"`` takes the native path; version 1 writes a NaN (vLLM's loader reserves NaN
+    as "unchanged": that value must still land bit-exactly), version 2 turns it back into a number. Version 3
+    moves linear weights too: auto falls back to the reload path and ``path="native"`` is refused, typed.
+    """
+    import deltastore as ds
+    import deltastore.integrations.vllm as dv
+
+    assert dv.native_patch_loader() is not None, "this vLLM has no load_checkpoint_weight_patches"
+    norm = "model.layers.0.input_layernorm.weight"
+    v0 = dict(state)
+    v1 = dict(v0, **{norm: _bf16_set(_bf16_set(v0[norm], 0, 0x7FC0), 5, 0x3F81),
+                     "model.norm.weight": _bf16_set(v0["model.norm.weight"], 7, 0xBF00)})
+    v2 = dict(v1, **{norm: _bf16_set(v1[norm], 0, 0x3F80)})
+    v3 = perturb(v2, FRACTION, 4242)
+    with ds.Publisher(nuri, anchor_every=100) as pub:
+        for step, st in enumerate([v0, v1, v2, v3]):
+            pub.publish(st, step=step)
+    out: dict = {}
+    r = dv.pull(llm, nuri, 0)  # another store: an anchor, reload path
+    assert r["route"] == "anchor" and r["path"] == "reload", r
+    before = generate(llm)
+    r = dv.pull(llm, nuri, 1)
+    assert r["route"] == "delta" and r["path"] == "native", r
+    dv.verify(llm)
+    served = llm.collective_rpc("deltastore_verify")[0]["tensors"]
+    assert served[norm]["source"] == "served" and served[norm]["ok"], served[norm]
+    out["nan_lands"] = _served_bits(llm, norm, [0, 5]) == [0x7FC0, 0x3F81]
+    assert out["nan_lands"], _served_bits(llm, norm, [0, 5])
+    out["pull_1"] = r
+    r = dv.pull(llm, nuri, 2)
+    assert r["path"] == "native" and _served_bits(llm, norm, [0]) == [0x3F80], r
+    dv.verify(llm)
+    out["pull_2"] = r
+    out["outputs_changed_by_native"] = generate(llm) != before
+    assert out["outputs_changed_by_native"], "the native writes did not reach the forward pass"
+    out["native_refused_for_linears"] = expect_error(lambda: dv.pull(llm, nuri, 3, path="native"),
+                                                     "TargetMismatchError")
+    assert dv.version(llm)["step"] == 2
+    dv.verify(llm)
+    r = dv.pull(llm, nuri, 3)  # the fallback: our reload path
+    assert r["route"] == "delta" and r["path"] == "reload", r
+    dv.verify(llm)
+    out["fallback_3"] = r
+    return out
+
+
+def _served_bits(llm, name: str, positions: list[int]) -> list[int]:
+    """The served parameter's bits at flat positions (RMSNorm weights: checkpoint layout == parameter layout)."""
+    def read(self, name=name, positions=positions):
+        p = dict(self.model_runner.get_model().named_parameters())[name]
+        return [int(v) & 0xFFFF for v in p.detach().reshape(-1).view(__import__("torch").int16)[positions].tolist()]
+    return llm.collective_rpc(read)[0]
+
+
 def main(work: str) -> int:
     try:
         import vllm  # noqa: F401
@@ -124,6 +194,7 @@ def main(work: str) -> int:
         print(f"vllm not importable: {e!r}", file=sys.stderr)
         return 3
     import deltastore.integrations.vllm as dv
+    from deltastore.integrations.vllm._rpc import results
     from deltastore.store import object_key
 
     result: dict = {"checks": {}, "timings": {}}
@@ -152,7 +223,7 @@ def main(work: str) -> int:
     checks["identify_v0"] = ident
     assert ident["step"] == 0 and ident["path"] == "reload", ident
     checks["wrong_declared_base"] = expect_error(
-        lambda: dv._results(llm.collective_rpc("deltastore_identify", kwargs={
+        lambda: results(llm.collective_rpc("deltastore_identify", kwargs={
             "uri": uri, "step": 5, "raise_errors": False})), "ChecksumMismatchError")
     assert dv.version(llm)["step"] == 0
 
@@ -236,13 +307,20 @@ def main(work: str) -> int:
     if out_a != out_b:
         result["diff"] = {"followed": out_a, "fresh": out_b}
     assert out_a == out_b, "the engine that followed the store differs from a fresh load of version 10"
-    # engine B knows no version: its first pull takes the anchor route (anchor 0 + deltas 1..3)
-    r = dv.pull(fresh, uri, 3)
-    assert r["route"] == "anchor" and r["versions_applied"] == [0, 1, 2, 3], r
+    # engine B knows no version. Its first deltastore call is the weight-transfer API (no worker-extension
+    # call before it): the backend's own reload path (vLLM's reload_weights from reload/inplace.py) loads
+    # the anchor route (anchor 0 + deltas 1..3).
+    fresh.start_weight_update()
+    fresh.update_weights({"update_info": {"uri": uri, "step": 3}})
+    fresh.finish_weight_update(weight_version="3")
+    fresh.reset_prefix_cache()
+    v = dv.version(fresh)
+    assert v["step"] == 3 and v["path"] == "reload", v
     dv.verify(fresh)
-    checks["anchor_route_step3"] = r
+    checks["anchor_route_step3"] = v
     checks["anchor_route_matches_followed_step3"] = generate(fresh) == out_a3
     assert checks["anchor_route_matches_followed_step3"], "version 3 by anchor route differs from version 3 by deltas"
+    checks["native"] = native_checks(fresh, versions[3], os.path.join(work, "norm-store"))
     result["outputs"] = out_b
     result["timings"]["total_s"] = round(time.time() - t_start, 2)
     result["ok"] = True

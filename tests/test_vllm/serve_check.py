@@ -11,8 +11,11 @@ a corrupt version refused while the server keeps serving exactly what it served
 before: the greedy completion (token ids and their logprobs) after the refusal
 equals the one taken before it, and the served weights still verify against
 version 8. The completion at version 8 must differ from the base model's, so
-the pulls really reached the served weights. Writes WORKDIR/result.json; exit 0
-when every check passed.
+the pulls really reached the served weights. Then a second server, without
+``VLLM_SERVER_DEV_MODE`` (its dev routes absent), follows another store by
+itself through ``--middleware ...serve_follower.FollowStore``, verifies what it
+serves after every apply, and serves the completion the first server served for
+the same weights. Writes WORKDIR/result.json; exit 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -68,35 +71,20 @@ def main(work: str) -> int:
     for s in range(1, 5):
         publish_next(s)
 
-    port = free_port()
-    srv_url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
-           "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-           "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1",
-           "--kv-cache-memory-bytes", str(32 << 20),
-           "--worker-extension-cls", "deltastore.integrations.vllm.DeltaStoreWorkerExtension",
-           "--weight-transfer-config", '{"backend": "deltastore"}']
-    logf = open(os.path.join(work, "server.log"), "w")
-    srv = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    srv, logf, srv_url = start_server(work, base, env, ["--weight-transfer-config", '{"backend": "deltastore"}'],
+                                      "server.log")
     try:
-        t0 = time.time()
-        while True:
-            if srv.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see server.log")
-            try:
-                urllib.request.urlopen(srv_url + "/health", timeout=2)
-                break
-            except Exception:  # noqa: BLE001
-                if time.time() - t0 > 240:
-                    raise TimeoutError("vllm serve did not become healthy in 240 s") from None
-                time.sleep(1)
         res["server_start_s"] = round(time.time() - t0, 1)
         log(f"server up in {res['server_start_s']}s")
 
         def complete() -> dict:
+            return complete_at(srv_url)
+
+        def complete_at(url: str) -> dict:
             """Greedy completion of a fixed prompt: generated token ids and their logprobs (exact floats)."""
-            out = http("POST", srv_url + "/v1/completions", {
+            out = http("POST", url + "/v1/completions", {
                 "model": base, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0, "return_token_ids": True,
                 "logprobs": 1, "return_tokens_as_token_ids": True})
             choice = out["choices"][0]
@@ -135,6 +123,7 @@ def main(work: str) -> int:
         checks["max_lag_waits"] = lagged.poll_once() is None
         publish_next(8)
         r = lagged.poll_once()
+        state_8 = dict(state)
         assert r is not None and r["step"] == 8 and r["versions_applied"] == [7, 8], r
         checks["max_lag_applies_8"] = r
 
@@ -179,21 +168,105 @@ def main(work: str) -> int:
                       if "deltastore: serving step" in line]
         checks["server_logs_served_version"] = served_log[-1] if served_log else None
         assert served_log and "serving step 8" in served_log[-1], served_log
-        res["ok"] = True
     finally:
-        try:
-            os.killpg(srv.pid, signal.SIGTERM)
-            srv.wait(timeout=30)
-        except Exception:  # noqa: BLE001
-            try:
-                os.killpg(srv.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        logf.close()
+        stop_server(srv, logf)
         pub.close()
+    checks["in_server_follower"] = in_server_follower(work, base, state_8, checks["completion_8"], complete_at)
+    res["ok"] = True
     with open(os.path.join(work, "result.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     return 0
+
+
+def start_server(work: str, base: str, env: dict, extra: list[str], name: str):
+    """``vllm serve`` of ``base`` with the worker extension and ``extra`` flags, healthy; (process, log, url)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--port", str(port),
+           "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1",
+           "--kv-cache-memory-bytes", str(32 << 20),
+           "--worker-extension-cls", "deltastore.integrations.vllm.DeltaStoreWorkerExtension", *extra]
+    logf = open(os.path.join(work, name), "w")
+    srv = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            if srv.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {srv.returncode}; see {name}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                return srv, logf, url
+            except OSError:
+                if time.time() - t0 > 240:
+                    raise TimeoutError("vllm serve did not become healthy in 240 s") from None
+                time.sleep(1)
+    except BaseException:
+        stop_server(srv, logf)
+        raise
+
+
+def stop_server(srv, logf) -> None:
+    try:
+        os.killpg(srv.pid, signal.SIGTERM)
+        srv.wait(timeout=30)
+    except Exception:  # noqa: BLE001
+        try:
+            os.killpg(srv.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    logf.close()
+
+
+def in_server_follower(work: str, base: str, state_8: dict, completion_8: dict, complete_at) -> dict:
+    """``--middleware ...FollowStore`` without VLLM_SERVER_DEV_MODE: the dev routes are absent, the server
+    follows a store by itself, verifies what it serves, and serves exactly what the first server served
+    for the same weights."""
+    import urllib.error
+
+    import deltastore as ds
+    from safetensors.torch import load_file
+
+    uri2, status = os.path.join(work, "store2"), os.path.join(work, "served2.json")
+    with ds.Publisher(uri2) as pub:
+        pub.publish(load_file(os.path.join(base, "model.safetensors")), step=0)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", DELTASTORE_FOLLOW_URI=uri2, DELTASTORE_FOLLOW_POLL="0.2",
+               DELTASTORE_FOLLOW_STATUS_FILE=status, DELTASTORE_FOLLOW_VERIFY="1")
+    srv, logf, url = start_server(work, base, env, ["--middleware",
+                                                    "deltastore.integrations.vllm.serve_follower.FollowStore"],
+                                  "server2.log")
+    out: dict = {}
+    try:
+        try:
+            http("POST", url + "/collective_rpc", {"method": "deltastore_version"})
+            out["dev_routes_absent"] = False
+        except urllib.error.HTTPError as e:
+            out["dev_routes_absent"] = e.code == 404
+        assert out["dev_routes_absent"], "the dev-mode routes are served without VLLM_SERVER_DEV_MODE"
+
+        def served(step: int) -> dict:
+            t0 = time.time()
+            while time.time() - t0 < 120:
+                if os.path.exists(status):
+                    st = json.load(open(status))
+                    if st["served_step"] == step:
+                        return st
+                time.sleep(0.2)
+            raise TimeoutError(f"the in-server follower did not serve step {step}")
+        st0 = served(0)
+        with ds.Publisher(uri2) as pub:
+            pub.publish(state_8, step=1)
+        st1 = served(1)
+        out["step0"] = {"route": st0["result"]["route"], "verify": st0["result"]["verify"]}
+        out["step1"] = {"route": st1["result"]["route"], "verify": st1["result"]["verify"]}
+        assert st0["result"]["route"] == "anchor" and st0["result"]["verify"]["ok"], st0
+        assert st1["result"]["route"] == "delta" and st1["result"]["verify"]["ok"], st1
+        out["completion_equals_first_server_at_8"] = complete_at(url) == completion_8
+        assert out["completion_equals_first_server_at_8"], "the in-server follower serves other weights"
+    finally:
+        stop_server(srv, logf)
+    return out
 
 
 if __name__ == "__main__":

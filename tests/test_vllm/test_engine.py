@@ -70,6 +70,13 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     assert checks["wrong_declared_base"].startswith("ChecksumMismatchError")
     assert checks["weight_transfer_step9"]["version"]["step"] == 9
     assert checks["follower_step10"]["status"]["served_step"] == 10
+    # engine B: first call through the weight-transfer backend (its own reload path), then vLLM's native loader
+    assert checks["anchor_route_step3"]["step"] == 3 and checks["anchor_route_step3"]["path"] == "reload"
+    native = checks["native"]
+    assert native["nan_lands"] and native["pull_1"]["path"] == "native" and native["pull_2"]["path"] == "native"
+    assert native["outputs_changed_by_native"]
+    assert native["native_refused_for_linears"].startswith("TargetMismatchError")
+    assert native["fallback_3"]["path"] == "reload" and native["fallback_3"]["route"] == "delta"
     print(json.dumps(result["timings"]), file=sys.stderr)
 
 
@@ -87,3 +94,7 @@ def test_vllm_serve_follows_store_over_http(tmp_path):
     assert checks["completion_unchanged_after_refusal"]         # token ids and logprobs, exact
     assert checks["completion_after_refusal"] == checks["completion_8"]
     assert checks["verify_after_refusal"]["ok"] and checks["verify_after_refusal"]["step"] == 8
+    follow = checks["in_server_follower"]   # --middleware FollowStore, no VLLM_SERVER_DEV_MODE
+    assert follow["dev_routes_absent"] and follow["completion_equals_first_server_at_8"]
+    assert follow["step0"]["route"] == "anchor" and follow["step1"]["route"] == "delta"
+    assert follow["step0"]["verify"]["ok"] and follow["step1"]["verify"]["ok"]

@@ -1,0 +1,128 @@
+"""The ``deltastore`` command line (also ``python -m deltastore``).
+
+Commands live in one module each (:mod:`.browse`: ls, inspect; :mod:`.verify`;
+:mod:`.pull`: pull, materialize; :mod:`.gc`; :mod:`.stats`; :mod:`.plugins`;
+:mod:`.demo`). Exit status: 0 success; 1 an error, or problems found by
+``verify``; 2 a usage error; 3 the URI holds no store. Every error is one
+line on stderr (a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from .._version import __version__
+from ..errors import DeltaStoreError
+from . import browse, demo, gc, plugins, pull, stats, verify
+from ._common import EXIT_FAILED, EXIT_USAGE, CliError, Parser, UsageError
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = (browse, verify, pull, gc, stats, plugins, demo)
+
+
+def _global_options(p: argparse.ArgumentParser, default: object) -> None:
+    """-v/-q/--debug, accepted before and after the command (``default`` SUPPRESS on the subparsers)."""
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="log progress: -v INFO (each commit and pull), -vv DEBUG (each retry)")
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="no progress bars and only errors on stderr")
+    p.add_argument("--debug", action="store_true", default=default, help="print a traceback on errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also what the docs' CLI reference is generated from)."""
+    p = Parser(prog="deltastore", description="Sparse, bit-exact weight sync through object stores.",
+               epilog="Exit status: 0 ok; 1 error or verify problems; 2 usage error; 3 not a deltastore store. "
+                      "Progress bars appear when stderr is a terminal (off: --quiet or DELTASTORE_NO_PROGRESS=1).")
+    p.add_argument("--version", action="version", version=f"deltastore {__version__}")
+    _global_options(p, None)
+    common = Parser(add_help=False)
+    _global_options(common, argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    for module in _COMMANDS:
+        module.register(sub, [common])
+    return p
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.ERROR if args.quiet else {0: logging.WARNING, 1: logging.INFO}.get(args.verbose or 0,
+                                                                                      logging.DEBUG)
+    log = logging.getLogger("deltastore")
+    log.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (main() may run many times)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        _configure_logging(args)
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, so that EPIPE (``ls | head``) is caught below, not at exit
+        return code
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("deltastore: interrupted", file=sys.stderr)
+        return 130
+    except UsageError as e:
+        _report(debug, str(e))
+        return e.code
+    except CliError as e:
+        _report(debug, f"deltastore: {e}")
+        return e.code
+    except DeltaStoreError as e:
+        _report(debug, f"deltastore: {type(e).__name__}: {e}")
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line, not a traceback
+        _report(debug, f"deltastore: error: {type(e).__name__}: {e}")
+        return EXIT_FAILED
+
+
+def _report(debug: bool, message: str) -> None:
+    if debug:
+        traceback.print_exc()
+    try:
+        print(_one_line(message), file=sys.stderr)
+    except BrokenPipeError:
+        pass
+
+
+def _silence_stdout() -> None:
+    """After EPIPE on stdout (``deltastore ls | head``): point stdout at devnull so the exit flush is quiet."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (tests capture it)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

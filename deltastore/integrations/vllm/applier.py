@@ -1,0 +1,574 @@
+"""The applier: one vLLM worker's model brought to a store version, all or nothing.
+
+Three apply paths, chosen per pull (``path="auto"``) after the pull is staged
+(fetched, decoded and checksum-verified by :mod:`.stage`; nothing is written
+before that):
+
+* **native** (vLLM with ``load_checkpoint_weight_patches``): a delta's
+  changed elements go through vLLM's own sparse loader, which routes
+  checkpoint coordinates through the model's ``load_weights`` (fused, TP and
+  EP layouts are vLLM's business). That loader reserves NaN as "unchanged"
+  and has no rollback; here values that are NaN (and non-float tensors) are
+  written through the probed map instead, what the loader wrote is read back
+  and compared bit for bit, and any failure puts the old bits back.
+* **sparse**: the changed elements are written straight into vLLM's
+  parameters through the map learned by probing ``load_weights``
+  (:mod:`.mapping`); an anchor is written whole the same way.
+* **reload**: a host mirror of the checkpoint tensors is updated and the
+  changed tensors, with every partner that loads into the same vLLM module,
+  go through vLLM's layer-wise ``reload_weights``.
+
+The in-place paths (native, sparse) serve a pull when every tensor it touches
+is mapped into a parameter that the forward pass reads: on GPU normally all of
+them; on vLLM's CPU build only modules without a CPU GEMM dispatch (norms,
+embeddings' lookups are excluded too: their ``cpu_linear`` may hold a packed
+copy), so there most pulls take the reload path. Undo: whole parameters go to
+a :class:`deltastore.undo.UndoJournal` before an anchor overwrites them;
+element writes are undone from the staged original bits; a failed restore is
+reported as :class:`ApplyError` with ``restored = False`` (the engine's version
+is then unknown and the next pull starts from an anchor), as in
+:meth:`deltastore.Subscriber.pull`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ...apply import _rollback
+from ...checksum import full_checksum
+from ...errors import ApplyError, ChecksumMismatchError, TargetMismatchError, VersionNotFoundError
+from ...manifest import VersionRef
+from ...subscriber import Subscriber
+from ...tensors import bits_view
+from ...undo import UndoJournal
+from .checkpoint import Specs, model_dir, read_checkpoint
+from .loaders import ReloadFn, native_patch_loader
+from .mapping import ParamMap, probe, reload_groups
+from .stage import Staged, stage
+
+log = logging.getLogger("deltastore.vllm")
+
+PATHS = ("auto", "native", "sparse", "reload")
+
+
+class VllmApplier:
+    """Applies store versions to one vLLM worker's model. One per model (see :func:`applier_for`).
+
+    Args:
+        model: the worker's ``nn.Module`` (``model_runner.get_model()``).
+        vllm_config: the worker's ``VllmConfig`` (None in unit tests).
+        reload_fn: ``reload_fn(iterable of (checkpoint name, tensor))``: vLLM's
+            layer-wise reload of a subset of checkpoint tensors (with its resets).
+        path: ``"auto"``, ``"native"``, ``"sparse"`` or ``"reload"`` (env ``DELTASTORE_VLLM_PATH``).
+        resets: called after an in-place write (native/sparse) succeeded: the
+            resets vLLM does after a reload (LoRA state, encoder and multimodal caches).
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any = None, *, reload_fn: ReloadFn | None = None,
+                 path: str | None = None, resets: Callable[[], None] | None = None):
+        self.model = model
+        self.vllm_config = vllm_config
+        self.reload_fn = reload_fn
+        self.resets = resets
+        self.default_path = path or os.environ.get("DELTASTORE_VLLM_PATH", "auto")
+        if self.default_path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.default_path!r}")
+        self.native = native_patch_loader()
+        self.version: VersionRef | None = None
+        self.uri: str | None = None
+        self.path: str | None = None          # path that applied the current version
+        self.specs: Specs | None = None       # checkpoint tensors (from the first manifest)
+        self.host: dict[str, torch.Tensor] | None = None  # flat bits per checkpoint tensor (kept in sync)
+        self.pmap: ParamMap | None = None
+        self._probed = False
+        self._subs: dict[tuple[str, str], Subscriber] = {}
+        self._prefetched: tuple[tuple[Any, ...], Staged] | None = None
+        self._last_sub: Subscriber | None = None
+        self.lock = threading.RLock()
+        self.allow_cpu_sparse = False  # tests only: CPU parameters that no GEMM dispatch repacks
+        self.last_result: dict[str, Any] | None = None
+
+    # -- environment ---------------------------------------------------------------------------
+    def _sub(self, uri: str, storage_options: dict[str, Any]) -> Subscriber:
+        key = (uri, json.dumps(storage_options, sort_keys=True, default=str))
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = self._subs[key] = Subscriber(uri, storage_options=storage_options)
+        return sub
+
+    def _device_type(self) -> str:
+        for p in self.model.parameters():
+            if p.numel():
+                return p.device.type
+        return "cpu"
+
+    def _tp_size(self) -> int:
+        pc = getattr(self.vllm_config, "parallel_config", None)
+        return int(getattr(pc, "tensor_parallel_size", 1) or 1)
+
+    def ensure_map(self) -> ParamMap | None:
+        """Probe the model's loader once (needs the checkpoint specs from a manifest)."""
+        if not self._probed and self.specs is not None:
+            params = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+            with torch.no_grad():
+                self.pmap = probe(self.model.load_weights, params, self.specs)
+            self._probed = True
+        return self.pmap
+
+    def _repacked(self, param: str) -> bool:
+        """vLLM's CPU build computes with its own packed copy of a GEMM weight (``cpu_linear``)."""
+        if self._device_type() != "cpu" or self.allow_cpu_sparse:
+            return False
+        try:
+            return hasattr(self.model.get_submodule(param.rpartition(".")[0]), "cpu_linear")
+        except AttributeError:
+            return True
+
+    def inplace_refusal(self, names: Iterable[str] | None = None) -> str | None:
+        """Why the in-place paths cannot write tensors ``names`` (None: every tensor); None when they can."""
+        mc = getattr(self.vllm_config, "model_config", None)
+        if getattr(mc, "quantization", None):
+            return f"quantized weights ({mc.quantization}) cannot be patched element-wise"
+        pc = getattr(self.vllm_config, "parallel_config", None)
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+            return "pipeline parallelism: a stage cannot verify the tensors of other stages"
+        try:
+            pmap = self.ensure_map()
+        except RuntimeError as e:
+            return str(e)
+        if pmap is None:
+            return "no checkpoint specs yet"
+        for name in (list(self.specs or {}) if names is None else names):
+            if name in pmap.unmapped:
+                return f"{name!r} cannot be mapped: {pmap.unmapped[name]}"
+            blocks = pmap.blocks.get(name)
+            if not blocks:
+                return f"{name!r} is not loaded into any parameter"
+            packed = next((b.param for b in blocks if self._repacked(b.param)), None)
+            if packed is not None:
+                return f"{name!r} loads into {packed!r}, which vLLM's CPU build computes from a packed copy"
+        return None
+
+    def choose_path(self, requested: str | None, staged: Staged | None = None) -> str:
+        """The path for ``staged`` (None: for a whole version). Raises TargetMismatchError when the
+        requested in-place path cannot serve it."""
+        req = requested or self.default_path
+        if req not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {req!r}")
+        if req == "reload":
+            return "reload"
+        delta = staged is not None and staged.route == "delta"
+        why = self.inplace_refusal(list(staged.pending) if delta else None)
+        if why is not None:
+            if req != "auto":
+                raise TargetMismatchError(f"the {req} in-place path is not available: {why}")
+            return "reload"
+        if delta and self.native is not None and req in ("auto", "native"):
+            return "native"
+        if req == "native" and delta:
+            raise TargetMismatchError("the native path needs vLLM's load_checkpoint_weight_patches "
+                                      "(vLLM >= 0.32); this vLLM has none")
+        return "sparse"  # an anchor is written whole through the map, also when "native" was asked for
+
+    # -- readers -------------------------------------------------------------------------------
+    def _host_reader(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        assert self.host is not None
+        return self.host[name] if positions is None else self.host[name][positions]
+
+    def _param_reader(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        pmap = self.ensure_map()
+        if pmap is None:
+            raise TargetMismatchError("the served parameters cannot be read: no checkpoint map")
+        if positions is None:  # an old-tensor codec: O(tensor) gather from the served parameters
+            positions = torch.arange(pmap.numel(name))
+        held, bits = pmap.gather(name, positions)
+        if self._tp_size() > 1:
+            held, bits = _combine_ranks(held, bits)
+        if not bool(held.all()):
+            raise TargetMismatchError(f"{int((~held).sum())} changed element(s) of {name!r} are held by no worker")
+        return bits
+
+    # -- pulling -------------------------------------------------------------------------------
+    def _prepare(self, sub: Subscriber, step: int | None) -> int:
+        if step is None:
+            step = sub.latest()
+            if step is None:
+                raise VersionNotFoundError(f"{sub.store.uri} holds no versions yet")
+        if self.specs is None:
+            m = sub.manifest(step)
+            self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in m.tensors}
+        return step
+
+    def _stage(self, sub: Subscriber, step: int, allow_anchor: bool) -> Staged:
+        reader = None
+        if self.version is not None:
+            reader = self._host_reader if self.host is not None else self._param_reader
+        key = (sub.store.uri, step, allow_anchor, self.version)
+        if self._prefetched is not None and self._prefetched[0] == key:
+            staged = self._prefetched[1]
+        else:
+            staged = stage(sub, self.version if reader else None, reader, step, allow_anchor=allow_anchor,
+                           specs=self.specs)
+        self._prefetched = None
+        return staged
+
+    def prefetch(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Fetch, verify and decode the way to ``step`` without touching the model.
+
+        A following :meth:`pull` of the same step applies it without fetching
+        again, so a server is paused only for the writes.
+        """
+        with self.lock:
+            sub = self._sub(uri, storage_options or {})
+            step = self._prepare(sub, step)
+            staged = self._stage(sub, step, allow_anchor)
+            chosen = self.choose_path(path, staged)
+            self._prefetched = ((sub.store.uri, step, allow_anchor, self.version), staged)
+            return {"step": staged.step, "route": staged.route, "path": chosen,
+                    "bytes_fetched": staged.bytes_fetched, "elements": staged.elements()}
+
+    def pull(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
+             storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Bring the served weights to version ``step`` (default: latest). All or nothing.
+
+        Raises the typed errors of :meth:`deltastore.Subscriber.pull`; on any
+        error the engine keeps serving its previous version, except an
+        :class:`ApplyError` with ``restored = False`` (a restore failed too):
+        the version is then unknown and the next pull loads an anchor.
+        """
+        with self.lock:
+            t0 = time.perf_counter()
+            sub = self._sub(uri, storage_options or {})
+            step = self._prepare(sub, step)
+            staged = self._stage(sub, step, allow_anchor)
+            chosen = self.choose_path(path, staged)
+            t1 = time.perf_counter()
+            try:
+                if staged.route == "none":
+                    written = 0
+                elif chosen == "native":
+                    written = self._apply_native(staged)
+                elif chosen == "sparse":
+                    written = self._apply_sparse(staged)
+                else:
+                    written = self._apply_reload(staged)
+            except ApplyError as e:
+                if getattr(e, "restored", True) is False:
+                    self.version, self.host = None, None
+                raise
+            if chosen != "reload" and staged.route != "none":
+                self._sync_host(staged)
+                if self.resets is not None:
+                    self.resets()
+            t2 = time.perf_counter()
+            self.version = staged.ref
+            self.uri = sub.store.uri
+            self._last_sub = sub
+            self.path = chosen
+            self.last_result = {
+                "step": staged.step, "digest": staged.ref.digest, "path": chosen, "route": staged.route,
+                "versions_applied": list(staged.versions_applied), "bytes_fetched": staged.bytes_fetched,
+                "elements_written": int(written),
+                "tensors_written": (len(staged.pending) if staged.route == "delta"
+                                    else len(staged.full or {}) if staged.route == "anchor" else 0),
+                "stage_s": round(t1 - t0, 6), "apply_s": round(t2 - t1, 6),
+            }
+            return dict(self.last_result)
+
+    def _sync_host(self, staged: Staged) -> None:
+        """Keep the host mirror equal to the served weights after an in-place write (O(changed))."""
+        if self.host is None:
+            return
+        if staged.route == "anchor":
+            self.host = None  # the parameters are the truth now; the reload path would need an anchor
+            return
+        for name, (pos, bits, _orig) in staged.pending.items():
+            self.host[name][pos] = bits
+
+    # -- the in-place paths ----------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self._device_type() == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _element_undo(self, staged: Staged) -> list[Callable[[], object]]:
+        pmap = self.pmap
+        assert pmap is not None
+        return [lambda name=name, pos=pos, orig=orig: pmap.write(name, pos, orig)
+                for name, (pos, _bits, orig) in staged.pending.items()]
+
+    def _apply_sparse(self, staged: Staged) -> int:
+        pmap = self.pmap
+        assert pmap is not None
+        written = 0
+        with torch.no_grad():
+            if staged.route == "anchor":
+                assert staged.full is not None
+                journal = UndoJournal()
+                try:
+                    for name, bits in staged.full.items():
+                        for b in pmap.blocks.get(name, ()):
+                            journal.save(bits_view(pmap.params[b.param]))
+                        written += pmap.write_full(name, bits)
+                    self._sync()
+                except Exception as e:
+                    _rollback([lambda: _journal_restore(journal)], e)
+                finally:
+                    journal.close()
+                return written
+            undo = self._element_undo(staged)
+            try:
+                for name, (pos, bits, _orig) in staged.pending.items():
+                    written += pmap.write(name, pos, bits)
+                self._sync()
+            except Exception as e:
+                _rollback(undo, e)
+        return written
+
+    def _apply_native(self, staged: Staged) -> int:
+        """vLLM's ``load_checkpoint_weight_patches`` for the non-NaN float values, our map for the rest,
+        then every written element read back and compared bit for bit; undone on any failure."""
+        assert self.native is not None and self.specs is not None and self.pmap is not None
+        patch_cls, load = self.native
+        device = next((p.device for p in self.model.parameters() if p.numel()), torch.device("cpu"))
+        patches, ours = [], []
+        for name, (pos, bits, _orig) in staged.pending.items():
+            dtype, shape = self.specs[name]
+            if not dtype.is_floating_point:
+                ours.append((name, pos, bits))
+                continue
+            nan = torch.isnan(bits.view(dtype))
+            keep = ~nan
+            if bool(nan.any()):  # NaN means "unchanged" to vLLM's loader: these go through our map
+                ours.append((name, pos[nan], bits[nan]))
+            if bool(keep.any()):
+                patches.append(patch_cls(name, tuple(shape), dtype, bits[keep].view(dtype).to(device),
+                                         pos[keep].to(device=device, dtype=torch.int64)))
+        undo = self._element_undo(staged)
+        written = 0
+        with torch.no_grad():
+            try:
+                if patches:
+                    load(self.model, patches)
+                for name, pos, bits in ours:
+                    self.pmap.write(name, pos, bits)
+                self._sync()
+                for name, (pos, bits, _orig) in staged.pending.items():
+                    held, got = self.pmap.gather(name, pos)
+                    if not bool(torch.equal(got[held], bits[held])):
+                        raise ApplyError(f"vLLM's sparse loader wrote {int((got[held] != bits[held]).sum())} "
+                                         f"element(s) of {name!r} differently from the staged bits")
+                    written += int(held.sum())
+            except Exception as e:
+                _rollback(undo, e)
+        return written
+
+    # -- the reload path -------------------------------------------------------------------------
+    def _groups_for(self, names: list[str]) -> list[str]:
+        """Changed tensors plus every partner loaded into the same vLLM module."""
+        assert self.specs is not None
+        served = {n.rpartition(".")[0] for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        groups = reload_groups(list(self.specs), getattr(self.model, "packed_modules_mapping", None), served)
+        if groups is None:
+            return list(self.specs)  # unknown module layout: send everything
+        send: list[str] = []
+        wanted = set(names)
+        for members in groups.values():
+            if wanted.intersection(members):
+                send.extend(members)
+        return send
+
+    def _reload(self, host: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        if self.reload_fn is None:
+            raise ApplyError("no reload function: the reload path needs a vLLM worker")
+        assert self.specs is not None
+        items = [(n, host[n].view(self.specs[n][0]).reshape(self.specs[n][1])) for n in names]
+        self.reload_fn(iter(items))
+        self._sync()
+
+    def _restore_reload(self, host: Mapping[str, torch.Tensor] | None, names: list[str], cause: Exception) -> None:
+        """Reload the previous weights after a failed reload; raise ApplyError (``restored`` False when
+        that failed too or there was nothing to reload from)."""
+        undo: list[Callable[[], object]] = []
+        if host is not None:
+            undo.append(lambda: self._reload(host, names))
+        else:
+            undo.append(_no_mirror)
+        _rollback(undo, cause)
+
+    def _apply_reload(self, staged: Staged) -> int:
+        if staged.route == "anchor":
+            assert staged.full is not None
+            new_host = {n: b.clone() if not b.is_contiguous() else b for n, b in staged.full.items()}
+            try:
+                self._reload(new_host, list(new_host))
+            except Exception as e:
+                self._restore_reload(self.host, list(self.host or {}), e)
+            self.host = new_host
+            return sum(b.numel() for b in new_host.values())
+        if self.host is None:
+            raise TargetMismatchError("the reload path needs a host mirror of the served weights, which this "
+                                      "engine no longer has (an in-place anchor replaced it): pull from an anchor")
+        changed = list(staged.pending)
+        for name, (pos, bits, _orig) in staged.pending.items():
+            self.host[name][pos] = bits
+        send = self._groups_for(changed)
+        try:
+            self._reload(self.host, send)
+        except Exception as e:
+            for name, (pos, _bits, orig) in staged.pending.items():
+                self.host[name][pos] = orig
+            self._restore_reload(self.host, send, e)
+        return sum(self.host[n].numel() for n in send)
+
+    # -- identity and verification ---------------------------------------------------------------
+    def identify(self, uri: str, step: int, *, storage_options: dict[str, Any] | None = None,
+                 checkpoint_dir: str | None = None) -> dict[str, Any]:
+        """Declare that the engine serves version ``step`` (it was started from its checkpoint),
+        after checking every tensor's checksum, so the next pull can take deltas.
+
+        When every tensor can be read in the served parameters they are checked
+        there; otherwise the checkpoint files in ``checkpoint_dir`` (default:
+        the engine's model directory) are read and checked, and become the host mirror.
+        """
+        with self.lock:
+            sub = self._sub(uri, storage_options or {})
+            manifest, digest = sub.store.manifest_with_digest(step)
+            self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in manifest.tensors}
+            path = "sparse" if self.inplace_refusal() is None else "reload"
+            if path == "sparse":
+                report = self.verify_local(manifest)
+                if self._tp_size() > 1:  # each rank holds shards: combine the ranks' partial sums
+                    from .client import combine_verify
+                    report = combine_verify(_gather_ranks(report))
+                    bad = report["bad"] + report["unproven"]
+                else:
+                    bad = [n for n, r in report["tensors"].items() if r.get("ok") is not True]
+                if bad:
+                    raise ChecksumMismatchError(f"{len(bad)} served tensor(s) differ from version {step} "
+                                                f"or could not be checked: {bad[:5]}")
+            else:
+                host = read_checkpoint(checkpoint_dir or model_dir(self.vllm_config), self.specs)
+                bad = [r.name for r in manifest.tensors if full_checksum(r.name, host[r.name]) != int(r.checksum, 16)]
+                if bad:
+                    raise ChecksumMismatchError(f"{len(bad)} checkpoint tensor(s) differ from version {step}: "
+                                                f"{bad[:5]}")
+                self.host = host
+            self.version = VersionRef(step, digest)
+            self.uri = sub.store.uri
+            self._last_sub = sub
+            self.path = path
+            return {"step": step, "digest": digest, "path": path}
+
+    def verify_local(self, manifest: Any = None) -> dict[str, Any]:
+        """Per-tensor checksums of what this worker serves, against the manifest of its version.
+
+        Tensors the forward pass reads from the served parameters are checked
+        there (``source: "served"``); the rest (GEMM weights vLLM's CPU build
+        computes from packed copies) against the host mirror that was handed
+        to ``reload_weights`` (``source: "host"``). Under tensor parallelism a
+        worker holds shards: ``ok`` is then None for those tensors and
+        :func:`~deltastore.integrations.vllm.combine_verify` combines the workers' partial sums.
+        """
+        with self.lock:
+            if manifest is None:
+                if self.version is None or self._last_sub is None:
+                    raise VersionNotFoundError("this engine's version is unknown: pull or identify first")
+                manifest = self._last_sub.manifest(self.version.step)
+            if self.specs is None:
+                self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in manifest.tensors}
+            try:
+                pmap = self.ensure_map()
+            except RuntimeError:
+                pmap = None
+            tensors: dict[str, dict[str, Any]] = {}
+            all_ok: bool | None = True
+            for rec in manifest.tensors:
+                expect = int(rec.checksum, 16)
+                entry: dict[str, Any] = {"expected": f"{expect:016x}", "numel": rec.numel}
+                blocks = pmap.blocks.get(rec.name) if pmap is not None else None
+                if blocks and not any(self._repacked(b.param) for b in blocks):
+                    s, count, finger = pmap.partial_checksum(rec.name)
+                    entry.update(source="served", partial=f"{s:016x}", count=count, fingerprint=f"{finger:016x}")
+                    entry["ok"] = (s == expect) if count == rec.numel else None
+                elif self.host is not None and rec.name in self.host:
+                    entry.update(source="host", ok=full_checksum(rec.name, self.host[rec.name]) == expect)
+                else:
+                    entry.update(source="none", ok=None)
+                if entry["ok"] is False:
+                    all_ok = False
+                elif entry["ok"] is None and all_ok is not False:
+                    all_ok = None
+                tensors[rec.name] = entry
+            return {"step": manifest.step, "ok": all_ok, "tensors": tensors,
+                    "served": sum(1 for e in tensors.values() if e["source"] == "served"),
+                    "host": sum(1 for e in tensors.values() if e["source"] == "host")}
+
+    def describe(self) -> dict[str, Any] | None:
+        if self.version is None:
+            return None
+        return {"step": self.version.step, "digest": self.version.digest, "uri": self.uri, "path": self.path}
+
+
+def _combine_ranks(held: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine (held, bits) across the tensor-parallel group: each position from any rank that holds it."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
+
+    group = get_tp_group().cpu_group
+    vals = torch.where(held, bits.to(torch.int64), torch.zeros((), dtype=torch.int64))
+    cnt = held.to(torch.int64)
+    dist.all_reduce(vals, group=group)
+    dist.all_reduce(cnt, group=group)
+    ok = cnt > 0
+    out = torch.div(vals, cnt.clamp(min=1), rounding_mode="floor").to(bits.dtype)
+    return ok, out
+
+
+def _gather_ranks(obj: Any) -> list[Any]:
+    """``obj`` from every rank of the tensor-parallel group (a collective: all ranks must call it)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group  # type: ignore[import-not-found]
+
+    group = get_tp_group()
+    out: list[Any] = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+def applier_for(model: torch.nn.Module, vllm_config: Any = None, reload_fn: ReloadFn | None = None, *,
+                resets: Callable[[], None] | None = None, prefer: bool = False) -> VllmApplier:
+    """The model's applier (created on first use and kept on the model, so the worker extension
+    and the weight-transfer backend share one version and one host mirror).
+
+    ``prefer``: replace the applier's reload function and resets with these
+    (the worker extension's, which reach the model runner's resets).
+    """
+    ap = getattr(model, "_deltastore_applier", None)
+    if ap is None:
+        ap = VllmApplier(model, vllm_config, reload_fn=reload_fn, resets=resets)
+        object.__setattr__(model, "_deltastore_applier", ap)
+    elif prefer or ap.reload_fn is None:
+        if reload_fn is not None:
+            ap.reload_fn = reload_fn
+        if resets is not None:
+            ap.resets = resets
+    return ap
+
+
+def _journal_restore(journal: UndoJournal) -> None:
+    failed = journal.restore()
+    if failed:
+        raise ApplyError(f"{failed} parameter(s) refused the restore")
+
+
+def _no_mirror() -> None:
+    raise ApplyError("no host mirror of the previous weights to reload")
