@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
@@ -110,3 +111,18 @@ def test_failed_manifest_write_still_raises_and_can_be_retried(make_faulty):
     pub.publish(states[2], step=2)
     pub.close()
     _check_pulls(inner, states, [0, 1, 2])
+
+
+def test_marker_failure_on_a_store_without_atomic_create():
+    """The store adds ``"commit": "check-then-write"`` to the producer there: the read-back still knows it."""
+    inner = MemoryBackend(uuid.uuid4().hex)
+    inner.capabilities = dataclasses.replace(inner.capabilities, atomic_create=False)
+    faulty = FaultyBackend(inner, rules=[Fault("permanent", ops="put", prefix=STORE_MARKER)])
+    states = _states(2)
+    with pytest.warns(PostCommitWarning):
+        with ds.Publisher(DeltaStore(faulty), anchor_every=100) as pub:
+            infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
+    store = DeltaStore(inner)
+    assert store.manifest(1).producer["commit"] == "check-then-write"
+    assert [i.digest for i in infos] == [store.ref(0).digest, store.ref(1).digest]
+    _check_pulls(inner, states, [0, 1])
