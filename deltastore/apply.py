@@ -32,7 +32,7 @@ from .checksum import full_checksum, tensor_key, updated_checksum
 from .codecs import TensorSpec, Update
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
-from .layout import PathLayout, describe, same_spec
+from .layout import describe, layout_diff, same_spec
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_view, dtype_name
 
@@ -89,30 +89,34 @@ def can_relayout(target: object) -> bool:
 
 
 def check_target(target: object, tensors: Mapping[str, torch.Tensor], manifest: Manifest,
-                 lay: PathLayout | None) -> dict[str, list[str]]:
-    """:func:`check_layout` for a pull whose path may change the layout (``lay``); nothing is written.
+                 held: Manifest | None) -> tuple[dict[str, list[str]], list[str]]:
+    """:func:`check_layout` for a target that holds version ``held`` (None: unknown), which may be laid out
+    otherwise than ``manifest``; nothing is written. Returns the alias copies and the tensors to delete.
 
-    A tensor that arrives whole along the path (added, reshaped, re-typed) is
-    written in place when the target already holds it with the new dtype and
-    shape; otherwise only a mapping target can take it (a new tensor under
-    that name), and a fixed-layout target (a Module) raises
-    :class:`TargetMismatchError` naming it. A tensor the path drops is deleted
-    from a mapping target; a fixed-layout target holding it raises. Every
-    other tensor must be in the target with its dtype and shape, as in
+    The rule depends only on the two versions, never on the path a pull
+    takes. A tensor whose dtype or shape differs between ``held`` and
+    ``manifest`` (or that only ``manifest`` has) is written in place when the
+    target already holds it as ``manifest`` wants; otherwise only a mapping
+    target can take it (a new tensor under that name), and a fixed-layout
+    target (a Module) raises :class:`TargetMismatchError` naming it. A tensor
+    only ``held`` has is deleted from a mapping target; a fixed-layout target
+    holding it raises. Every other tensor, and every tensor of a target whose
+    version is unknown, must be in the target with its dtype and shape, as in
     :func:`check_layout`.
     """
-    if lay is None or not lay.changes:
-        return check_layout(tensors, manifest)
-    whole = set(lay.whole)
+    if held is None or held.layout_key == manifest.layout_key:
+        return check_layout(tensors, manifest), []
+    diff = layout_diff(held, manifest)
+    changed = set(diff.whole)
     flexible = can_relayout(target)
     records = manifest.tensor_map()
 
     def check(name: str, rec: TensorRecord) -> None:
-        if rec.name not in whole:
+        if rec.name not in changed:
             _check_tensor(tensors.get(name), rec, name, manifest.step)
             return
         t = tensors.get(name)
-        if t is not None and same_spec(rec.spec, _spec_of(t)) and t.is_contiguous():
+        if fits(t, rec.spec):
             return  # already laid out as the version wants: written in place
         if not flexible:
             have = "lacks it" if t is None else f"holds {describe(_spec_of(t))}"
@@ -128,13 +132,16 @@ def check_target(target: object, tensors: Mapping[str, torch.Tensor], manifest: 
         if alias in tensors:
             check(alias, records[primary])
             copies.setdefault(primary, []).append(alias)
-    if not flexible:
-        for name in lay.dropped:
-            if name in tensors:
-                raise TargetMismatchError(
-                    f"version {manifest.step} drops tensor {name!r}, which the target holds; a "
-                    f"{type(target).__name__} cannot drop tensors")
-    return copies
+    drop = [n for n in diff.dropped if n in tensors and n not in manifest.aliases]
+    if drop and not flexible:
+        raise TargetMismatchError(f"version {manifest.step} drops tensor {drop[0]!r}, which the target holds; a "
+                                  f"{type(target).__name__} cannot drop tensors")
+    return copies, drop
+
+
+def fits(t: torch.Tensor | None, spec: TensorSpec) -> bool:
+    """Whether target tensor ``t`` can be written in place with a tensor of ``spec``."""
+    return t is not None and same_spec(spec, _spec_of(t)) and t.is_contiguous()
 
 
 def check_tied(manifest: Manifest, tied: Mapping[str, str]) -> None:
@@ -497,17 +504,18 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState,
 
 
 def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
-                 copies: Mapping[str, list[str]] | None = None, owner: Any = None) -> None:
+                 copies: Mapping[str, list[str]] | None = None, owner: Any = None,
+                 drop: list[str] | None = None) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure.
 
     Plain CPU tensors are written by one kernel scatter per element width
     (first touches staged as a batch are scattered straight from it);
     every other tensor (accelerator, subclass) through a torch index write.
-    Then the layout changes (:attr:`SparseOverlay.whole`, ``.dropped``): a
-    held tensor is copied into the target's tensor when that one has its
-    dtype and shape, else set as a new tensor in ``owner`` (the caller's
-    mapping; :func:`check_target` made sure it is one); a dropped tensor is
-    deleted from ``owner``. All of it is undone on failure.
+    Then the layout changes (:attr:`SparseOverlay.whole`, ``drop``): a held
+    tensor is copied into the target's tensor when that one has its dtype and
+    shape, else set as a new tensor in ``owner`` (the caller's mapping;
+    :func:`check_target` made sure it is one); the ``drop`` names are deleted
+    from ``owner``. All of it is undone on failure.
     """
     undo: list[Callable[[], object]] = []
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
@@ -543,8 +551,8 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
                 segments.scatter(tl, pos, bounds, bits)
                 torch.autograd.graph.increment_version(tl)
-            if overlay.whole or overlay.dropped:
-                _write_layout(target, overlay, copies, owner, undo)
+            if overlay.whole or drop:
+                _write_layout(target, overlay, copies, owner, drop or [], undo)
     except BaseException as e:
         _rollback(undo, e)
 
@@ -553,13 +561,13 @@ _ABSENT = object()
 
 
 def _write_layout(target: Mapping[str, torch.Tensor], overlay: SparseOverlay, copies: Mapping[str, list[str]] | None,
-                  owner: Any, undo: list[Callable[[], object]]) -> None:
+                  owner: Any, drop: list[str], undo: list[Callable[[], object]]) -> None:
     """The layout part of :func:`write_sparse` (whole tensors in, dropped tensors out), undoable."""
     device = next((t.device for t in target.values()), torch.device("cpu"))
     for name, bits, dest in _destinations(overlay.whole, copies):
         spec = overlay.whole_specs[name]
         t = target.get(dest)
-        if t is not None and same_spec(spec, _spec_of(t)) and t.is_contiguous():
+        if fits(t, spec):
             flat = bits_view(t)
             backup = flat.to("cpu", copy=True)
             undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
@@ -568,10 +576,9 @@ def _write_layout(target: Mapping[str, torch.Tensor], overlay: SparseOverlay, co
         where = t.device if t is not None else device
         new = bits.to(where, copy=True).view(spec.dtype).reshape(spec.shape)
         _replace(owner, dest, new, undo)
-    for name in overlay.dropped:
-        for dest in (name, *(copies or {}).get(name, ())):
-            if dest in owner:
-                _replace(owner, dest, _ABSENT, undo)
+    for name in drop:
+        if name in owner:
+            _replace(owner, name, _ABSENT, undo)
 
 
 def _replace(owner: Any, name: str, value: Any, undo: list[Callable[[], object]]) -> None:

@@ -108,6 +108,16 @@ class PathLayout:
         return f"drops tensor {self.dropped[0]!r}"
 
 
+def layout_diff(a: Manifest, b: Manifest) -> PathLayout:
+    """What differs between the layouts of versions ``a`` and ``b``, whatever lies between them
+    (``whole``: tensors ``b`` has in another dtype or shape, or that ``a`` lacks; ``dropped``: only in ``a``)."""
+    if a.layout_key == b.layout_key:
+        return PathLayout(a, b)
+    before, after = layout_of(a), layout_of(b)
+    whole = [n for n, spec in after.items() if not same_spec(before.get(n), spec)]
+    return PathLayout(a, b, whole, [n for n in before if n not in after])
+
+
 def path_layout(start: Manifest, steps: Iterable[Manifest], differential: Manifest | None = None) -> PathLayout:
     """Validate each step of a path (:func:`check_step`) and return what it changes.
 

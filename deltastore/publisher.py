@@ -471,8 +471,9 @@ class Publisher:
 
         The commit point is the create-only write of the manifest. If
         :meth:`DeltaStore.commit` raises after it (the store marker, the
-        ``refs/latest`` hint), the manifest is read back: when it holds exactly
-        our bytes the version is committed and the failure is returned as a
+        ``refs/latest`` hint), the manifest is read back: when it is ours (this
+        writer's id and creation time; the store may add to the producer
+        record) the version is committed and the failure is returned as a
         warning; otherwise (another writer's version, nothing there, the read
         fails too) the error stands and nothing moves forward.
         """
@@ -482,9 +483,10 @@ class Publisher:
         except VersionExistsError:
             raise
         except Exception as e:
-            data = manifest.to_json()
-            try:
-                landed = self.store.backend.get(version_key(manifest.step)) == data
+            try:  # ours: this writer's id and creation time (the store may add to the producer record)
+                data = self.store.backend.get(version_key(manifest.step))
+                theirs = Manifest.from_json(data)
+                landed = theirs.producer.get("writer") == self.writer_id and theirs.created == manifest.created
             except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
                 landed = False
             if not landed:

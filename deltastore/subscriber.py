@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,13 +21,13 @@ import torch
 from . import progress as _progress, segments, tracking
 from ._memory import release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
-                    mapping_reader, plain_cpu, restored_after, write_sparse)
+                    fits, mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum
 from .codecs import OldBits, Update
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
                      InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
                      VersionNotFoundError)
-from .layout import PathLayout, layout_of, path_layout, same_spec
+from .layout import PathLayout, layout_diff, layout_of, path_layout, same_spec
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
 from .pull.objects import decode_object, object_index
@@ -254,7 +255,12 @@ class Subscriber:
         ``target`` is an ``nn.Module`` or a mutable mapping of tensors (any
         device), updated in place with storage kept; with None a new dict of
         CPU tensors is returned in ``.state``. With ``allow_anchor=False`` only
-        a path from the target's current version is accepted.
+        a path from the target's current version is accepted. When the wanted
+        version's layout differs from the one the target holds (a tensor
+        added, dropped, reshaped, re-typed), a mapping target gets such tensors
+        set or deleted and a Module refuses before anything is written
+        (``docs/format.md``, "Layout changes"). Target tensors that overlap in
+        memory where the version keeps them apart are refused too.
 
         If a version or object on the planned path disappears meanwhile
         (garbage collection), the pull plans once more through newer versions.
@@ -349,9 +355,12 @@ class Subscriber:
             return Staged(ref, manifest, None, None)
         plan = self._plan_for(step, current if reader is not None else None, allow_anchor, avoid)
         lay = self.path_layout(plan, current)
-        if lay.changes and not layout_changes:
-            raise TargetMismatchError(f"the path to version {step} {lay.first_change()}; the target's layout is "
-                                      "fixed (stage with layout_changes=True to get such a path)")
+        if not layout_changes:
+            for d in (lay, layout_diff(self.store.manifest(current.step), manifest) if current is not None else lay):
+                if d.changes:
+                    raise TargetMismatchError(f"version {step} {d.first_change()} (from version "
+                                              f"{d.start_manifest.step}); the target's layout is fixed (stage with "
+                                              "layout_changes=True to get such a path)")
         fetched = 0
         state: FullState | SparseOverlay
         if plan.anchor is not None:
@@ -449,10 +458,10 @@ class Subscriber:
         assert tensors is not None
         lay = self.path_layout(plan, current)
         check_tied(manifest, tied)
-        copies = check_target(target, tensors, manifest, lay)
+        copies, drop = check_target(target, tensors, manifest, self._held(current))
         check_overlaps(tensors, manifest, copies)
         if plan.anchor is not None:
-            fetched = self._pull_anchor(target, tensors, copies, plan, current, lay)
+            fetched = self._pull_anchor(target, tensors, copies, drop, plan, current, lay)
             written = {r.name: r.numel for r in manifest.tensors}
             path: Literal["anchor", "delta", "none"] = "anchor"
         else:
@@ -465,7 +474,7 @@ class Subscriber:
             written.update((n, b.numel()) for n, b in overlay.whole.items())
             tracking.set_version(target, None)  # unknown while writing
             try:
-                write_sparse(tensors, overlay, copies, owner=target)
+                write_sparse(tensors, overlay, copies, owner=target, drop=drop)
             except BaseException as e:  # an interrupt too: undone by write_sparse, then re-raised
                 tracking.set_version(target, current if restored_after(e) else None)
                 raise
@@ -473,6 +482,16 @@ class Subscriber:
         tracking.set_version(target, ref)
         release_memory()
         return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
+
+    def _held(self, current: VersionRef | None) -> Manifest | None:
+        """The manifest of the version a target holds, if this store has exactly that version."""
+        if current is None:
+            return None
+        try:
+            m, digest = self.store.manifest_with_digest(current.step)
+        except VersionNotFoundError:
+            return None
+        return m if digest == current.digest else None
 
     def _holds_layout(self, tensors: dict[str, torch.Tensor], current: VersionRef, wanted: Manifest) -> bool:
         """False when the target is laid out otherwise than ``current`` where ``wanted``'s layout differs.
@@ -482,11 +501,8 @@ class Subscriber:
         layout.) Where both versions agree, a mismatch is left to the layout
         check, which names it.
         """
-        try:
-            held = self.store.manifest(current.step)
-        except VersionNotFoundError:
-            return True  # planning handles a vanished version
-        if held.layout_key == wanted.layout_key:
+        held = self._held(current)
+        if held is None or held.layout_key == wanted.layout_key:  # (planning handles a vanished version)
             return True
         final = layout_of(wanted)
         for rec in held.tensors:
@@ -498,21 +514,23 @@ class Subscriber:
         return True
 
     def _pull_anchor(self, target: Target, tensors: dict[str, torch.Tensor], copies: dict[str, list[str]],
-                     plan: Plan, current: VersionRef | None, lay: PathLayout) -> int:
+                     drop: list[str], plan: Plan, current: VersionRef | None, lay: PathLayout) -> int:
         """Stream the plan's anchor into the live target, then its differential and deltas; all or nothing.
 
         Every target tensor's old bits go to an undo journal just before the
         anchor overwrites them; if anything fails (a corrupt or missing
         object, a checksum, a write), the journal puts them back and the
         error is raised: typed as it was when the target is restored, else
-        :class:`ApplyError` with ``restored = False``. Tensors whose layout the
-        path changes are kept on the host from the anchor on and written (or,
-        in a mapping, set) at the end; the ones it drops are deleted then.
+        :class:`ApplyError` with ``restored = False``. Tensors the target
+        cannot take from the anchor as they are (the path re-lays them, or the
+        target holds them in another layout) are kept on the host from the
+        anchor on and written (or, in a mapping, set) at the end; ``drop`` is
+        deleted then.
         """
         assert plan.anchor is not None
         am = self.store.manifest(plan.anchor)
         self._prefetch(plan)
-        keep = _kept(am, lay)
+        keep = _kept(am, lay, tensors, copies)
         dests = {r.name: [bits_view(tensors[r.name])] + [bits_view(tensors[a]) for a in copies.get(r.name, ())]
                  for r in am.tensors if keep is None or r.name in keep}
         journal = UndoJournal(self.journal_dir, self.journal_memory)
@@ -526,7 +544,7 @@ class Subscriber:
             for name, bits in held.items():
                 overlay.hold(name, records[name].spec, bits, int(records[name].checksum, 16))
             fetched += self._apply_steps(plan, overlay)
-            write_sparse(tensors, overlay, copies, owner=target)
+            write_sparse(tensors, overlay, copies, owner=target, drop=drop)
         except BaseException as e:
             failed = journal.restore()
             journal.close()
@@ -705,14 +723,23 @@ def _check_step_arg(step: object) -> None:
         raise InvalidStepError(f"step must be an integer, got {step!r} ({type(step).__name__})")
 
 
-def _kept(am: Manifest, lay: PathLayout) -> set[str] | None:
-    """Anchor tensors written straight into their destination: those the path keeps laid out as they are
-    (None: all of them). The others are held on the host until the path's end."""
-    if not lay.changes:
+def _kept(am: Manifest, lay: PathLayout, tensors: Mapping[str, torch.Tensor] | None = None,
+          copies: Mapping[str, list[str]] | None = None) -> set[str] | None:
+    """Anchor tensors streamed straight into their destination (None: all of them): those the path keeps
+    as they are and, with ``tensors`` (a live target), that the target holds in that layout (aliases too).
+    The others are held on the host until the path's end."""
+    if not lay.changes and (tensors is None or all(fits(tensors.get(r.name), r.spec) for r in am.tensors)):
         return None
     whole = set(lay.whole)
     final = lay.final
-    return {r.name for r in am.tensors if r.name in final and r.name not in whole}
+    out = set()
+    for r in am.tensors:
+        spec = final.get(r.name)
+        if spec is None or r.name in whole or (tensors is not None and not all(
+                fits(tensors.get(n), spec) for n in (r.name, *(copies or {}).get(r.name, ())))):
+            continue
+        out.add(r.name)
+    return out
 
 
 def _uses(m: Manifest, indices: set[int], avoid: frozenset[str]) -> bool:

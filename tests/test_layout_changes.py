@@ -73,12 +73,18 @@ def test_layout_changes_follow_join_verify_materialize(store_uri, tmp_path, back
         assert bits_equal(follower, states[i]), i
     assert r.bytes_fetched < ms[5].object_bytes() + 1  # a follower reads deltas only
 
-    for i in range(6):  # joiners: a dict laid out as version 0 (untracked: the anchor, then deltas across)
-        joiner = {k: v.clone() for k, v in states[0].items()}
+    for i in range(6):  # joiners: the anchor (version 0), then deltas across the changes
+        joiner = {k: torch.zeros_like(v) for k, v in states[i].items()}  # allocated for version i, untracked
+        ptrs = {k: v.data_ptr() for k, v in joiner.items()}
         r = ds.Subscriber(store_uri).pull(joiner, step=i)
         assert r.path == "anchor" and r.versions_applied == list(range(i + 1))
         assert bits_equal(joiner, states[i]), i
+        assert {k: v.data_ptr() for k, v in joiner.items()} == ptrs  # written in place, storage kept
         assert bits_equal(sub.pull(step=i).state, states[i]), i  # no target: new tensors
+    stale = {k: v.clone() for k, v in states[0].items()}  # untracked, laid out as another version: refused
+    with pytest.raises(TargetMismatchError, match="'v_head'"):  # whatever path the anchors give
+        ds.Subscriber(store_uri).pull(stale, step=1)
+    assert bits_equal(stale, states[0])
 
     report = verify_store(ds.open_store(store_uri))
     assert report.ok, report.problems
@@ -194,3 +200,19 @@ def test_manifest_rules_for_new_and_dropped_tensors(store_uri):
     bad = dict(doc, new_tensors=[])
     with pytest.raises(ManifestError, match="'v_head' must have a parent and no full object"):
         ds.Manifest.from_json(json.dumps(bad).encode())
+
+
+def test_tracked_target_takes_an_anchor_laid_out_after_the_change(store_uri):
+    """The target's layout rule compares its own version with the wanted one, whatever path is cheapest."""
+    states = _states()
+    with ds.Publisher(store_uri, anchor_every=2) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, step=i)
+    sub = ds.Subscriber(store_uri)
+    for i in range(1, 6):
+        target = {k: v.clone() for k, v in states[0].items()}
+        sub.identify(target, 0)
+        r = sub.pull(target, step=i)
+        assert bits_equal(target, states[i]), i
+        if i >= 2:
+            assert r.path == "anchor" and r.versions_applied[0] >= 2  # the anchor already has the new layout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
@@ -9,11 +10,13 @@ import torch
 
 import deltastore as ds
 from conftest import bits_equal
+from deltastore.backends import open_backend
 from deltastore.backends.memory import MemoryBackend
 from deltastore.errors import PostCommitWarning
 from deltastore.gc import Retention
 from deltastore.store import STORE_MARKER, DeltaStore
 from deltastore.testing.faults import Fault, FaultyBackend
+from test_backends.conftest import seaweed_server  # noqa: F401 - the suite's real S3 server (SeaweedFS)
 
 
 def _states(n, seed=0):
@@ -30,9 +33,24 @@ def _states(n, seed=0):
     return out
 
 
-def _faulty(*rules):
-    inner = MemoryBackend(uuid.uuid4().hex)
-    return inner, FaultyBackend(inner, rules=list(rules))
+@pytest.fixture(params=["memory", "s3"])
+def make_faulty(request):
+    """``make_faulty(*rules) -> (inner backend, faulty wrapper)`` on a memory store and on SeaweedFS's S3 API."""
+
+    def make(*rules):
+        if request.param == "memory":
+            inner = MemoryBackend(uuid.uuid4().hex)
+        else:
+            import s3fs
+
+            server = request.getfixturevalue("seaweed_server")
+            bucket = f"pc-{uuid.uuid4().hex[:16]}"
+            opts = {**server.storage_options(), "skip_instance_cache": True}
+            s3fs.S3FileSystem(**opts).mkdir(bucket)
+            inner = open_backend(f"s3://{bucket}", **opts)
+        return inner, FaultyBackend(inner, rules=list(rules))
+
+    return make
 
 
 def _check_pulls(inner, states, steps):
@@ -47,8 +65,8 @@ def _check_pulls(inner, states, steps):
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_marker_failure_after_commit_is_a_warning(background):
-    inner, faulty = _faulty(Fault("permanent", ops="put", prefix=STORE_MARKER))
+def test_marker_failure_after_commit_is_a_warning(make_faulty, background):
+    inner, faulty = make_faulty(Fault("permanent", ops="put", prefix=STORE_MARKER))
     states = _states(4)
     pub = ds.Publisher(DeltaStore(faulty), anchor_every=100, background=background)
     with pytest.warns(PostCommitWarning, match="committed"):
@@ -65,8 +83,8 @@ def test_marker_failure_after_commit_is_a_warning(background):
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_retention_failure_after_commit_is_a_warning(background):
-    inner, faulty = _faulty(Fault("permanent", ops="delete"))
+def test_retention_failure_after_commit_is_a_warning(make_faulty, background):
+    inner, faulty = make_faulty(Fault("permanent", ops="delete"))
     states = _states(6)
     pub = ds.Publisher(DeltaStore(faulty), anchor_every=2, retention=Retention(keep_last=2, keep_anchors=1),
                        gc_grace=0, background=background)
@@ -81,8 +99,8 @@ def test_retention_failure_after_commit_is_a_warning(background):
     _check_pulls(inner, states, [4, 5])
 
 
-def test_failed_manifest_write_still_raises_and_can_be_retried():
-    inner, faulty = _faulty(Fault("permanent", ops="put", prefix="versions/", skip=1, limit=1))
+def test_failed_manifest_write_still_raises_and_can_be_retried(make_faulty):
+    inner, faulty = make_faulty(Fault("permanent", ops="put", prefix="versions/", skip=1, limit=1))
     states = _states(3)
     pub = ds.Publisher(DeltaStore(faulty), anchor_every=100)
     assert not pub.publish(states[0], step=0).warnings
@@ -93,3 +111,18 @@ def test_failed_manifest_write_still_raises_and_can_be_retried():
     pub.publish(states[2], step=2)
     pub.close()
     _check_pulls(inner, states, [0, 1, 2])
+
+
+def test_marker_failure_on_a_store_without_atomic_create():
+    """The store adds ``"commit": "check-then-write"`` to the producer there: the read-back still knows it."""
+    inner = MemoryBackend(uuid.uuid4().hex)
+    inner.capabilities = dataclasses.replace(inner.capabilities, atomic_create=False)
+    faulty = FaultyBackend(inner, rules=[Fault("permanent", ops="put", prefix=STORE_MARKER)])
+    states = _states(2)
+    with pytest.warns(PostCommitWarning):
+        with ds.Publisher(DeltaStore(faulty), anchor_every=100) as pub:
+            infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
+    store = DeltaStore(inner)
+    assert store.manifest(1).producer["commit"] == "check-then-write"
+    assert [i.digest for i in infos] == [store.ref(0).digest, store.ref(1).digest]
+    _check_pulls(inner, states, [0, 1])
