@@ -25,12 +25,16 @@ class VerifyReport:
     replayed: steps whose tensors were rebuilt and matched every checksum.
     objects: distinct objects re-hashed.
     problems: ``(step or None, message)`` for everything wrong.
+    notes: ``(step, message)`` for what is not wrong but weaker than usual: a version committed
+        with a check-then-write create (a backend without atomic create, e.g. ``hf://``), which a
+        concurrent writer could have raced (``docs/format.md``).
     """
 
     versions: list[int] = field(default_factory=list)
     replayed: list[int] = field(default_factory=list)
     objects: int = 0
     problems: list[tuple[int | None, str]] = field(default_factory=list)
+    notes: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -60,6 +64,9 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
         try:
             manifests[step] = store.manifest_with_digest(step)
             report.versions.append(step)
+            if manifests[step][0].producer.get("commit") == "check-then-write":
+                report.notes.append((step, "committed with a check-then-write create (no atomic create on this "
+                                           "backend): a concurrent writer could have raced it"))
         except DeltaStoreError as e:
             report.problems.append((step, f"manifest: {e}"))
 

@@ -126,3 +126,19 @@ def test_marker_failure_on_a_store_without_atomic_create():
     assert store.manifest(1).producer["commit"] == "check-then-write"
     assert [i.digest for i in infos] == [store.ref(0).digest, store.ref(1).digest]
     _check_pulls(inner, states, [0, 1])
+
+
+def test_verify_notes_check_then_write_commits():
+    from deltastore.verify import verify_store
+    inner = MemoryBackend(uuid.uuid4().hex)
+    inner.capabilities = dataclasses.replace(inner.capabilities, atomic_create=False)
+    with ds.Publisher(DeltaStore(inner), anchor_every=100) as pub:
+        for i, s in enumerate(_states(2)):
+            pub.publish(s, step=i)
+    report = verify_store(DeltaStore(inner))
+    assert report.ok and [step for step, _ in report.notes] == [0, 1]
+    assert all("check-then-write" in msg for _, msg in report.notes)
+    atomic = MemoryBackend(uuid.uuid4().hex)
+    with ds.Publisher(DeltaStore(atomic), anchor_every=100) as pub:
+        pub.publish(_states(1)[0], step=0)
+    assert verify_store(DeltaStore(atomic)).notes == []

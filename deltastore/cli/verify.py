@@ -26,10 +26,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with bar(args, "verify", 2 * n, unit="steps") as cb:  # each version: its objects, then its replay
             report = verify_store(store, progress=lambda msg: progress.advance(cb))
     problems = [{"step": step, "message": msg} for step, msg in report.problems]
+    notes = [{"step": step, "message": msg} for step, msg in report.notes]
     if args.json:
         emit_json({"uri": args.uri, "ok": report.ok, "versions": report.versions, "replayed": report.replayed,
-                   "objects": report.objects, "problems": problems})
+                   "objects": report.objects, "problems": problems, "notes": notes})
     else:
+        for n in notes:
+            print(f"note version {n['step']}: {n['message']}")
         for p in problems:
             print(f"FAIL version {p['step']}: {p['message']}" if p["step"] is not None else f"FAIL: {p['message']}")
         print(f"{len(report.versions)} versions, {len(report.replayed)} replayed bit-exact against their checksums, "

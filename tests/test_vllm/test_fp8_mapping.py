@@ -113,3 +113,15 @@ def test_engine_and_version_must_share_the_scheme(tmp_path):
     check_served(bf16_version, FakeVllmModel(), online)  # expects weights as trained: accepted
     with pytest.raises(TargetMismatchError):
         check_served(fp8_version, FakeVllmModel(), online)
+
+
+def test_applier_refuses_a_version_of_another_scheme_before_touching_the_engine(tmp_path):
+    uri = str(tmp_path / "fp8")
+    _publish(uri, _versions(1), quantize="fp8_block128")
+    served = FakeVllmModel()  # a bf16 engine
+    before = {n: bits_view(p).clone() for n, p in served.named_parameters()}
+    ap = VllmApplier(served, None, path="sparse")
+    ap.allow_cpu_sparse = True
+    with pytest.raises(TargetMismatchError, match="holds fp8_block128 weights"):
+        ap.pull(uri, 0)
+    assert all(torch.equal(bits_view(p), before[n]) for n, p in served.named_parameters())

@@ -49,6 +49,7 @@ from ...manifest import VersionRef
 from ...subscriber import Subscriber
 from ...tensors import bits_view
 from ...undo import UndoJournal
+from ..vllm_fp8 import check_served
 from .checkpoint import Specs, model_dir, read_checkpoint
 from .loaders import ReloadFn, native_patch_loader
 from .mapping import ParamMap, probe, reload_groups
@@ -202,8 +203,9 @@ class VllmApplier:
             step = sub.latest()
             if step is None:
                 raise VersionNotFoundError(f"{sub.store.uri} holds no versions yet")
+        m = sub.manifest(step)
+        check_served(m, self.model, self.vllm_config)  # FP8 bytes must never be served as bf16, nor back
         if self.specs is None:
-            m = sub.manifest(step)
             self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in m.tensors}
         return step
 
