@@ -3,6 +3,7 @@
     .venv/bin/python bench/faults.py                 # the figures of docs/reliability.md (~5 min)
     .venv/bin/python bench/faults.py --quick         # fewer trials (~1 min)
     .venv/bin/python bench/faults.py --only-store    # GC races, store bombs, disk errors, unreachable endpoints
+    .venv/bin/python bench/faults.py --only-target --no-s3   # layout changes, aliasing, interrupts, post-commit
 
 Prints one row per scenario and backend: trials, faults injected, wrong versions
 applied, versions lost, untyped exceptions (the last three must be 0) and the
@@ -25,6 +26,7 @@ from test_backends.servers import Seaweed  # noqa: E402
 from test_reliability import hostile  # noqa: E402
 from test_reliability import scenarios as S  # noqa: E402
 from test_reliability import scenarios_store as SS  # noqa: E402
+from test_reliability import scenarios_target as ST  # noqa: E402
 
 
 def main() -> int:
@@ -34,11 +36,16 @@ def main() -> int:
     ap.add_argument("--no-s3", action="store_true", help="local backend only")
     ap.add_argument("--only-store", action="store_true",
                     help="only the store/backend families (GC races, bombs, disk errors, unreachable endpoints)")
+    ap.add_argument("--only-target", action="store_true",
+                    help="only the target/publisher families (layout changes, aliasing, interrupts, post-commit)")
     args = ap.parse_args()
+    general = not (args.only_store or args.only_target)
+    store, target = not args.only_target, not args.only_store
     q = args.quick
     n = {"crash": 10 if q else 50, "corrupt": 20 if q else 60, "transient": 15 if q else 50,
          "races": 5 if q else 20, "apply": 50 if q else 200, "fuzz": (150, 100, 150) if q else (500, 300, 400),
-         "gc": 6 if q else 15, "unreachable": 6 if q else 12, "disk": 6 if q else 15}
+         "gc": 6 if q else 15, "unreachable": 6 if q else 12, "disk": 6 if q else 15,
+         "layout": 5 if q else 20, "alias": 20 if q else 100, "interrupt": 20 if q else 100, "post": 5 if q else 20}
     server = None
     wheres = [S.local_where()]
     if not args.no_s3:
@@ -48,18 +55,26 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for w in wheres:
-            if not args.only_store:
+            if general:
                 rows.append(S.run_crash(w, n["crash"], seed=args.seed))
                 rows.append(S.run_corruption(w, n["corrupt"], seed=args.seed))
                 rows.append(S.run_transient_local(w, n["transient"], seed=args.seed) if w.kind == "local" else
                             S.run_transient_s3(w, server, n["transient"], seed=args.seed))
                 rows.append(S.run_races(w, n["races"], seed=args.seed))
-            rows.append(SS.run_gc_reuse(w, n["gc"], seed=args.seed))
-            rows.append(SS.run_store_bombs(w))
-        rows.append(SS.run_disk_errors(wheres[0], n["disk"], seed=args.seed))
-        rows.append(SS.run_unreachable(n["unreachable"]))
-        if not args.only_store:
+            if store:
+                rows.append(SS.run_gc_reuse(w, n["gc"], seed=args.seed))
+                rows.append(SS.run_store_bombs(w))
+        if store:
+            rows.append(SS.run_disk_errors(wheres[0], n["disk"], seed=args.seed))
+            rows.append(SS.run_unreachable(n["unreachable"]))
+        if general:
             rows.append(S.run_apply_interrupted(n["apply"], seed=args.seed))
+        if target:
+            rows.append(ST.run_layout_changes(n["layout"], seed=args.seed))
+            rows.append(ST.run_aliasing(n["alias"], seed=args.seed))
+            rows.append(ST.run_interrupts(n["interrupt"], seed=args.seed))
+            rows.append(ST.run_post_commit(n["post"], seed=args.seed))
+        if general:
             rows.append(run_hostile(*n["fuzz"]))
     finally:
         if server is not None:
