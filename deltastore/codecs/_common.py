@@ -173,6 +173,8 @@ def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
     """Inverse of :func:`encode_positions`, checking each array stays inside its tensor (one fused pass)."""
     counts_a = np.asarray(counts, dtype=np.int64)
+    if int(counts_a.sum()) > len(stream):  # each position takes a byte at least: no allocation for a lie
+        raise CorruptObjectError(f"{codec_id}: position stream holds fewer than {int(counts_a.sum())} positions")
     p, status, seg, used = K.gap_positions(stream, counts_a, np.asarray(numels, dtype=np.int64))
     if status == 1:
         raise CorruptObjectError(f"{codec_id}: position stream holds fewer than {p.size} positions")
