@@ -54,6 +54,7 @@ from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest
                        check_tensor_name, sha256_digest)
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
+from .publish.stream import diff_stream
 from .publish.upload import Job, store_jobs
 from .quantize import get_quantizer
 from .store import DeltaStore, open_store, version_key
@@ -250,7 +251,10 @@ class Publisher:
 
         Synchronous (default): returns the :class:`VersionInfo` once the
         version is committed; on any error nothing is committed and the
-        Publisher is unchanged, so the same step can be retried.
+        Publisher is unchanged, so the same step can be retried. An iterator
+        (not a mapping or module) on a chain whose layout the Publisher knows
+        is compared piece by piece as it is consumed, so each tensor may be
+        produced just in time and dropped (``deltastore/publish/stream.py``).
 
         With ``background=True``: returns a :class:`PendingVersionInfo` (a
         ``VersionInfo``) as soon as the changes are captured (the bit-compare is
@@ -285,6 +289,15 @@ class Publisher:
         if self._writer is not None:
             self._raise_background_error()
         self._check_step(step)
+        if (self._writer is None and self._mirror is not None and self.quantizer is None and not self.adapter_only
+                and not isinstance(state, (Mapping, torch.nn.Module))):
+            # an iterator on a known chain: compared piece by piece as it arrives (publish/stream.py)
+            streamed = diff_stream(state, self._mirror, self._specs, self._aliases, self.dtype,
+                                   chunk_elems=self.chunk_elems)
+            if streamed.diff is not None:
+                return self._write_sync(_Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
+                                                  time.time()))
+            state = streamed.pairs  # it left the layout: the ordinary capture below
         tensors, specs, aliases = self._normalise(state)
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
@@ -310,15 +323,10 @@ class Publisher:
             fresh = Mirror.capture(tensors, specs, self.mirror_device)
             fresh.version = step
             captured = _Captured(step, specs, aliases, fresh, None, time.time())
+        if not background:
+            return self._write_sync(captured)
         self._capture_specs, self._capture_aliases = specs, aliases
         self._last_step = step
-        if not background:
-            try:
-                return self._write(captured)
-            except BaseException:
-                self._last_step = self._last.step if self._last is not None else self.store.latest()
-                self._capture_specs, self._capture_aliases = self._specs, self._aliases
-                raise
         # Background: note what this version changed (the writer advances the mirror after its commit).
         if captured.diff is None or captured.layout is not None:
             self._capture_mirror = captured.mirror
@@ -332,6 +340,17 @@ class Publisher:
         info = PendingVersionInfo(step, changed, total, future)
         self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
         return info
+
+    def _write_sync(self, captured: _Captured) -> VersionInfo:
+        """Write ``captured`` now; on any error the Publisher is as it was before this publish()."""
+        self._capture_specs, self._capture_aliases = captured.specs, captured.aliases
+        self._last_step = captured.step
+        try:
+            return self._write(captured)
+        except BaseException:
+            self._last_step = self._last.step if self._last is not None else self.store.latest()
+            self._capture_specs, self._capture_aliases = self._specs, self._aliases
+            raise
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""

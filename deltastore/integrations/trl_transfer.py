@@ -22,12 +22,13 @@ Follower), so ``pause``/``resume`` do nothing by default; with ``control=`` (a
 synchronous swap instead: pause the server, publish, apply that version on it,
 resume.
 
-Memory: the tensors are taken as TRL yields them (``param.detach()`` on a
-single process: no copies); the Publisher keeps its own mirror. Under FSDP2
-TRL yields a freshly gathered ``full_tensor()`` per parameter and this class
-keeps each until the version is committed (the Publisher's diff needs every
-tensor of the version), so peak memory there is one full model on the main
-process in addition to the mirror.
+Memory: the tensors are streamed into ``Publisher.publish`` as TRL yields them;
+on a chain whose layout the Publisher knows it compares them piece by piece
+(64 MiB, ``deltastore/publish/stream.py``) and drops each piece, so besides its
+mirror it holds one piece and the changes, also under FSDP2 (where TRL yields a
+freshly gathered ``full_tensor()`` per parameter). The first version (an anchor
+that becomes the mirror) and a version that changes the layout still take every
+tensor at once.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ class DeltaStoreWeightTransfer:
         self.init_weight_transfer()
         assert self.publisher is not None
         step = self.next_step()
-        state = {name: t.detach() for name, t in iterator}
-        self.last = self.publisher.publish(state, step=step)
-        del state
+        # a generator: on a known chain the Publisher diffs the tensors as they stream and drops them
+        # (deltastore/publish/stream.py), so a gathered FSDP2 model is never held whole
+        self.last = self.publisher.publish(((name, t.detach()) for name, t in iterator), step=step)
         self._sends += 1
         self.published.append(step)
         if self.control is not None:

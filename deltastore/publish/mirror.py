@@ -196,11 +196,13 @@ class Mirror:
 
     # -- compare -------------------------------------------------------------------
     def diff(self, tensors: Mapping[str, torch.Tensor], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-             pending: Pending | None = None) -> Diff:
+             pending: Pending | None = None, only: Collection[str] | None = None) -> Diff:
         """Changes of ``tensors`` (same names and specs as the mirror) against the last published bits.
 
         With ``pending`` (background mode), the result is against the last
-        *captured* version: the mirror plus the pending overlay.
+        *captured* version: the mirror plus the pending overlay. With ``only``,
+        just those tensors are compared (``tensors`` needs no others) and the
+        Diff holds just them (a streamed capture diffs a model piece by piece).
         """
         changes: dict[str, Change] = {}
         sums: dict[str, int] = {}
@@ -211,6 +213,8 @@ class Mirror:
             fast_names, olds, news, keys = [], [], [], []
             wkeys = self._keys[w]
             for i, name in enumerate(names):
+                if only is not None and name not in only:
+                    continue
                 t = tensors[name]
                 spec = self.specs[name]
                 if t.numel() != spec.numel:
@@ -237,7 +241,8 @@ class Mirror:
             changed += ch.count
             total += spec.numel
         # keep the tensor order of the specs (the manifest's order)
-        out = Diff({n: changes[n] for n in self.specs}, {n: sums[n] for n in self.specs}, flat)
+        order = self.specs if only is None else [n for n in self.specs if n in only]
+        out = Diff({n: changes[n] for n in order}, {n: sums[n] for n in order}, flat)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
         if pending is not None and pending.entries:
