@@ -58,7 +58,11 @@ def peft_adapter(model: Any, adapter_name: str | None = None) -> tuple[dict[str,
 
 def _config_bytes(model: Any, config: Any) -> bytes:
     """``adapter_config.json`` exactly as ``PeftModel.save_pretrained`` writes it (inference mode, base path)."""
-    config = copy.deepcopy(config)
+    original, config = config, copy.deepcopy(config)
+    for key, value in vars(original).items():
+        # PEFT writes a set as list(deepcopy(it)) of the live config; a set copied twice may iterate otherwise
+        if isinstance(value, set):
+            setattr(config, key, list(copy.deepcopy(value)))
     if config.base_model_name_or_path is None:
         inner = model.base_model if config.is_prompt_learning else getattr(model.base_model, "model", model.base_model)
         config.base_model_name_or_path = inner.__dict__.get("name_or_path", None) or None

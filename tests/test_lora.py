@@ -180,3 +180,27 @@ def test_trl_callback_publishes_the_adapter_of_a_peft_trainer(tmp_path):
         # the callback publishes bf16 by default: the adapter's fp32 parameters rounded
         assert bits_equal(sub.pull(step=s).state, {k: v.to(torch.bfloat16) for k, v in snap.states[s].items()}), s
         assert "adapter_config.json" in sub.manifest(s).files
+
+
+def test_recorded_config_lists_sets_in_the_order_peft_writes_them(tmp_path):
+    """PEFT writes a set field as list(deepcopy(live set)); a set copied twice may iterate in another order."""
+    import copy
+    import random
+    import string
+
+    from deltastore.adapters import _config_bytes
+
+    rng = random.Random(0)
+    for _ in range(2000):  # a target_modules set whose second copy iterates differently (about 1 in 5 do)
+        names = {"".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) + "_proj"
+                 for _ in range(rng.randint(3, 9))}
+        live = peft.LoraConfig(r=4, target_modules=names, base_model_name_or_path="base", task_type="CAUSAL_LM")
+        s = live.target_modules
+        if list(copy.deepcopy(s)) != list(copy.deepcopy(copy.deepcopy(s))):
+            break
+    else:
+        pytest.fail("no set found whose copies iterate differently")
+    ours = _config_bytes(None, live)
+    live.inference_mode = True  # what PeftModel.save_pretrained does to the live config before saving it
+    live.save_pretrained(str(tmp_path))
+    assert ours == (tmp_path / "adapter_config.json").read_bytes()
