@@ -128,6 +128,19 @@ def check_specs(manifest: Manifest, specs: dict[str, tuple[torch.dtype, tuple[in
                                       f"version {manifest.step} has {rec.dtype}{list(rec.shape)}")
 
 
+def _replay(sub: Subscriber, steps: list[int], state: Any, applied: list[int]) -> int:
+    """Fetch and apply the deltas ``steps`` onto ``state`` (a FullState or a SparseOverlay, both answering
+    ``old_bits`` and ``apply``), appending each to ``applied``; returns the bytes fetched."""
+    fetched = 0
+    for s in steps:
+        dm = sub.store.manifest(s)
+        updates, n = _fetch(sub, dm, "delta", state.old_bits)
+        fetched += n
+        state.apply(dm, updates)
+        applied.append(s)
+    return fetched
+
+
 def stage(sub: Subscriber, current: VersionRef | None, reader: Reader | None, step: int | None = None, *,
           allow_anchor: bool = True,
           specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None) -> Staged:
@@ -164,22 +177,12 @@ def stage(sub: Subscriber, current: VersionRef | None, reader: Reader | None, st
         fetched += n
         state = FullState(am, updates, verify=sub.verify_anchors)
         applied.append(am.step)
-        for s in plan.deltas:
-            dm = sub.store.manifest(s)
-            updates, n = _fetch(sub, dm, "delta", state.old_bits)
-            fetched += n
-            state.apply(dm, updates)
-            applied.append(s)
+        fetched += _replay(sub, plan.deltas, state, applied)
         return Staged(ref, manifest, "anchor", full=dict(state.bits), bytes_fetched=fetched,
                       versions_applied=applied)
     assert current is not None and reader is not None
     overlay = _overlay(reader, sub.store.manifest(current.step))
-    for s in plan.deltas:
-        dm = sub.store.manifest(s)
-        updates, n = _fetch(sub, dm, "delta", overlay.old_bits)
-        fetched += n
-        overlay.apply(dm, updates)
-        applied.append(s)
+    fetched += _replay(sub, plan.deltas, overlay, applied)
     pending = {name: (p.positions, p.bits, p.original) for name, p in overlay.pending.items()
                if p.positions.numel()}
     return Staged(ref, manifest, "delta", pending=pending, bytes_fetched=fetched, versions_applied=applied)
