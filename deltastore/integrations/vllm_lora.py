@@ -41,6 +41,7 @@ from ..adapters import is_adapter
 from ..errors import ApplyError, TargetMismatchError
 from ..materialize import materialize
 from ..store import open_store
+from ._polling import PollingLoop
 
 log = logging.getLogger("deltastore.vllm_lora")
 
@@ -128,7 +129,7 @@ class _Loaded:
     handle: Any
 
 
-class LoraFollower:
+class LoraFollower(PollingLoop):
     """Keep a vLLM engine on the newest adapter version of a store, the last ``keep`` versions loaded.
 
     Args:
@@ -142,6 +143,10 @@ class LoraFollower:
 
     Raises :class:`TargetMismatchError` (from :meth:`apply`) for a version that is not an adapter.
     """
+
+    _thread_name = "deltastore-lora-follower"
+    _poll_failure = "deltastore: adapter follower could not load (still serving step %s): %s: %s"
+    _poll_log = log
 
     def __init__(self, control: Any, uri: str, work_dir: str | os.PathLike[str], *, name: str = "policy",
                  keep: int = 2, poll_interval: float = 5.0, storage_options: dict[str, Any] | None = None):
@@ -157,8 +162,7 @@ class LoraFollower:
         self.poll_interval = poll_interval
         self.loaded: list[_Loaded] = []  # oldest first
         self.last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._init_polling()
         self._lock = threading.Lock()
         os.makedirs(self.work_dir, exist_ok=True)
 
@@ -220,24 +224,3 @@ class LoraFollower:
             self.last_error = None
             log.info("deltastore: adapter %s serves step %d (%d loaded)", self.name, step, len(self.loaded))
             return self.status()
-
-    def run(self) -> None:
-        """Poll until :meth:`stop`; errors are logged and the engine keeps its adapters."""
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception as e:
-                log.warning("deltastore: adapter follower could not load (still serving step %s): %s: %s",
-                            self.served_step, type(e).__name__, e)
-            self._stop.wait(self.poll_interval)
-
-    def start(self) -> threading.Thread:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name="deltastore-lora-follower", daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def stop(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)

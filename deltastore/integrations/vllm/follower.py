@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +12,7 @@ from typing import Any
 
 from ...errors import ApplyError
 from ...subscriber import Subscriber
+from .._polling import PollingLoop
 from ._rpc import error_dict as _error_dict
 from ._rpc import results as _results
 from .client import _set_weight_version, pull, version
@@ -140,7 +140,7 @@ class HTTPControl:
         return res[0] if res else None
 
 
-class Follower:
+class Follower(PollingLoop):
     """Watch a store and keep an engine on its newest version. No trainer connection needed.
 
     Args:
@@ -154,6 +154,10 @@ class Follower:
         max_wait: seconds a newer version may wait under ``max_lag`` before it is applied anyway.
         status_file: if set, the served version is written there as JSON after every apply.
     """
+
+    _thread_name = "deltastore-follower"
+    _poll_failure = "deltastore: follower could not apply (still serving step %s): %s: %s"
+    _poll_log = log
 
     def __init__(self, control: Any, uri: str, *, poll_interval: float = 5.0, max_lag: int = 0,
                  max_wait: float | None = None, storage_options: dict[str, Any] | None = None,
@@ -175,8 +179,7 @@ class Follower:
         self.last_error: dict[str, str] | None = None
         self.applied = 0
         self._first_seen: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._init_polling()
         try:
             cur = control.served()
             if cur and cur.get("step") is not None:
@@ -243,25 +246,4 @@ class Follower:
                            "time": time.time(), "result": result}, f)
             os.replace(tmp, self.status_file)
         return result
-
-    def run(self) -> None:
-        """Poll until :meth:`stop`; errors are logged and the engine keeps its version."""
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception as e:
-                log.warning("deltastore: follower could not apply (still serving step %s): %s: %s",
-                            self.served_step, type(e).__name__, e)
-            self._stop.wait(self.poll_interval)
-
-    def start(self) -> threading.Thread:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name="deltastore-follower", daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def stop(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
