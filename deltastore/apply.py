@@ -29,7 +29,7 @@ import torch
 
 from . import segments
 from .checksum import full_checksum, tensor_key, updated_checksum
-from .codecs import TensorSpec, Update
+from .codecs import OldBits, TensorSpec, Update, read_old_bits
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
 from .layout import describe, layout_diff, same_spec
@@ -252,6 +252,18 @@ class FullState:
         """Bits at ``positions``; ``None``: the whole flat tensor (read-only for the caller)."""
         return self.bits[name] if positions is None else gather(self.bits[name], positions)
 
+    def old_bits_many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        """:meth:`old_bits` of many tensors at once (see :func:`deltastore.codecs.read_old_bits`)."""
+        tensors = [self.bits[n] for n in names]
+        if all(plain_cpu(t) for t in tensors):
+            return segments.gather(tensors, positions, bounds)
+        return read_old_bits(self.old_bits, names, positions, bounds)
+
+    @property
+    def old(self) -> OldBits:
+        """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
+        return StagedBits(self)
+
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         """Apply one delta version, checking every touched tensor's checksum first."""
         staged = []
@@ -335,6 +347,21 @@ def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
     return read
 
 
+class StagedBits:
+    """A staged state's bits as a decoder's :data:`~deltastore.codecs.OldBits` (with the batched ``many``)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: FullState | SparseOverlay):
+        self.state = state
+
+    def __call__(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.state.old_bits(name, positions)
+
+    def many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        return self.state.old_bits_many(names, positions, bounds)
+
+
 class SparseOverlay:
     """Net effect of a run of deltas on a live target, without touching it.
 
@@ -360,6 +387,9 @@ class SparseOverlay:
         self.whole: dict[str, torch.Tensor] = {}
         self.whole_specs: dict[str, TensorSpec] = {}
         self.dropped: set[str] = set()
+        # batched reads handed to decoders since the last apply, per element width: (names, positions, bits);
+        # apply() takes the old bits of a first touch from here instead of gathering them again
+        self._read: dict[int, list[tuple[list[str], torch.Tensor, torch.Tensor]]] = {}
 
     def hold(self, name: str, spec: TensorSpec, bits: torch.Tensor, checksum: int) -> None:
         """Keep ``name`` whole on the host from now on (verified flat ``bits``), not in the target."""
@@ -407,15 +437,46 @@ class SparseOverlay:
             old[hit] = p.bits[loc[hit]]
         return old
 
+    def old_bits_many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        """:meth:`old_bits` of many tensors at once (see :func:`deltastore.codecs.read_old_bits`).
+
+        Plain CPU tensors no staged delta touched yet are gathered in one
+        kernel pass, and the result is kept for :meth:`apply`.
+        """
+        fast, pending, whole = self._fast, self.pending, self.whole
+        if names and all(n in fast and n not in pending and n not in whole for n in names):
+            tensors = [fast[n] for n in names]
+            width = tensors[0].element_size()
+            if all(t.element_size() == width for t in tensors):
+                old = segments.gather(tensors, positions, bounds)
+                self._read.setdefault(width, []).append((names, positions, old))
+                return old
+        return read_old_bits(self.old_bits, names, positions, bounds)
+
+    @property
+    def old(self) -> OldBits:
+        """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
+        return StagedBits(self)
+
+    def _recall(self, read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
+                positions: torch.Tensor) -> torch.Tensor | None:
+        """The old bits of ``names`` at ``positions`` if exactly those were read for the decoder, else None."""
+        if [n for ns, _, _ in read for n in ns] != names:
+            return None
+        pos = segments.joined([p for _, p, _ in read])
+        same = pos.numel() == positions.numel() and (pos.data_ptr() == positions.data_ptr() or
+                                                     torch.equal(pos, positions))
+        return segments.joined([o for _, _, o in read]) if same else None
+
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
         staged = []
         firsts = []
         held = []
+        read, self._read = self._read, {}
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
-        for rec in manifest.tensors:
-            u = updates.get(rec.name)
-            if u is None:
-                continue
+        records = manifest.tensor_map()
+        for name, u in updates.items():  # in decoding order: a batch's arrays then often lie back to back
+            rec = records[name]
             if rec.name in self.whole:  # held on the host since a layout change: updated there
                 cur = self.whole[rec.name]
                 cs = full_checksum(rec.name, u.bits) if u.positions is None else \
@@ -431,11 +492,13 @@ class SparseOverlay:
             cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
             _expect(rec, cs, manifest.step, "applying the delta to the target")
             staged.append((rec.name, positions, u.bits, old, cs))
-        for group in batch.values():  # first touches of plain CPU tensors: one gather + one checksum pass
+        for width, group in batch.items():  # first touches of plain CPU tensors: one gather + one checksum pass
             bounds = segments.bounds_of([u.count for _, u in group])
-            pos = segments.cat([u.positions for _, u in group])
-            new = segments.cat([u.bits for _, u in group])
-            old = segments.gather([self._fast[r.name] for r, _ in group], pos, bounds)
+            pos = segments.joined([u.positions for _, u in group])
+            new = segments.joined([u.bits for _, u in group])
+            old = self._recall(read.get(width, []), [r.name for r, _ in group], pos)
+            if old is None:
+                old = segments.gather([self._fast[r.name] for r, _ in group], pos, bounds)
             keys = np.fromiter((_key(r.name) for r, _ in group), dtype=np.uint64, count=len(group))
             deltas = segments.mix_delta(pos, old, new, bounds, keys).tolist()
             checksums, step = self.checksums, manifest.step

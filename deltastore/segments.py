@@ -215,6 +215,34 @@ def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([t.detach().numpy() for t in tensors]))
 
 
+def joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`cat` for reading only: a view when the pieces lie back to back in one buffer (no copy).
+
+    Decoders hand out many tensors' positions and bits as consecutive slices
+    of one array; joining them again then costs nothing. Otherwise a new
+    tensor, as :func:`cat`. The caller must not write into the result.
+    """
+    if len(tensors) > 1:
+        first = tensors[0]
+        end = first.data_ptr()
+        for t in tensors:
+            n = t.numel()
+            if t.dtype != first.dtype or t.dim() != 1:
+                return cat(tensors)
+            if n:  # an empty piece has no address (0): it sits anywhere
+                if t.data_ptr() != end or not t.is_contiguous():
+                    return cat(tensors)
+                end += n * t.element_size()
+        if not first.numel():
+            return cat(tensors)
+        storage = first.untyped_storage()
+        if first.is_cpu and storage.data_ptr() <= first.data_ptr() and end <= storage.data_ptr() + storage.nbytes():
+            offset = (first.data_ptr() - storage.data_ptr()) // first.element_size()
+            n = (end - first.data_ptr()) // first.element_size()
+            return first.new_empty(0).set_(storage, offset, (n,))
+    return cat(tensors)
+
+
 def _bounds_of(sizes: Sequence[int]) -> np.ndarray:
     b = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(np.asarray(sizes, dtype=np.int64), out=b[1:])

@@ -411,7 +411,7 @@ class Subscriber:
         if role == "delta" and m.changes_layout:
             whole, fetched = self.fetch_updates(m, "full", None, names=set(m.new_tensors))
             state.relayout(m, whole)
-        updates, n = self.fetch_updates(m, role, state.old_bits)
+        updates, n = self.fetch_updates(m, role, state.old)
         state.apply(m, updates)
         return fetched + n
 
@@ -674,11 +674,9 @@ class Subscriber:
             for t, p, u in decode_object(manifest, i, data, pairs, role, old):
                 pieces.setdefault(t.name, []).append((p, u))
             del data
-        updates = {}
-        for t in manifest.tensors:
-            got = pieces.get(t.name)
-            if got is not None and (names is None or t.name in names):
-                updates[t.name] = _join(t, got, role, manifest.step)
+        records = manifest.tensor_map()
+        updates = {name: _join(records[name], got, role, manifest.step) for name, got in pieces.items()
+                   if names is None or name in names}  # in decoding order (see SparseOverlay.apply)
         return updates, fetched
 
 

@@ -172,6 +172,16 @@ def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
 
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
     """Inverse of :func:`encode_positions`, checking each array stays inside its tensor (one fused pass)."""
+    flat, bounds = decode_positions_flat(stream, counts, numels, codec_id)
+    if len(bounds) == 2:
+        return [flat]
+    return np.split(flat, bounds[1:-1])
+
+
+def decode_positions_flat(stream: bytes, counts: Sequence[int], numels: Sequence[int],
+                          codec_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`decode_positions` as one array of every tensor's positions in turn, plus the ``len(counts) + 1``
+    bounds of each tensor's slice of it."""
     counts_a = np.asarray(counts, dtype=np.int64)
     if int(counts_a.sum()) > len(stream):  # each position takes a byte at least: no allocation for a lie
         raise CorruptObjectError(f"{codec_id}: position stream holds fewer than {int(counts_a.sum())} positions")
@@ -184,9 +194,9 @@ def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int]
         raise CorruptObjectError(f"{codec_id}: position beyond the tensor (tensor {seg} of the object)")
     if used != len(stream):
         raise CorruptObjectError(f"{codec_id}: position stream has trailing bytes")
-    if len(counts_a) == 1:
-        return [p]
-    return np.split(p, np.cumsum(counts_a)[:-1])
+    bounds = np.zeros(len(counts_a) + 1, np.int64)
+    np.cumsum(counts_a, out=bounds[1:])
+    return p, bounds
 
 
 def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,
@@ -207,13 +217,15 @@ def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec
 
 
 def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
-                   codec_id: str) -> list[np.ndarray]:
+                   codec_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """The object's ``positions`` stream decoded: every tensor's positions in turn, and their bounds
+    (see :func:`decode_positions_flat`)."""
     if raw_len > 10 * sum(counts):
         raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
     if "positions" not in raw:
         raise CorruptObjectError(f"{codec_id}: object lacks its positions")
     stream = zstd_decompress(as_bytes(raw["positions"], codec_id, "positions"), raw_len, f"{codec_id} positions")
-    return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
+    return decode_positions_flat(stream, counts, [s.numel for s in specs], codec_id)
 
 
 class ZstdLevel:

@@ -16,7 +16,9 @@ the receiver (``receiver_needs``): ``"nothing"``, ``"old_bits"`` (the
 receiver's current bits at the decoded positions, for codecs that store
 differences) or ``"old_tensor"`` (the receiver's whole current tensor, for
 codecs that model *where* changes happen from the current values; the
-decoder calls ``old(name, None)``). An encoder of an ``"old_tensor"`` codec
+decoder calls ``old(name, None)``). A decoder that needs the old bits of
+many tensors asks for them in one call, :func:`read_old_bits` (a receiver
+that offers ``old.many`` answers with one pass over all of them). An encoder of an ``"old_tensor"`` codec
 reads the sender's copy of the previous bits from ``Update.old_tensor``. The library validates every decoded update against the manifest
 (names, counts, position order and range, dtype) before anything is applied,
 so a codec only has to encode and decode.
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
+import numpy as np
 import torch
 
 from ..tensors import bits_dtype
@@ -43,6 +46,29 @@ CPU tensor of the bits dtype, ``numel`` elements, which the decoder must not
 modify). Only codecs with ``receiver_needs == "old_tensor"`` pass ``None``."""
 
 RECEIVER_NEEDS = ("nothing", "old_bits", "old_tensor")
+
+
+def read_old_bits(old: OldBits, names: Sequence[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+    """The receiver's bits of ``names[i]`` at ``positions[bounds[i]:bounds[i + 1]]`` for every ``i``, back to back.
+
+    ``positions``: int64 CPU tensor (each tensor's flat positions in turn);
+    ``bounds``: ``len(names) + 1`` int64 offsets into it. A receiver that has
+    a ``many(names, positions, bounds)`` method answers in one call (one
+    kernel pass over every tensor instead of one gather per tensor); any
+    other :data:`OldBits` is asked tensor by tensor. All names must share one
+    bits dtype. Raises whatever the receiver raises; :class:`ValueError` if it
+    answers with the wrong number of elements.
+    """
+    many = getattr(old, "many", None)
+    if many is not None:
+        out = many(list(names), positions, bounds)
+    else:
+        b = bounds.tolist()
+        out = torch.cat([old(n, positions[b[i]:b[i + 1]]).reshape(-1) for i, n in enumerate(names)]) if names \
+            else positions.new_empty(0)
+    if out.numel() != positions.numel():
+        raise ValueError(f"the receiver gave {out.numel()} old values for {positions.numel()} positions")
+    return out
 
 
 @dataclass(frozen=True)

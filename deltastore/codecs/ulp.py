@@ -29,23 +29,20 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
                       unpack_meta, zstd_compress, zstd_decompress)
-from .base import Codec, OldBits, TensorSpec, Update
+from .base import Codec, OldBits, TensorSpec, Update, read_old_bits
 
 
-def _by_kind(ups: Sequence[Update]) -> list[tuple[bool, np.ndarray, list[Update]]]:
-    """Updates grouped by (bits dtype, is float), each with the indices of its elements in the concatenation."""
+def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
+    """Indices of ``specs`` grouped by (bits dtype, is float): one vectorised pass per group (usually one)."""
     groups: dict[tuple[Any, bool], list[int]] = {}
-    for i, u in enumerate(ups):
-        groups.setdefault((u.spec.bits_dtype, u.spec.dtype in MANTISSA_BITS), []).append(i)
-    starts = np.concatenate(([0], np.cumsum([u.count for u in ups]))).astype(np.int64)
-    out = []
-    for (_, f), idxs in groups.items():
-        if len(groups) == 1:
-            where = np.arange(starts[-1])
-        else:
-            where = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in idxs])
-        out.append((f, where, [ups[i] for i in idxs]))
-    return out
+    for i, s in enumerate(specs):
+        groups.setdefault((s.bits_dtype, s.dtype in MANTISSA_BITS), []).append(i)
+    return [(f, idxs) for (_, f), idxs in groups.items()]
+
+
+def _elements(bounds: np.ndarray, idxs: list[int]) -> np.ndarray:
+    """Indices, in the concatenation, of the elements of tensors ``idxs`` (``bounds``: each tensor's range)."""
+    return np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in idxs])
 
 
 class UlpCodec(ZstdLevel, Codec):
@@ -68,10 +65,16 @@ class UlpCodec(ZstdLevel, Codec):
                 raise ValueError(f"ulp needs the old bits of {u.spec.name!r} at the changed positions")
         # one vectorised pass per kind of element (usually one: every tensor bf16), not per tensor
         z = np.empty(sum(u.count for u in ups), np.uint64)
-        for f, where, items in _by_kind(ups):
-            new = np.concatenate([np_bits(u.bits).reshape(-1) for u in items])
-            before = np.concatenate([np_bits(u.old_bits).reshape(-1) for u in items])  # type: ignore[arg-type]
-            z[where] = K.steps(new, before, f)
+        kinds = _kinds([u.spec for u in ups])
+        bounds = np.zeros(len(ups) + 1, np.int64)
+        np.cumsum([u.count for u in ups], out=bounds[1:])
+        for f, idxs in kinds:
+            new = np.concatenate([np_bits(ups[i].bits).reshape(-1) for i in idxs])
+            before = np.concatenate([np_bits(ups[i].old_bits).reshape(-1) for i in idxs])  # type: ignore[arg-type]
+            if len(kinds) == 1:
+                z[:] = K.steps(new, before, f)
+            else:
+                z[_elements(bounds, idxs)] = K.steps(new, before, f)
         nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
         pos = [u.positions.numpy().astype(np.int64) for u in ups if u.positions is not None]
         stream = encode_positions(pos)
@@ -92,8 +95,8 @@ class UlpCodec(ZstdLevel, Codec):
         counts, (raw_len, nplanes) = read_header(raw, specs, self.codec_id, 2)
         if nplanes > 8:
             raise CorruptObjectError(f"ulp: {nplanes} byte planes")
-        positions = read_positions(raw, specs, counts, raw_len, self.codec_id)
-        total = sum(counts)
+        flat, bounds = read_positions(raw, specs, counts, raw_len, self.codec_id)
+        total = int(bounds[-1])
         planes = np.empty((nplanes, total), np.uint8)
         for j in range(nplanes):
             key = f"plane{j}"
@@ -103,21 +106,25 @@ class UlpCodec(ZstdLevel, Codec):
                                       np.uint8)
         if total and nplanes == 0:
             raise CorruptObjectError("ulp: changes without value planes")
-        pts = [torch.from_numpy(p) for p in positions]
-        olds = []
-        for spec, c, pt in zip(specs, counts, pts):
-            o = np_bits(old(spec.name, pt)).reshape(-1)
-            if o.size != c:
-                raise CorruptObjectError(f"ulp: receiver gave {o.size} old values for {c} positions")
-            olds.append(o)
+        positions = torch.from_numpy(flat)
+        kinds = _kinds(specs)
         out = {}
-        pos_of = {s.name: pt for s, pt in zip(specs, pts)}
-        kinds = [Update(s, torch.from_numpy(o)) for s, o in zip(specs, olds)]  # grouping key only
-        for f, where, items in _by_kind(kinds):
-            before = np.concatenate([np_bits(u.bits) for u in items])
-            bits, bad = K.apply_steps(before, planes[:, where] if len(where) != total else planes, f)
+        for f, idxs in kinds:
+            if len(kinds) == 1:
+                pos, b, steps = positions, bounds, planes
+            else:  # several element kinds in one object: each kind's elements taken out of the concatenation
+                where = _elements(bounds, idxs)
+                pos, steps = positions[torch.from_numpy(where)], planes[:, where]
+                b = np.zeros(len(idxs) + 1, np.int64)
+                np.cumsum(np.diff(bounds)[idxs], out=b[1:])
+            try:
+                before = np_bits(read_old_bits(old, [specs[i].name for i in idxs], pos, b))
+            except ValueError as e:
+                raise CorruptObjectError(f"ulp: {e}") from e
+            bits, bad = K.apply_steps(before, steps, f)
             if bad >= 0:
                 raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
-            for u, part in zip(items, np.split(bits, np.cumsum([u.count for u in items])[:-1])):
-                out[u.spec.name] = Update(u.spec, to_torch_bits(part, u.spec), pos_of[u.spec.name])
+            sizes = np.diff(b).tolist()
+            for i, p, v in zip(idxs, pos.split(sizes), to_torch_bits(bits, specs[idxs[0]]).split(sizes)):
+                out[specs[i].name] = Update(specs[i], v, p)
         return out

@@ -53,17 +53,22 @@ class ZstdCodec(ZstdLevel, Codec):
         check_object(meta, specs, self.codec_id)
         specs = sorted_specs(specs)
         counts, (raw_len,) = read_header(raw, specs, self.codec_id, 1)
-        positions = read_positions(raw, specs, counts, raw_len, self.codec_id)
+        flat, bounds = read_positions(raw, specs, counts, raw_len, self.codec_id)
+        positions = torch.from_numpy(flat).split(np.diff(bounds).tolist())
         values = as_bytes(raw["values"], self.codec_id, "values") if "values" in raw else None
         need = sum(c * s.bits_dtype.itemsize for c, s in zip(counts, specs))
         if values is None or len(values) != need:
             raise CorruptObjectError(f"{self.codec_id}: values hold {None if values is None else len(values)} "
                                      f"bytes, {need} expected")
+        if specs and len({sp.bits_dtype for sp in specs}) == 1:  # one dtype (the usual case): one array, views
+            dt = np_bits_dtype(specs[0]).newbyteorder("<")
+            bits = to_torch_bits(np.frombuffer(values, dtype=dt), specs[0]).split(np.diff(bounds).tolist())
+            return {sp.name: Update(sp, b, p) for sp, b, p in zip(specs, bits, positions)}
         out, off = {}, 0
         for spec, c, p in zip(specs, counts, positions):
             dt = np_bits_dtype(spec).newbyteorder("<")
             n = c * dt.itemsize
             bits = np.frombuffer(values, dtype=dt, count=c, offset=off)
             off += n
-            out[spec.name] = Update(spec, to_torch_bits(bits, spec), torch.from_numpy(p))
+            out[spec.name] = Update(spec, to_torch_bits(bits, spec), p)
         return out

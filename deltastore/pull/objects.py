@@ -22,7 +22,7 @@ import torch
 
 from .. import segments
 from ..apply import check_update
-from ..codecs import OldBits, TensorSpec, Update, get_codec
+from ..codecs import OldBits, TensorSpec, Update, get_codec, read_old_bits
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
 from ..store import DeltaStore
@@ -75,17 +75,25 @@ def stream_objects(store: DeltaStore, manifest: Manifest, indices: Sequence[int]
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def part_reader(old: OldBits, parts: dict[str, Part]) -> OldBits:
-    """``old`` seen from inside parts: positions relative to each part's offset."""
+class PartReader:
+    """An :data:`OldBits` seen from inside parts: positions relative to each part's offset."""
 
-    def read(name: str, positions: torch.Tensor | None) -> torch.Tensor:
-        p = parts[name]
+    def __init__(self, old: OldBits, parts: dict[str, Part]):
+        self.old, self.parts = old, parts
+        self.shifted = any(p.offset for p in parts.values())
+
+    def __call__(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        p = self.parts[name]
         if positions is None:
-            whole = old(name, None)
+            whole = self.old(name, None)
             return whole if p.offset == 0 and whole.numel() == p.numel else whole[p.offset:p.offset + p.numel]
-        return old(name, positions + p.offset if p.offset else positions)
+        return self.old(name, positions + p.offset if p.offset else positions)
 
-    return read
+    def many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        if self.shifted:
+            offsets = np.fromiter((self.parts[n].offset for n in names), dtype=np.int64, count=len(names))
+            positions = positions + torch.from_numpy(np.repeat(offsets, np.diff(bounds)))
+        return read_old_bits(self.old, names, positions, bounds)
 
 
 def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
@@ -97,10 +105,11 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     offsets = {t.name: p for t, p in pairs}
     if len(offsets) != len(names):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    wholes = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
-    specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, wholes)]
+    wholes = {t.name: p.offset == 0 and p.numel == t.numel for t, p in pairs}
+    specs = {t.name: t.spec if wholes[t.name] else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for t, p in pairs}
+    records = {t.name: t for t, _ in pairs}
     try:
-        decoded = codec.decode(data, specs, part_reader(old, offsets) if old is not None else None)
+        decoded = codec.decode(data, list(specs.values()), PartReader(old, offsets) if old is not None else None)
     except (CorruptObjectError, ChecksumMismatchError):
         raise
     except Exception as e:  # a codec bug or hostile content must not escape untyped
@@ -112,8 +121,8 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     out = []
     batch: list[tuple[TensorRecord, Update]] = []  # sparse updates whose positions are checked in one pass
     multi = role == "full" or codec.dense
-    for (t, p), spec, whole in zip(pairs, specs, wholes):
-        u = decoded[t.name]
+    for name, u in decoded.items():  # in the codec's order: its tensors' arrays often lie back to back
+        t, p, spec, whole = records[name], offsets[name], specs[name], wholes[name]
         part_rec = t if whole else replace(t, shape=spec.shape)
         dense = multi or u.positions is None
         if dense:
@@ -126,7 +135,7 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
         out.append((t, p, u))
     if batch:
         bounds = segments.bounds_of([u.count for _, u in batch])
-        pos = segments.cat([u.positions.contiguous() for _, u in batch])
+        pos = segments.joined([u.positions.contiguous() for _, u in batch])
         numels = np.fromiter((r.numel for r, _ in batch), dtype=np.int64, count=len(batch))
         bad = segments.check_positions(pos, bounds, numels)
         if bad >= 0:

@@ -134,7 +134,7 @@ def _replay(sub: Subscriber, steps: list[int], state: Any, applied: list[int]) -
     fetched = 0
     for s in steps:
         dm = sub.store.manifest(s)
-        updates, n = _fetch(sub, dm, "delta", state.old_bits)
+        updates, n = _fetch(sub, dm, "delta", state.old)
         fetched += n
         state.apply(dm, updates)
         applied.append(s)
