@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._gc import paused
 from .anchors import ChainState
 from .checksum import format_checksum, full_checksum, sparse_sum, tensor_key
 from .codecs import TensorSpec
@@ -78,6 +79,7 @@ class ShardedPublisher:
     def store(self):  # noqa: ANN201 - DeltaStore
         return self._engine.store
 
+    @paused
     def publish(self, state: Any, *, step: int) -> VersionInfo:
         """Publish this rank's shards of version ``step``; collective over the group."""
         e = self._engine

@@ -118,11 +118,11 @@ class TensorRecord:
     diff: Parts = ()
     diff_changed: int = 0
 
-    @property
-    def spec(self) -> TensorSpec:
+    @functools.cached_property
+    def spec(self) -> TensorSpec:  # cached (the record is immutable): asked per tensor on every hot path
         return TensorSpec(self.name, DTYPES[self.dtype], self.shape)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -305,11 +305,13 @@ class Manifest:
 
 # -- validation ------------------------------------------------------------------
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ManifestError(f"duplicate key {k!r} in manifest")
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):  # a key given twice (one pass in C; the loop below only names it)
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ManifestError(f"duplicate key {k!r} in manifest")
+            seen.add(k)
     return out
 
 

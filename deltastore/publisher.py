@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ._gc import paused
 from ._memory import release_memory
 from . import progress as _progress
 from ._version import __version__
@@ -240,6 +241,7 @@ class Publisher:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
         return self._chain
 
+    @paused
     def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
 
@@ -386,6 +388,7 @@ class Publisher:
         self.close()
 
     # -- writing -----------------------------------------------------------------
+    @paused
     def _write(self, c: _Captured) -> VersionInfo:
         """Decide, encode, upload and commit one captured version; then move the committed state forward.
 

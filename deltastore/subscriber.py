@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import progress as _progress, segments, tracking
+from ._gc import paused
 from ._memory import release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
@@ -248,6 +249,7 @@ class Subscriber:
                        differential=m.step))
 
     # -- pulling -------------------------------------------------------------------
+    @paused
     def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True,
              progress: _progress.ProgressArg = None) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
@@ -330,6 +332,7 @@ class Subscriber:
             return None
         return self.pull(target)
 
+    @paused
     def stage(self, step: int, current: VersionRef | None = None, reader: Reader | None = None, *,
               allow_anchor: bool = True, avoid: frozenset[str] = frozenset(),
               layout_changes: bool = False) -> Staged:

@@ -1,0 +1,175 @@
+"""Batched reads on the pull path: old bits of many tensors in one call, joined views, the paused collector."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import deltastore as ds
+import deltastore.codecs.raw  # noqa: F401  (ds.codecs.raw below)
+from deltastore import _gc, segments
+from deltastore.codecs import read_old_bits
+from deltastore.registry import codecs as codec_registry
+
+from conftest import bits_equal
+
+
+def _states(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = {f"l{i}.w": (torch.randn(40, 30, generator=g) * 0.02).bfloat16() for i in range(5)}
+    state["norm"] = torch.randn(30, generator=g)  # another element width: its own batch
+    out = []
+    for _ in range(n):
+        state = {k: v.clone() for k, v in state.items()}
+        for v in state.values():
+            bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32).view(-1)
+            bits[torch.randperm(bits.numel(), generator=g)[: bits.numel() // 20]] += 1
+        out.append(state)
+    return out
+
+
+def _follow(uri, states, codec):
+    with ds.Publisher(uri, codec=codec, anchor_every=100) as pub:
+        for step, s in enumerate(states):
+            pub.publish(s, step=step)
+    sub = ds.Subscriber(uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    for step, s in enumerate(states[1:], start=1):
+        assert sub.pull(target, step=step, allow_anchor=False).path == "delta"
+        assert bits_equal(target, s)
+
+
+def test_joined_is_a_view_of_back_to_back_pieces_and_a_copy_otherwise():
+    a = torch.arange(10)
+    pieces = list(a.split([3, 0, 4, 3]))  # an empty piece has no address of its own
+    j = segments.joined(pieces)
+    assert j.data_ptr() == a.data_ptr() and torch.equal(j, a)
+    gapped = segments.joined([a[0:2], a[3:5]])
+    assert gapped.tolist() == [0, 1, 3, 4] and gapped.data_ptr() != a.data_ptr()
+    other = torch.arange(5)
+    assert segments.joined([a[:2], other[:2]]).tolist() == [0, 1, 0, 1]
+    assert segments.joined([a[:0], a[:2]]).tolist() == [0, 1]
+
+
+def test_read_old_bits_asks_a_plain_receiver_per_tensor_and_a_batched_one_once():
+    held = {"a": torch.arange(10, dtype=torch.int16), "b": torch.arange(100, 110, dtype=torch.int16)}
+    calls = []
+
+    def one(name, positions):
+        calls.append(name)
+        return held[name][positions]
+
+    class Batched:
+        def __call__(self, name, positions):
+            raise AssertionError("asked per tensor")
+
+        def many(self, names, positions, bounds):
+            calls.append(tuple(names))
+            return torch.cat([held[n][positions[bounds[i]:bounds[i + 1]]] for i, n in enumerate(names)])
+
+    pos, bounds = torch.tensor([1, 4, 0, 9]), np.array([0, 2, 4])
+    assert read_old_bits(one, ["a", "b"], pos, bounds).tolist() == [1, 4, 100, 109] and calls == ["a", "b"]
+    calls.clear()
+    assert read_old_bits(Batched(), ["a", "b"], pos, bounds).tolist() == [1, 4, 100, 109] and calls == [("a", "b")]
+    with pytest.raises(ValueError, match="3 positions"):
+        read_old_bits(lambda n, p: held[n][:1], ["a"], pos[:3], np.array([0, 3]))
+
+
+def test_a_ulp_pull_reads_each_old_bit_once(memory_uri, monkeypatch):
+    states = _states()
+    gathers = []
+    real = segments.gather
+
+    def counting(tensors, positions, bounds):
+        gathers.append(positions.numel())
+        return real(tensors, positions, bounds)
+
+    with ds.Publisher(memory_uri, codec="ulp", anchor_every=100) as pub:
+        for step, s in enumerate(states):
+            pub.publish(s, step=step)
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    monkeypatch.setattr(segments, "gather", counting)
+    sub.pull(target, step=1, allow_anchor=False)
+    assert bits_equal(target, states[1])
+    changed = sub.manifest(1).changed
+    assert sum(gathers) == changed, (gathers, changed)  # the decoder's read, reused by the overlay
+
+
+def test_a_codec_reading_other_positions_than_it_returns_does_not_fool_the_overlay(memory_uri):
+    """The overlay reuses a decoder's batched read only for exactly the positions the update names."""
+
+    class Peeking(ds.codecs.raw.RawCodec):
+        codec_id = "peeking-raw"
+        receiver_needs = "old_bits"
+
+        def decode(self, data, specs, old=None):
+            out = super().decode(data, specs, old)
+            for width in {s.bits_dtype for s in specs}:  # one batched read per element width, as ulp does
+                group = [s for s in specs if s.bits_dtype == width]
+                shifted = [((out[s.name].positions + 1) % s.numel).unique() for s in group]
+                read_old_bits(old, [s.name for s in group], torch.cat(shifted),
+                              segments.bounds_of([p.numel() for p in shifted]))
+            return out
+
+    ds.register_codec("peeking-raw", Peeking)
+    try:
+        _follow(memory_uri, _states(), "peeking-raw")  # a reused wrong read would fail the checksum
+    finally:
+        codec_registry.unregister("peeking-raw")
+
+
+def test_collector_paused_nests_across_threads_and_keeps_an_application_choice():
+    assert gc.isenabled()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with _gc.collector_paused():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    entered.wait(10)
+    with _gc.collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause still holds
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc.collector_paused():
+            pass
+        assert not gc.isenabled()  # disabled by the application: left so
+    finally:
+        gc.enable()
+
+
+def test_pull_and_publish_run_with_the_collector_paused_and_resume_it(memory_uri):
+    seen = []
+
+    class Watching(ds.codecs.raw.RawCodec):
+        codec_id = "watching-raw"
+
+        def encode(self, updates):
+            seen.append(("encode", gc.isenabled()))
+            return super().encode(updates)
+
+        def decode(self, data, specs, old=None):
+            seen.append(("decode", gc.isenabled()))
+            return super().decode(data, specs, old)
+
+    ds.register_codec("watching-raw", Watching)
+    try:
+        _follow(memory_uri, _states(2), "watching-raw")
+    finally:
+        codec_registry.unregister("watching-raw")
+    assert {kind for kind, _ in seen} == {"encode", "decode"}
+    assert not any(enabled for _, enabled in seen) and gc.isenabled()
