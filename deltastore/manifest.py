@@ -118,13 +118,21 @@ class TensorRecord:
     diff: Parts = ()
     diff_changed: int = 0
 
-    @functools.cached_property
-    def spec(self) -> TensorSpec:  # cached (the record is immutable): asked per tensor on every hot path
-        return TensorSpec(self.name, DTYPES[self.dtype], self.shape)
+    # spec and numel are asked per tensor on every hot path: cached in the (immutable) record's __dict__
+    # by hand, since functools.cached_property takes a lock per call on Python 3.11
+    @property
+    def spec(self) -> TensorSpec:
+        got = self.__dict__.get("_spec")
+        if got is None:
+            got = self.__dict__["_spec"] = TensorSpec(self.name, DTYPES[self.dtype], self.shape)
+        return got
 
-    @functools.cached_property
+    @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        got = self.__dict__.get("_numel")
+        if got is None:
+            got = self.__dict__["_numel"] = math.prod(self.shape)
+        return got
 
     def whole(self, index: int) -> Parts:
         """One part: the whole tensor in object ``index``."""
