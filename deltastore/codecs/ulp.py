@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
+from ..kernels.parallel import each
 from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
@@ -95,15 +96,23 @@ class UlpCodec(ZstdLevel, Codec):
         counts, (raw_len, nplanes) = read_header(raw, specs, self.codec_id, 2)
         if nplanes > 8:
             raise CorruptObjectError(f"ulp: {nplanes} byte planes")
-        flat, bounds = read_positions(raw, specs, counts, raw_len, self.codec_id)
-        total = int(bounds[-1])
+        total = sum(counts)
         planes = np.empty((nplanes, total), np.uint8)
+        frames = []
         for j in range(nplanes):
             key = f"plane{j}"
             if key not in raw:
                 raise CorruptObjectError(f"ulp: object lacks {key}")
-            planes[j] = np.frombuffer(zstd_decompress(as_bytes(raw[key], self.codec_id, key), total, f"ulp {key}"),
-                                      np.uint8)
+            frames.append(as_bytes(raw[key], self.codec_id, key))
+
+        def unpack_planes() -> None:
+            for j, frame in enumerate(frames):
+                planes[j] = np.frombuffer(zstd_decompress(frame, total, f"ulp plane{j}"), np.uint8)
+
+        # the value planes decompress on another thread while this one decodes the positions (zstd and the
+        # kernels release the GIL)
+        _, (flat, bounds) = each(2, lambda k: unpack_planes() if k == 0 else
+                                 read_positions(raw, specs, counts, raw_len, self.codec_id))
         if total and nplanes == 0:
             raise CorruptObjectError("ulp: changes without value planes")
         positions = torch.from_numpy(flat)

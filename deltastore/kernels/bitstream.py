@@ -381,5 +381,12 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
     else:
         lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
     out = np.empty(old.size, old.dtype)
-    bad = _apply_steps(np.ascontiguousarray(old), planes, is_float and old.dtype != np.uint8, mag, lo, hi, out)
-    return out, int(bad)
+    old = np.ascontiguousarray(old)
+    f = is_float and old.dtype != np.uint8
+
+    def run(a: int, e: int) -> int:  # elements are independent: one chunk per kernel thread
+        bad = _apply_steps(old[a:e], planes[:, a:e], f, mag, lo, hi, out[a:e])
+        return a + bad if bad >= 0 else -1
+
+    found = [b for b in chunked(old.size, run, 1 << 18) if b >= 0]
+    return out, int(found[0]) if found else -1
