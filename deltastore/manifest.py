@@ -438,31 +438,14 @@ def _parse(doc: Any) -> Manifest:
     names: set[str] = set()
     new_tensors = _names(doc, "new_tensors")
     new_names = set(new_tensors)
+    n_objects = len(objects)
     for i, t in enumerate(_get(doc, "tensors", list)):
-        where = f"tensors[{i}]"
-        name = check_tensor_name(_get(t, "name", str, where))
+        rec = _plain_record(t, n_objects) or _record(t, i, n_objects)
+        name = rec.name
         if name in names:
             raise ManifestError(f"tensor {name!r} listed twice")
         names.add(name)
-        dtype = _get(t, "dtype", str, where)
-        if dtype not in DTYPES:
-            raise ManifestError(f"{where} ({name}): unsupported dtype {dtype!r}")
-        shape_list = _get(t, "shape", list, where)
-        if len(shape_list) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL
-                                                 for d in shape_list):
-            raise ManifestError(f"{where} ({name}): invalid shape {shape_list!r}")
-        shape = tuple(shape_list)
-        numel = math.prod(shape)
-        if numel > MAX_NUMEL:
-            raise ManifestError(f"{where} ({name}): {numel} elements is over the {MAX_NUMEL} limit")
-        changed = _int(t, "changed", 0, numel, where)
-        checksum = _get(t, "checksum", str, where)
-        if not _CHECKSUM.match(checksum):
-            raise ManifestError(f"{where} ({name}): invalid checksum {checksum!r}")
-        delta = _parts(t.get("delta"), len(objects), numel, f"{where} delta", cover=False)
-        full = _parts(t.get("full"), len(objects), numel, f"{where} full", cover=True)
-        diff = _parts(t.get("diff"), len(objects), numel, f"{where} diff", cover=False)
-        diff_changed = _int(t, "diff_changed", 0, numel, where) if "diff_changed" in t else 0
+        delta, full, diff, diff_changed = rec.delta, rec.full, rec.diff, rec.diff_changed
         if (diff or diff_changed) and differential is None:
             raise ManifestError(f"tensor {name!r} has a differential but the version names no base anchor")
         if diff_changed > 0 and not diff:
@@ -472,9 +455,9 @@ def _parse(doc: Any) -> Manifest:
         if kind == "delta" and (parent is None or (full and name not in new_names)):
             raise ManifestError(f"delta tensor {name!r} must have a parent and no full object "
                                 "(unless the version lists it in new_tensors)")
-        if changed > 0 and not delta and not full:
+        if rec.changed > 0 and not delta and not full:
             raise ManifestError(f"tensor {name!r} changed but names no object")
-        tensors.append(TensorRecord(name, dtype, shape, changed, checksum, delta, full, diff, diff_changed))
+        tensors.append(rec)
     aliases = _get(doc, "aliases", dict) if "aliases" in doc else {}
     for alias, primary in aliases.items():
         check_tensor_name(alias)
@@ -505,6 +488,66 @@ def _parse(doc: Any) -> Manifest:
                     created=float(created), producer=producer, metadata=metadata, aliases=aliases,
                     differential=differential, files=files, format_version=version, new_tensors=new_tensors,
                     dropped_tensors=dropped, quantization=quantization)
+
+
+def _record(t: Any, i: int, n_objects: int) -> TensorRecord:
+    """One tensor record, every field checked on its own (naming the first bad one)."""
+    where = f"tensors[{i}]"
+    name = check_tensor_name(_get(t, "name", str, where))
+    dtype = _get(t, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise ManifestError(f"{where} ({name}): unsupported dtype {dtype!r}")
+    shape_list = _get(t, "shape", list, where)
+    if len(shape_list) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL
+                                             for d in shape_list):
+        raise ManifestError(f"{where} ({name}): invalid shape {shape_list!r}")
+    shape = tuple(shape_list)
+    numel = math.prod(shape)
+    if numel > MAX_NUMEL:
+        raise ManifestError(f"{where} ({name}): {numel} elements is over the {MAX_NUMEL} limit")
+    changed = _int(t, "changed", 0, numel, where)
+    checksum = _get(t, "checksum", str, where)
+    if not _CHECKSUM.match(checksum):
+        raise ManifestError(f"{where} ({name}): invalid checksum {checksum!r}")
+    delta = _parts(t.get("delta"), n_objects, numel, f"{where} delta", cover=False)
+    full = _parts(t.get("full"), n_objects, numel, f"{where} full", cover=True)
+    diff = _parts(t.get("diff"), n_objects, numel, f"{where} diff", cover=False)
+    diff_changed = _int(t, "diff_changed", 0, numel, where) if "diff_changed" in t else 0
+    return TensorRecord(name, dtype, shape, changed, checksum, delta, full, diff, diff_changed)
+
+
+def _plain_record(t: Any, n_objects: int) -> TensorRecord | None:
+    """:func:`_record` for the common shape of a record (every role null or one whole object), in a few
+    type checks; None for anything else, which :func:`_record` then checks field by field. It accepts
+    only what :func:`_record` accepts, with the same result (``tests/test_manifest_parse.py``)."""
+    if type(t) is not dict:
+        return None
+    name, dtype, shape, changed, checksum = t.get("name"), t.get("dtype"), t.get("shape"), t.get("changed"), \
+        t.get("checksum")
+    if (type(name) is not str or type(dtype) is not str or type(shape) is not list or type(changed) is not int
+            or type(checksum) is not str or dtype not in DTYPES or len(shape) > MAX_DIMS
+            or not _NAME.match(name) or ".." in name or not _CHECKSUM.match(checksum)):
+        return None
+    numel = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+            return None
+        numel *= d
+    if numel > MAX_NUMEL or not 0 <= changed <= numel:
+        return None
+    roles = []
+    for key in ("delta", "full", "diff"):
+        v = t.get(key)
+        if v is None:
+            roles.append(())
+        elif type(v) is int and 0 <= v < n_objects:
+            roles.append((Part(v, 0, numel),))
+        else:
+            return None
+    diff_changed = t.get("diff_changed", 0)
+    if type(diff_changed) is not int or not 0 <= diff_changed <= numel:
+        return None
+    return TensorRecord(name, dtype, tuple(shape), changed, checksum, roles[0], roles[1], roles[2], diff_changed)
 
 
 def _names(doc: dict[str, Any], key: str) -> tuple[str, ...]:
