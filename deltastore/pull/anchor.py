@@ -52,6 +52,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
         decoded = decode_object(am, i, data, index[i], "full", None)
         del data
         complete = []
+        copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # plain CPU writes, by width
         for t, p, u in decoded:
             whole = t.is_whole(p)
             if dests is None or t.name not in dests:
@@ -66,19 +67,26 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 for flat in dests[t.name]:
                     if journal is not None:
                         journal.save(flat)
+                    dst = flat if whole else flat[p.offset:p.offset + p.numel]
+                    if plain_cpu(flat) and u.bits.is_cpu and u.bits.is_contiguous():
+                        srcs, dsts = copies.setdefault(dst.element_size(), ([], []))
+                        srcs.append(u.bits)
+                        dsts.append(dst)
+                        continue
                     try:
-                        dst = flat if whole else flat[p.offset:p.offset + p.numel]
-                        if plain_cpu(flat) and u.bits.is_cpu:
-                            np.copyto(segments.unsigned(dst), segments.unsigned(u.bits))  # one memcpy, no thread hop
-                        else:
-                            with torch.no_grad():
-                                dst.copy_(u.bits)
+                        with torch.no_grad():
+                            dst.copy_(u.bits)
                     except Exception as e:
                         raise WriteFailed(f"writing {t.name!r} into the target failed: {e!r}") from e
             received[t.name] += p.numel
             if received[t.name] == t.numel:
                 complete.append(t.name)
-        del decoded
+        for srcs, dsts in copies.values():  # every tensor of the object in one kernel call per width
+            try:
+                segments.copy(srcs, dsts)
+            except Exception as e:
+                raise WriteFailed(f"writing {len(dsts)} tensors of object {i} into the target failed: {e!r}") from e
+        del decoded, copies
         if verify and complete:
             _verify(am, records, complete, {n: dests[n][0] if dests is not None and n in dests else out[n]
                                             for n in complete})
