@@ -255,8 +255,10 @@ class FullState:
     def old_bits_many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
         """:meth:`old_bits` of many tensors at once (see :func:`deltastore.codecs.read_old_bits`)."""
         tensors = [self.bits[n] for n in names]
-        if all(plain_cpu(t) for t in tensors):
-            return segments.gather(tensors, positions, bounds)
+        if tensors and all(plain_cpu(t) for t in tensors):
+            got = _gather_checked(tensors, positions, bounds)
+            if got is not None:
+                return got
         return read_old_bits(self.old_bits, names, positions, bounds)
 
     @property
@@ -345,6 +347,19 @@ def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
         return gather(flat, positions).cpu()
 
     return read
+
+
+def _gather_checked(tensors: list[torch.Tensor], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor | None:
+    """:func:`segments.gather` (which trusts its input) once the bounds are in order, every tensor's
+    positions are strictly increasing inside it and the tensors share an element width; None otherwise
+    (the caller then reads tensor by tensor, where a bad position raises)."""
+    width = tensors[0].element_size()
+    if (bounds.size != len(tensors) + 1 or int(bounds[0]) != 0 or int(bounds[-1]) != positions.numel()
+            or bool((np.diff(bounds) < 0).any()) or positions.dtype != torch.int64
+            or not positions.is_contiguous() or any(t.element_size() != width for t in tensors)
+            or segments.check_positions(positions, bounds, segments.lengths(tensors)) >= 0):
+        return None
+    return segments.gather(tensors, positions, bounds)
 
 
 class StagedBits:
@@ -447,8 +462,8 @@ class SparseOverlay:
         if names and all(n in fast and n not in pending and n not in whole for n in names):
             tensors = [fast[n] for n in names]
             width = tensors[0].element_size()
-            if all(t.element_size() == width for t in tensors):
-                old = segments.gather(tensors, positions, bounds)
+            old = _gather_checked(tensors, positions, bounds)
+            if old is not None:
                 self._read.setdefault(width, []).append((names, positions, old))
                 return old
         return read_old_bits(self.old_bits, names, positions, bounds)

@@ -125,6 +125,53 @@ def test_a_codec_reading_other_positions_than_it_returns_does_not_fool_the_overl
         codec_registry.unregister("peeking-raw")
 
 
+def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_version(memory_uri):
+    """The batched gather trusts its input, so the receiver checks positions and bounds before it."""
+
+    class Reaching(ds.codecs.raw.RawCodec):
+        codec_id = "reaching-raw"
+        receiver_needs = "old_bits"
+
+        def decode(self, data, specs, old=None):
+            out = super().decode(data, specs, old)
+            group = [s for s in specs if s.bits_dtype == torch.int16]
+            n = group[0].numel
+            read_old_bits(old, [s.name for s in group], torch.tensor([n + 10**6]), np.array([0] + [1] * len(group)))
+            return out
+
+    states = _states()
+    ds.register_codec("reaching-raw", Reaching)
+    try:
+        with ds.Publisher(memory_uri, codec="reaching-raw", anchor_every=100) as pub:
+            for step, s in enumerate(states):
+                pub.publish(s, step=step)
+        sub = ds.Subscriber(memory_uri)
+        target = {k: v.clone() for k, v in states[0].items()}
+        sub.pull(target, step=0)
+        with pytest.raises(ds.errors.CorruptObjectError):
+            sub.pull(target, step=1, allow_anchor=False)
+        assert bits_equal(target, states[0])
+    finally:
+        codec_registry.unregister("reaching-raw")
+
+
+def test_the_batched_gather_is_only_fed_checked_positions():
+    from deltastore.apply import _gather_checked
+
+    a, b = torch.arange(10, dtype=torch.int16), torch.arange(100, 105, dtype=torch.int16)
+    ok = _gather_checked([a, b], torch.tensor([1, 9, 0, 4]), np.array([0, 2, 4]))
+    assert ok is not None and ok.tolist() == [1, 9, 100, 104]
+    for pos, bounds in [([1, 10, 0, 4], [0, 2, 4]),   # past the first tensor
+                        ([1, 9, 0, 5], [0, 2, 4]),    # past the second
+                        ([9, 1, 0, 4], [0, 2, 4]),    # not increasing
+                        ([-1, 9, 0, 4], [0, 2, 4]),   # negative
+                        ([1, 9, 0, 4], [0, 9, 4]),    # bounds out of order
+                        ([1, 9, 0, 4], [0, 2, 9]),    # bounds past the positions
+                        ([1, 9, 0, 4], [0, 4])]:      # bounds for another tensor count
+        assert _gather_checked([a, b], torch.tensor(pos), np.array(bounds)) is None, (pos, bounds)
+    assert _gather_checked([a, torch.arange(5, dtype=torch.int32)], torch.tensor([1, 0]), np.array([0, 1, 2])) is None
+
+
 def test_collector_paused_nests_across_threads_and_keeps_an_application_choice():
     assert gc.isenabled()
     entered, leave = threading.Event(), threading.Event()
