@@ -329,21 +329,25 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True):
     return out
 
 
-def case_rss_publisher(cfg, run, store, *, mode="sync"):
-    """Publisher memory beyond the model: peak during the first (anchor) publish, steady after each delta."""
+def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
+    """Publisher memory beyond the model: peak during the first (anchor) publish, steady after each delta.
+
+    Also notes the drift tracker's bytes after each delta (what of the steady figure grows along a chain).
+    ``policy``: an anchor policy other than the default (informational cases only).
+    """
     src = build(cfg, run, "model")
     cur = src.state
     bg = mode == "background"
     base = baseline()
     rss = Rss()
     rss.reset()
-    pub = ds.Publisher(store, background=bg)
+    pub = ds.Publisher(store, background=bg, **({"anchor_policy": policy} if policy is not None else {}))
     r = pub.publish(cur, step=0)
     if bg:
         r.result()
         pub.flush()
     out = {"model_bytes": src.nbytes, "anchor_peak": rss.peak() - base, "after_anchor": Rss.now() - base,
-           "steady": [], "peak": [], "hwm": rss.hwm}
+           "steady": [], "peak": [], "drift": [], "hwm": rss.hwm}
     for t in range(1, 1 + cfg["warmup"] + cfg["repeat"]):
         src.advance(keep=False)
         rss.reset()
@@ -352,9 +356,29 @@ def case_rss_publisher(cfg, run, store, *, mode="sync"):
             pub.flush()
         out["peak"].append(rss.peak() - base)
         out["steady"].append(Rss.now() - base)
+        out["drift"].append(pub._drift.nbytes)  # private: the tracker's own count of what it holds
     out["steady_trimmed"] = baseline() - base  # what stays once freed memory goes back to the OS
     pub.close()
     return out
+
+
+def case_runtime(cfg):
+    """Resident memory a fresh process gains from its first publish and first pull of a tiny model (compiled
+    kernels, thread pools, lazily imported modules): a fixed cost, part of every steady figure above."""
+    base = baseline()
+    with tempfile.TemporaryDirectory(prefix="deltastore-runtime-") as d:
+        state = {"w": torch.zeros(64, 64, dtype=torch.bfloat16), "b": torch.zeros(64, dtype=torch.bfloat16)}
+        with ds.Publisher(d) as pub:
+            pub.publish(state, step=0)
+            state["w"].view(torch.int16)[::7] += 1
+            pub.publish(state, step=1)
+        published = baseline()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        sub = ds.Subscriber(d)
+        sub.pull(target, step=0)
+        sub.pull(target, step=1)
+        sub.close()
+    return {"publish": published - base, "pull": baseline() - published}
 
 
 def case_rss_subscriber(cfg, store):
@@ -538,13 +562,18 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
             f.add(f"publisher_rss_{mode}.{r}", f"publisher extra RSS, steady, {mode}, {r} (x model)", steady / mb,
                   target, "<=", measured=f"{steady / MB:.0f} MB (max after a delta)", reference=f"{mb / MB:.0f} MB",
                   peak_during_delta=max(m["peak"][cfg["warmup"]:]) / mb, after_anchor=m["after_anchor"] / mb,
-                  trimmed=m["steady_trimmed"] / mb)
+                  trimmed=m["steady_trimmed"] / mb, drift_tracker=max(m.get("drift", [0])[cfg["warmup"]:] or [0]) / mb)
             if mode == "sync":
                 f.add(f"publisher_rss_anchor_peak.{r}", f"publisher extra RSS, peak during an anchor, {r} (x model)",
                       m["anchor_peak"] / mb, 1.3, "<=", measured=f"{m['anchor_peak'] / MB:.0f} MB",
                       reference=f"{mb / MB:.0f} MB")
             else:
                 extra.setdefault("rss", {})[f"publisher_background_anchor_peak.{r}"] = m["anchor_peak"] / mb
+        m = res.get(("rss_pub", "every", run))
+        if m:
+            mb = m["model_bytes"]
+            extra.setdefault("rss", {})[f"publisher_sync_every10.{r}"] = {
+                "steady": max(m["steady"][cfg["warmup"]:]) / mb, "trimmed": m["steady_trimmed"] / mb}
         s = res.get(("rss_sub", run))
         if s:
             tb, big = s["target_bytes"], s["largest"]
@@ -557,6 +586,8 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
                   max(s["anchor_peak"] - big, 0) / tb, 0.3, "<=",
                   measured=f"{s['anchor_peak'] / MB:.0f} MB peak", reference=f"{tb / MB:.0f} MB, largest "
                   f"{big / MB:.1f} MB", peak_x_target=s["anchor_peak"] / tb)
+    if res.get("runtime"):
+        extra["runtime"] = res["runtime"]
     mp_, ml = res.get(("publish", "many")), res.get(("pull", "many"))
     if mp_:
         steps = mp_["steps"][cfg["warmup"]:]
@@ -662,8 +693,17 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
         if k.startswith("publish_background"):
             print(f"- {k}: the background writer then takes {r['writer_wall_s']['median']:.2f} s per step")
         if "peak_during_delta" in r:
+            tracker = f"; of it the drift tracker {r['drift_tracker']:.3f}x" if r.get("drift_tracker") else ""
             print(f"- {k}: peak during a delta {r['peak_during_delta']:.3f}x; steady after malloc_trim "
-                  f"{r['trimmed']:.3f}x")
+                  f"{r['trimmed']:.3f}x{tracker}")
+    for k, v in extra.get("rss", {}).items():
+        if isinstance(v, dict):
+            print(f"- {k} (anchor_policy=every(10), no drift tracking): steady {v['steady']:.3f}x; after malloc_trim "
+                  f"{v['trimmed']:.3f}x")
+    rt = extra.get("runtime")
+    if rt:
+        print(f"- fixed runtime memory of a fresh process (a tiny model's first publish / first pull): "
+              f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above")
     if extra["anchors"]:
         print("\nAnchors of the big layout (one each, informational): "
               + "; ".join(f"{k} {v['wall']:.2f} s" + (f" (save_file {v['save_file_wall']:.2f} s)"
@@ -762,6 +802,10 @@ def main(argv=None) -> int:
                     res["rss_pub", mode, run] = run_case(f"publisher RSS {mode} {r}", case_rss_publisher, run, d,
                                                          mode=mode)
                     shutil.rmtree(d, ignore_errors=True)
+                d = os.path.join(work, f"{r}-rss-every")  # informational: a policy that tracks no drift
+                res["rss_pub", "every", run] = run_case(f"publisher RSS sync every(10) {r}", case_rss_publisher, run,
+                                                        d, policy="every")
+                shutil.rmtree(d, ignore_errors=True)
             if "codecs" not in a.skip:
                 for codec in a.codecs:
                     if codec == "auto":
@@ -772,6 +816,8 @@ def main(argv=None) -> int:
                     if res["codec_publish", codec, run]:
                         res["codec_pull", codec, run] = run_case(f"pull {codec} {r}", case_pull, run, "model", d)
                     shutil.rmtree(d, ignore_errors=True)
+        if "memory" not in a.skip:
+            res["runtime"] = run_case("runtime memory of a fresh process", case_runtime)
         many_run = "dither-lr1e-5" if "dither-lr1e-5" in a.runs else a.runs[-1]
         res["many_run"] = many_run
         if "many" not in a.skip:

@@ -81,6 +81,11 @@ class Drift:
     def count(self) -> int:
         return sum(int(t.bounds[-1]) for t in self._tables.values())
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the drift holds (positions and the anchor's bits)."""
+        return sum(t.positions.nbytes + t.anchor.nbytes + t.bounds.nbytes for t in self._tables.values())
+
     def items(self) -> list[tuple[str, _Since]]:
         out = []
         for t in self._tables.values():
@@ -154,6 +159,11 @@ class DriftTracker:
     def reset(self) -> None:
         """Forget everything (a new anchor was committed)."""
         self._drift = Drift({})
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the committed drift (the one piece of publisher memory that grows along a chain)."""
+        return self._drift.nbytes
 
     def propose(self, changes: Mapping[str, Change],
                 flat: Sequence[tuple[list[str], FlatChanges]] = ()) -> Drift:
