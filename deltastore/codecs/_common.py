@@ -11,6 +11,7 @@ in ``_bits``; no codec imports another codec's module.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -245,4 +246,4 @@ def position_bits(numel: int, changed: int) -> float:
     if changed <= 0 or changed >= numel:
         return 0.0
     p = changed / numel
-    return float(-(p * np.log2(p) + (1 - p) * np.log2(1 - p)) / p)
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p  # math, not numpy: asked per tensor

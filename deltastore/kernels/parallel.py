@@ -9,6 +9,7 @@ piece it runs inline (no thread hop), so small inputs pay no overhead.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -22,8 +23,16 @@ _POOL_SIZE = 0
 
 
 def threads() -> int:
-    """Threads for kernel work: env ``DELTASTORE_THREADS``, else every CPU this process may use."""
-    env = os.environ.get("DELTASTORE_THREADS")
+    """Threads for kernel work: env ``DELTASTORE_THREADS``, else every CPU this process may use.
+
+    The CPU set is read once per value of the variable (hot paths ask per tensor; the system call is
+    a microsecond or two): a process re-pinned to other CPUs later keeps the first count.
+    """
+    return _threads(os.environ.get("DELTASTORE_THREADS"))
+
+
+@functools.lru_cache(maxsize=8)
+def _threads(env: str | None) -> int:
     if env:
         return max(1, int(env))
     try:
