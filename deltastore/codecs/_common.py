@@ -23,6 +23,7 @@ import zstandard
 
 from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
+from ..kernels import diff as KD
 from . import _bits as B
 from .base import TensorSpec, Update
 
@@ -160,15 +161,18 @@ def as_bytes(t: torch.Tensor, codec_id: str, key: str) -> bytes:
 
 # -- gap-coded positions and LEB128 headers (zstd, ulp) ---------------------------------------
 def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
-    """LEB128 gap stream of several sorted position arrays, one after the other (one vectorised pass)."""
-    if not positions:
+    """LEB128 gap stream of several sorted position arrays, one after the other (one fused pass over them
+    where they are: no concatenation, no temporary gaps)."""
+    arrays = [np.ascontiguousarray(p, dtype=np.int64) for p in positions]
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
         return b""
-    cat = np.concatenate([np.asarray(p, dtype=np.int64) for p in positions])
-    gaps = np.diff(cat, prepend=-1) - 1
-    starts = np.cumsum([0] + [len(p) for p in positions[:-1]])
-    starts = starts[starts < cat.size]
-    gaps[starts] = cat[starts]  # each array's first gap is its first position
-    return B.uvarint_encode(gaps.astype(np.uint64))
+    ptrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.int64, count=len(arrays))
+    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    out = np.empty(KD.gap_stream_size(ptrs, lens), np.uint8)
+    KD.gap_stream_write(ptrs, lens, out)
+    del arrays  # kept alive until here: the kernels read them by address
+    return out.tobytes()
 
 
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:

@@ -65,25 +65,28 @@ class UlpCodec(ZstdLevel, Codec):
             if u.old_bits is None or u.old_bits.numel() != u.count:
                 raise ValueError(f"ulp needs the old bits of {u.spec.name!r} at the changed positions")
         # one vectorised pass per kind of element (usually one: every tensor bf16), not per tensor
-        z = np.empty(sum(u.count for u in ups), np.uint64)
         kinds = _kinds([u.spec for u in ups])
         bounds = np.zeros(len(ups) + 1, np.int64)
         np.cumsum([u.count for u in ups], out=bounds[1:])
+        z = np.empty(int(bounds[-1]), np.uint64) if len(kinds) != 1 else None
         for f, idxs in kinds:
             new = np.concatenate([np_bits(ups[i].bits).reshape(-1) for i in idxs])
             before = np.concatenate([np_bits(ups[i].old_bits).reshape(-1) for i in idxs])  # type: ignore[arg-type]
-            if len(kinds) == 1:
-                z[:] = K.steps(new, before, f)
+            if z is None:
+                z = K.steps(new, before, f)
             else:
                 z[_elements(bounds, idxs)] = K.steps(new, before, f)
+        if z is None:
+            z = np.zeros(0, np.uint64)
         nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
-        pos = [u.positions.numpy().astype(np.int64) for u in ups if u.positions is not None]
-        stream = encode_positions(pos)
+        stream = encode_positions([u.positions.numpy() for u in ups if u.positions is not None])
         header = B.uvarint_encode(np.array([u.count for u in ups] + [len(stream), nplanes], dtype=np.uint64))
-        planes = z.astype("<u8").view(np.uint8).reshape(-1, 8)
-        tensors = {"header": u8(header), "positions": u8(zstd_compress(stream, self.level))}
+        planes = K.byte_planes(z, nplanes)
+        # the streams compress on the kernel threads at once (zstd releases the GIL)
+        frames = each(1 + nplanes, lambda j: zstd_compress(stream if j == 0 else planes[j - 1].tobytes(), self.level))
+        tensors = {"header": u8(header), "positions": u8(frames[0])}
         for j in range(nplanes):
-            tensors[f"plane{j}"] = u8(zstd_compress(np.ascontiguousarray(planes[:, j]).tobytes(), self.level))
+            tensors[f"plane{j}"] = u8(frames[1 + j])
         return pack_meta(tensors, self.codec_id, self.format_version,
                          {"deltastore.names": names_digest([u.spec.name for u in ups])})
 

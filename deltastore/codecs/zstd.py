@@ -40,7 +40,7 @@ class ZstdCodec(ZstdLevel, Codec):
         ups = sorted_updates(updates)
         if any(u.positions is None for u in ups):
             raise ValueError("zstd encodes sparse updates only")
-        pos = [u.positions.numpy().astype(np.int64) for u in ups if u.positions is not None]
+        pos = [u.positions.numpy() for u in ups if u.positions is not None]
         stream = encode_positions(pos)
         header = B.uvarint_encode(np.array([u.count for u in ups] + [len(stream)], dtype=np.uint64))
         values = b"".join(np_bits(u.bits).astype(np_bits(u.bits).dtype.newbyteorder("<")).tobytes() for u in ups)

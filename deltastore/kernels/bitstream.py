@@ -347,6 +347,24 @@ def steps(new: np.ndarray, old: np.ndarray, is_float: bool) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True)
+def _byte_planes(z: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    for i in range(z.size):
+        x = z[i]
+        for j in range(out.shape[0]):
+            out[j, i] = np.uint8(x & np.uint64(0xFF))
+            x >>= np.uint64(8)
+
+
+def byte_planes(z: np.ndarray, nplanes: int) -> np.ndarray:
+    """``uint8[nplanes, n]``: plane ``j`` holds byte ``j`` (little-endian) of every uint64 in ``z``."""
+    out = np.empty((nplanes, z.size), np.uint8)
+    if nplanes and z.size:
+        z = np.ascontiguousarray(z, dtype=np.uint64)
+        chunked(z.size, lambda a, e: _byte_planes(z[a:e], out[:, a:e]), 1 << 18)
+    return out
+
+
+@njit(nogil=True, cache=True)
 def _apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool, mag: np.int64, lo: np.int64, hi: np.int64,
                  out: np.ndarray) -> int:  # pragma: no cover - compiled
     # planes[j, i]: byte j of (zigzag(step) - 1) of element i; returns the first element whose
