@@ -342,7 +342,8 @@ def steps(new: np.ndarray, old: np.ndarray, is_float: bool) -> np.ndarray:
     """``zigzag(ordered(new) - ordered(old)) - 1`` (uint64) for paired raw bits of one width."""
     out = np.empty(new.size, np.uint64)
     mag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1)
-    _steps(np.ascontiguousarray(new), np.ascontiguousarray(old), is_float, mag, out)
+    new, old = np.ascontiguousarray(new), np.ascontiguousarray(old)
+    chunked(new.size, lambda a, e: _steps(new[a:e], old[a:e], is_float, mag, out[a:e]), 1 << 18)
     return out
 
 
