@@ -321,7 +321,10 @@ def check_positions(positions: torch.Tensor, bounds: np.ndarray, numels: np.ndar
     """Index of the first segment whose positions are not strictly increasing within ``[0, numel)``, or -1."""
     if positions.numel() == 0:
         return -1
-    return int(_k.check_segments(positions.numpy(), bounds, np.ascontiguousarray(numels, dtype=np.int64)))
+    pos, numels = positions.numpy(), np.ascontiguousarray(numels, dtype=np.int64)
+    runs = _k.segment_runs(bounds, threads())
+    bad = [b for b in _parallel(runs, lambda s0, s1: int(_k.check_segments(pos, bounds, numels, s0, s1))) if b >= 0]
+    return min(bad) if bad else -1
 
 
 bounds_of = _bounds_of

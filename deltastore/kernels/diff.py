@@ -218,9 +218,10 @@ def mix_delta_segments(pos, old, new, bounds, keys, s0, s1, out):
 
 
 @njit(nogil=True, cache=True)
-def check_segments(pos, bounds, numels):
-    """The first segment whose positions are not strictly increasing in ``[0, numel)``, or -1."""
-    for s in range(bounds.size - 1):
+def check_segments(pos, bounds, numels, s0, s1):
+    """The first of segments ``s0 .. s1 - 1`` whose positions are not strictly increasing in ``[0, numel)``,
+    or -1."""
+    for s in range(s0, s1):
         last = -1
         n = numels[s]
         for i in range(bounds[s], bounds[s + 1]):
