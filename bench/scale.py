@@ -333,7 +333,8 @@ def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
     """Publisher memory beyond the model: peak during the first (anchor) publish, steady after each delta.
 
     Also notes the drift tracker's bytes after each delta (what of the steady figure grows along a chain).
-    ``policy``: an anchor policy other than the default (informational cases only).
+    ``policy``: an anchor every ``policy`` versions instead of the default adaptive policy (informational
+    cases only: ``every(n)`` tracks no drift).
     """
     src = build(cfg, run, "model")
     cur = src.state
@@ -341,7 +342,7 @@ def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
     base = baseline()
     rss = Rss()
     rss.reset()
-    pub = ds.Publisher(store, background=bg, **({"anchor_policy": policy} if policy is not None else {}))
+    pub = ds.Publisher(store, background=bg, **({"anchor_every": policy} if policy is not None else {}))
     r = pub.publish(cur, step=0)
     if bg:
         r.result()
@@ -804,7 +805,7 @@ def main(argv=None) -> int:
                     shutil.rmtree(d, ignore_errors=True)
                 d = os.path.join(work, f"{r}-rss-every")  # informational: a policy that tracks no drift
                 res["rss_pub", "every", run] = run_case(f"publisher RSS sync every(10) {r}", case_rss_publisher, run,
-                                                        d, policy="every")
+                                                        d, policy=10)
                 shutil.rmtree(d, ignore_errors=True)
             if "codecs" not in a.skip:
                 for codec in a.codecs:
