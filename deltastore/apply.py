@@ -350,14 +350,13 @@ def mapping_reader(target: Mapping[str, torch.Tensor]) -> Reader:
 
 
 def _gather_checked(tensors: list[torch.Tensor], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor | None:
-    """:func:`segments.gather` (which trusts its input) once the bounds are in order, every tensor's
-    positions are strictly increasing inside it and the tensors share an element width; None otherwise
-    (the caller then reads tensor by tensor, where a bad position raises)."""
+    """:func:`segments.gather` once the bounds are in order and cover ``positions`` and the tensors share
+    an element width (the kernel checks each position against its tensor and raises ``IndexError``);
+    None otherwise (the caller then reads tensor by tensor)."""
     width = tensors[0].element_size()
     if (bounds.size != len(tensors) + 1 or int(bounds[0]) != 0 or int(bounds[-1]) != positions.numel()
             or bool((np.diff(bounds) < 0).any()) or positions.dtype != torch.int64
-            or not positions.is_contiguous() or any(t.element_size() != width for t in tensors)
-            or segments.check_positions(positions, bounds, segments.lengths(tensors)) >= 0):
+            or not positions.is_contiguous() or any(t.element_size() != width for t in tensors)):
         return None
     return segments.gather(tensors, positions, bounds)
 

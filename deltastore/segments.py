@@ -257,7 +257,10 @@ def gather(tensors: Sequence[torch.Tensor], positions: torch.Tensor, bounds: np.
     out = np.empty(pos.size, _UNSIGNED[width])
     lk = like(width)
     runs = _k.segment_runs(bounds, threads())
-    _parallel(runs, lambda s0, s1: _k.gather_items(lk, ptr, lens, pos, bounds, s0, s1, out))
+    bad = [i for i in _parallel(runs, lambda s0, s1: int(_k.gather_items(lk, ptr, lens, pos, bounds, s0, s1, out)))
+           if i >= 0]
+    if bad:
+        raise IndexError(f"gather: position {int(pos[min(bad)])} is outside its tensor")
     return to_bits(out)
 
 

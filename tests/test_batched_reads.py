@@ -155,17 +155,17 @@ def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_
         codec_registry.unregister("reaching-raw")
 
 
-def test_the_batched_gather_is_only_fed_checked_positions():
+def test_the_batched_gather_refuses_positions_outside_their_tensor_and_bad_bounds():
     from deltastore.apply import _gather_checked
 
     a, b = torch.arange(10, dtype=torch.int16), torch.arange(100, 105, dtype=torch.int16)
     ok = _gather_checked([a, b], torch.tensor([1, 9, 0, 4]), np.array([0, 2, 4]))
     assert ok is not None and ok.tolist() == [1, 9, 100, 104]
-    for pos, bounds in [([1, 10, 0, 4], [0, 2, 4]),   # past the first tensor
-                        ([1, 9, 0, 5], [0, 2, 4]),    # past the second
-                        ([9, 1, 0, 4], [0, 2, 4]),    # not increasing
-                        ([-1, 9, 0, 4], [0, 2, 4]),   # negative
-                        ([1, 9, 0, 4], [0, 9, 4]),    # bounds out of order
+    assert _gather_checked([a, b], torch.tensor([9, 1, 4, 0]), np.array([0, 2, 4])).tolist() == [9, 1, 104, 100]
+    for pos in ([1, 10, 0, 4], [1, 9, 0, 5], [-1, 9, 0, 4]):  # past the first tensor, past the second, negative
+        with pytest.raises(IndexError, match="outside its tensor"):
+            _gather_checked([a, b], torch.tensor(pos), np.array([0, 2, 4]))
+    for pos, bounds in [([1, 9, 0, 4], [0, 9, 4]),    # bounds out of order
                         ([1, 9, 0, 4], [0, 2, 9]),    # bounds past the positions
                         ([1, 9, 0, 4], [0, 4])]:      # bounds for another tensor count
         assert _gather_checked([a, b], torch.tensor(pos), np.array(bounds)) is None, (pos, bounds)

@@ -166,12 +166,19 @@ def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, i0, i1, e_resu
 
 @njit(nogil=True, cache=True)
 def gather_items(like, ptr, lens, pos, bounds, s0, s1, out):
-    """``out[i] = segment s's bits at pos[i]`` for ``i`` in ``bounds[s] .. bounds[s + 1]``, segments ``s0 .. s1 - 1``."""
+    """``out[i] = segment s's bits at pos[i]`` for ``i`` in ``bounds[s] .. bounds[s + 1]``, segments ``s0 .. s1 - 1``.
+
+    Returns -1, or the first ``i`` whose position lies outside its segment (nothing is read there: a
+    caller's bad position costs a compare, never a read out of bounds)."""
     for s in range(s0, s1):
-        a = _at(ptr[s], lens[s], like)
+        n = lens[s]
+        a = _at(ptr[s], n, like)
         for i in range(bounds[s], bounds[s + 1]):
-            out[i] = a[pos[i]]
-    return 0
+            p = pos[i]
+            if p < 0 or p >= n:
+                return i
+            out[i] = a[p]
+    return -1
 
 
 @njit(nogil=True, cache=True)
