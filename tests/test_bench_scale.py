@@ -56,6 +56,11 @@ def test_scale_quick_reports_every_figure(tmp_path):
             lo, hi = f["spread"]
             assert _finite(lo) and _finite(hi) and 0 < lo <= hi, key
     assert 30 < figures["dense_size_pct"]["value"] < 100  # a compressed anchor, never bigger than raw
+    for r in RUNS.values():  # what the steady publisher figure is made of (informational)
+        assert _finite(figures[f"publisher_rss_sync.{r}"]["drift_tracker"])
+        every = doc["rss"][f"publisher_sync_every10.{r}"]
+        assert _finite(every["steady"]) and _finite(every["trimmed"])
+    assert doc["runtime"]["publish"] > 0 and "fixed runtime memory" in proc.stdout
     for r in RUNS.values():  # the replicated runs keep their densities (~0.2 % and ~2 %)
         assert 0 < doc["densities"][r] < 0.1
     assert doc["densities"]["cold"] < doc["densities"]["dither"]
