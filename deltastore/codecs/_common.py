@@ -175,18 +175,10 @@ def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
     return out.tobytes()
 
 
-def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int], codec_id: str) -> list[np.ndarray]:
-    """Inverse of :func:`encode_positions`, checking each array stays inside its tensor (one fused pass)."""
-    flat, bounds = decode_positions_flat(stream, counts, numels, codec_id)
-    if len(bounds) == 2:
-        return [flat]
-    return np.split(flat, bounds[1:-1])
-
-
-def decode_positions_flat(stream: bytes, counts: Sequence[int], numels: Sequence[int],
-                          codec_id: str) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`decode_positions` as one array of every tensor's positions in turn, plus the ``len(counts) + 1``
-    bounds of each tensor's slice of it."""
+def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int],
+                     codec_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`encode_positions` in one fused pass, checking each array stays inside its tensor:
+    every tensor's positions in turn as one array, and the ``len(counts) + 1`` bounds of each one's slice."""
     counts_a = np.asarray(counts, dtype=np.int64)
     if int(counts_a.sum()) > len(stream):  # each position takes a byte at least: no allocation for a lie
         raise CorruptObjectError(f"{codec_id}: position stream holds fewer than {int(counts_a.sum())} positions")
@@ -224,13 +216,13 @@ def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec
 def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
                    codec_id: str) -> tuple[np.ndarray, np.ndarray]:
     """The object's ``positions`` stream decoded: every tensor's positions in turn, and their bounds
-    (see :func:`decode_positions_flat`)."""
+    (see :func:`decode_positions`)."""
     if raw_len > 10 * sum(counts):
         raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
     if "positions" not in raw:
         raise CorruptObjectError(f"{codec_id}: object lacks its positions")
     stream = zstd_decompress(as_bytes(raw["positions"], codec_id, "positions"), raw_len, f"{codec_id} positions")
-    return decode_positions_flat(stream, counts, [s.numel for s in specs], codec_id)
+    return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
 
 
 class ZstdLevel:
