@@ -130,7 +130,7 @@ def check_specs(manifest: Manifest, specs: dict[str, tuple[torch.dtype, tuple[in
 
 def _replay(sub: Subscriber, steps: list[int], state: Any, applied: list[int]) -> int:
     """Fetch and apply the deltas ``steps`` onto ``state`` (a FullState or a SparseOverlay, both answering
-    ``old_bits`` and ``apply``), appending each to ``applied``; returns the bytes fetched."""
+    ``old`` and ``apply``), appending each to ``applied``; returns the bytes fetched."""
     fetched = 0
     for s in steps:
         dm = sub.store.manifest(s)
