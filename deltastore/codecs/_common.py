@@ -23,7 +23,6 @@ import zstandard
 
 from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
-from ..kernels import diff as KD
 from . import _bits as B
 from .base import TensorSpec, Update
 
@@ -161,18 +160,9 @@ def as_bytes(t: torch.Tensor, codec_id: str, key: str) -> bytes:
 
 # -- gap-coded positions and LEB128 headers (zstd, ulp) ---------------------------------------
 def encode_positions(positions: Sequence[np.ndarray]) -> bytes:
-    """LEB128 gap stream of several sorted position arrays, one after the other (one fused pass over them
-    where they are: no concatenation, no temporary gaps)."""
-    arrays = [np.ascontiguousarray(p, dtype=np.int64) for p in positions]
-    arrays = [a for a in arrays if a.size]
-    if not arrays:
-        return b""
-    ptrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.int64, count=len(arrays))
-    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    out = np.empty(KD.gap_stream_size(ptrs, lens), np.uint8)
-    KD.gap_stream_write(ptrs, lens, out)
-    del arrays  # kept alive until here: the kernels read them by address
-    return out.tobytes()
+    """LEB128 gap stream of several sorted position arrays, one after the other (one fused kernel pass,
+    :func:`deltastore.kernels.bitstream.gap_stream`)."""
+    return K.gap_stream(positions)
 
 
 def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int],

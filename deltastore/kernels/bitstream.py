@@ -10,9 +10,13 @@ validated input and reports shortfalls through its return values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numba
 import numpy as np
 from numba import njit
 
+from .diff import _voidptr  # address -> pointer, for arrays read where they are
 from .parallel import chunked
 
 _U64 = np.uint64
@@ -207,15 +211,31 @@ def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 # -- LEB128 ------------------------------------------------------------------------------
+@njit(nogil=True, cache=True, inline="always")
+def _varint_len(x: np.uint64) -> int:  # pragma: no cover - compiled
+    n = 1
+    x >>= np.uint64(7)
+    while x:
+        x >>= np.uint64(7)
+        n += 1
+    return n
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _put_varint(out: np.ndarray, o: int, x: np.uint64) -> int:  # pragma: no cover - compiled
+    while x >= np.uint64(0x80):
+        out[o] = np.uint8((x & np.uint64(0x7F)) | np.uint64(0x80))
+        x >>= np.uint64(7)
+        o += 1
+    out[o] = np.uint8(x)
+    return o + 1
+
+
 @njit(nogil=True, cache=True)
 def _uvarint_size(v: np.ndarray) -> int:  # pragma: no cover - compiled
     total = 0
     for i in range(v.size):
-        x = v[i] >> np.uint64(7)
-        total += 1
-        while x:
-            x >>= np.uint64(7)
-            total += 1
+        total += _varint_len(v[i])
     return total
 
 
@@ -223,13 +243,36 @@ def _uvarint_size(v: np.ndarray) -> int:  # pragma: no cover - compiled
 def _uvarint_encode(v: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     o = 0
     for i in range(v.size):
-        x = v[i]
-        while x >= np.uint64(0x80):
-            out[o] = np.uint8((x & np.uint64(0x7F)) | np.uint64(0x80))
-            x >>= np.uint64(7)
-            o += 1
-        out[o] = np.uint8(x)
-        o += 1
+        o = _put_varint(out, o, v[i])
+
+
+@njit(nogil=True, cache=True)
+def _gap_stream(ptrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
+    # the gap stream of the sorted int64 arrays at ptrs: per array its first position, then each gap minus
+    # one; with an empty ``out`` only its length is counted
+    total = 0
+    for s in range(ptrs.size):
+        a = numba.carray(_voidptr(ptrs[s]), (lens[s],), np.int64)
+        prev = np.int64(-1)
+        for i in range(lens[s]):
+            x = np.uint64(a[i] - prev - np.int64(1))
+            prev = a[i]
+            total = _put_varint(out, total, x) if out.size else total + _varint_len(x)
+    return total
+
+
+def gap_stream(arrays: Sequence[np.ndarray]) -> bytes:
+    """LEB128 gap stream of sorted int64 arrays, one after the other, read where they are (no
+    concatenation, no temporary gaps): the layout :func:`gap_positions` decodes."""
+    arrays = [a for a in (np.ascontiguousarray(x, dtype=np.int64) for x in arrays) if a.size]
+    if not arrays:
+        return b""
+    ptrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.int64, count=len(arrays))
+    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    out = np.empty(_gap_stream(ptrs, lens, np.empty(0, np.uint8)), np.uint8)
+    _gap_stream(ptrs, lens, out)
+    del arrays  # alive until here: the kernel reads them by address
+    return out.tobytes()
 
 
 def uvarint_encode(values: np.ndarray) -> bytes:

@@ -57,44 +57,6 @@ def _at64(addr, n):  # noqa: ANN001, ANN202
 
 
 @njit(nogil=True, cache=True)
-def gap_stream_size(ptrs, lens):  # noqa: ANN001, ANN201
-    """Bytes of the LEB128 gap stream of the sorted int64 arrays at ``ptrs`` (see :func:`gap_stream_write`)."""
-    total = 0
-    for s in range(ptrs.size):
-        a = numba.carray(_voidptr(ptrs[s]), (lens[s],), np.int64)
-        prev = np.int64(-1)
-        for i in range(lens[s]):
-            x = np.uint64(a[i] - prev - np.int64(1))
-            prev = a[i]
-            total += 1
-            x >>= np.uint64(7)
-            while x:
-                x >>= np.uint64(7)
-                total += 1
-    return total
-
-
-@njit(nogil=True, cache=True)
-def gap_stream_write(ptrs, lens, out):  # noqa: ANN001, ANN201
-    """Write the gap stream: per array its first position, then each gap minus one, LEB128 (one pass, no
-    concatenation: the arrays are read where they are)."""
-    o = 0
-    for s in range(ptrs.size):
-        a = numba.carray(_voidptr(ptrs[s]), (lens[s],), np.int64)
-        prev = np.int64(-1)
-        for i in range(lens[s]):
-            x = np.uint64(a[i] - prev - np.int64(1))
-            prev = a[i]
-            while x >= np.uint64(0x80):
-                out[o] = np.uint8((x & np.uint64(0x7F)) | np.uint64(0x80))
-                x >>= np.uint64(7)
-                o += 1
-            out[o] = np.uint8(x)
-            o += 1
-    return o
-
-
-@njit(nogil=True, cache=True)
 def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, i0, i1, e_resume, pos, new, old, counts, sums):
     """Compare items ``i0 .. i1 - 1`` (the first from element ``e_resume``, if above its start).
 
