@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -32,10 +33,24 @@ def _states(n=3, seed=0):
     return out
 
 
-def _follow(uri, states, codec):
+@contextmanager
+def _registered(cls):
+    """A test codec registered under its ``codec_id`` for the block."""
+    ds.register_codec(cls.codec_id, cls)
+    try:
+        yield cls.codec_id
+    finally:
+        codec_registry.unregister(cls.codec_id)
+
+
+def _publish(uri, states, codec):
     with ds.Publisher(uri, codec=codec, anchor_every=100) as pub:
         for step, s in enumerate(states):
             pub.publish(s, step=step)
+
+
+def _follow(uri, states, codec):
+    _publish(uri, states, codec)
     sub = ds.Subscriber(uri)
     target = {k: v.clone() for k, v in states[0].items()}
     sub.pull(target, step=0)
@@ -89,9 +104,7 @@ def test_a_ulp_pull_reads_each_old_bit_once(memory_uri, monkeypatch):
         gathers.append(positions.numel())
         return real(tensors, positions, bounds)
 
-    with ds.Publisher(memory_uri, codec="ulp", anchor_every=100) as pub:
-        for step, s in enumerate(states):
-            pub.publish(s, step=step)
+    _publish(memory_uri, states, "ulp")
     sub = ds.Subscriber(memory_uri)
     target = {k: v.clone() for k, v in states[0].items()}
     sub.pull(target, step=0)
@@ -118,15 +131,12 @@ def test_a_codec_reading_other_positions_than_it_returns_does_not_fool_the_overl
                               segments.bounds_of([p.numel() for p in shifted]))
             return out
 
-    ds.register_codec("peeking-raw", Peeking)
-    try:
-        _follow(memory_uri, _states(), "peeking-raw")  # a reused wrong read would fail the checksum
-    finally:
-        codec_registry.unregister("peeking-raw")
+    with _registered(Peeking) as codec:
+        _follow(memory_uri, _states(), codec)  # a reused wrong read would fail the checksum
 
 
 def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_version(memory_uri):
-    """The batched gather trusts its input, so the receiver checks positions and bounds before it."""
+    """The batched gather checks every position against its tensor: a decoder's bad read is a typed error."""
 
     class Reaching(ds.codecs.raw.RawCodec):
         codec_id = "reaching-raw"
@@ -140,19 +150,14 @@ def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_
             return out
 
     states = _states()
-    ds.register_codec("reaching-raw", Reaching)
-    try:
-        with ds.Publisher(memory_uri, codec="reaching-raw", anchor_every=100) as pub:
-            for step, s in enumerate(states):
-                pub.publish(s, step=step)
+    with _registered(Reaching) as codec:
+        _publish(memory_uri, states, codec)
         sub = ds.Subscriber(memory_uri)
         target = {k: v.clone() for k, v in states[0].items()}
         sub.pull(target, step=0)
         with pytest.raises(ds.errors.CorruptObjectError):
             sub.pull(target, step=1, allow_anchor=False)
         assert bits_equal(target, states[0])
-    finally:
-        codec_registry.unregister("reaching-raw")
 
 
 def test_the_batched_gather_refuses_positions_outside_their_tensor_and_bad_bounds():
@@ -213,10 +218,7 @@ def test_pull_and_publish_run_with_the_collector_paused_and_resume_it(memory_uri
             seen.append(("decode", gc.isenabled()))
             return super().decode(data, specs, old)
 
-    ds.register_codec("watching-raw", Watching)
-    try:
-        _follow(memory_uri, _states(2), "watching-raw")
-    finally:
-        codec_registry.unregister("watching-raw")
+    with _registered(Watching) as codec:
+        _follow(memory_uri, _states(2), codec)
     assert {kind for kind, _ in seen} == {"encode", "decode"}
     assert not any(enabled for _, enabled in seen) and gc.isenabled()
