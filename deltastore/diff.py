@@ -43,8 +43,11 @@ class Change:
     old_bits: torch.Tensor
 
     @property
-    def count(self) -> int:
-        return int(self.positions.numel())
+    def count(self) -> int:  # asked several times per tensor on the publish path: cached (a Change is never modified)
+        got = self.__dict__.get("_count")
+        if got is None:
+            got = self.__dict__["_count"] = int(self.positions.numel())
+        return got
 
 
 def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,

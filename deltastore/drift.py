@@ -19,13 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .diff import Change
 from .kernels.diff import drift_merge_rows
+from . import segments
 from .segments import FlatChanges
+
+if TYPE_CHECKING:
+    from .publish.mirror import Diff
 
 #: ``read(name, positions) -> bits`` of the current version at those flat positions
 Read = Callable[[str, torch.Tensor], torch.Tensor]
@@ -165,15 +170,21 @@ class DriftTracker:
         """Host bytes of the committed drift (the one piece of publisher memory that grows along a chain)."""
         return self._drift.nbytes
 
-    def propose(self, changes: Mapping[str, Change],
+    def propose(self, changes: Mapping[str, Change] | Diff,
                 flat: Sequence[tuple[list[str], FlatChanges]] = ()) -> Drift:
         """The drift after ``changes`` (nothing is modified until :meth:`commit`); one merge per element width.
 
         ``flat``: the compare's flat changes (:attr:`deltastore.publish.mirror.Diff.flat`); when they
         cover every tensor of ``changes``, they are merged as they are, with no work per tensor.
+        ``changes`` may be the compare's :class:`~deltastore.publish.mirror.Diff` itself: its flat
+        changes are used, and its per-tensor changes only when those do not cover every tensor.
         """
         tables = dict(self._drift._tables)
-        if flat and sum(len(names) for names, _ in flat) == len(changes):
+        if isinstance(changes, Mapping):
+            n_tensors = len(changes)
+        else:  # a Diff
+            flat, n_tensors = changes.flat, len(changes.sums)
+        if flat and sum(len(names) for names, _ in flat) == n_tensors:
             staged = []
             for names, fc in flat:
                 if not fc.parts:
@@ -188,7 +199,7 @@ class DriftTracker:
                     tables[dt] = _merge(tables.get(dt), rows)
                 return Drift(tables)
         groups: dict[np.dtype, list[tuple[str, Change]]] = {}
-        for name, ch in changes.items():
+        for name, ch in (changes if isinstance(changes, Mapping) else changes.changes).items():
             if ch.count:
                 groups.setdefault(ch.old_bits.numpy().dtype, []).append((name, ch))
         for dt, group in groups.items():
@@ -212,4 +223,21 @@ class DriftTracker:
         for name, s in proposed.items():
             pos = s.positions.to(torch.int64)
             out[name] = Change(pos, read(name, pos), s.anchor_bits)
+        return out
+
+    @staticmethod
+    def differential_flat(proposed: Drift, views: Callable[[str], torch.Tensor]
+                          ) -> list[tuple[list[str], FlatChanges]]:
+        """:meth:`differential` as flat changes, one per element width, with no work per tensor.
+
+        ``views(name)``: the current version's flat bits as a CPU tensor (the mirror's view); every
+        width's current bits are read by one kernel gather. Tensors without drift have empty rows.
+        """
+        out = []
+        for t in proposed._tables.values():
+            names = list(t.names)
+            pos = torch.from_numpy(t.positions.astype(np.int64, copy=False))
+            new = segments.gather([views(n) for n in names], pos, t.bounds)
+            out.append((names, FlatChanges(t.bounds, [(pos, new, torch.from_numpy(t.anchor))], np.zeros(1, np.int64),
+                                           np.zeros(len(names), np.uint64))))
         return out

@@ -196,13 +196,20 @@ class Manifest:
         except (OverflowError, ValueError, OSError):
             return None
 
+    # sums over every record, asked several times per version: cached in the (frozen) instance's __dict__
     @property
     def changed(self) -> int:
-        return sum(t.changed for t in self.tensors)
+        got = self.__dict__.get("_changed")
+        if got is None:
+            got = self.__dict__["_changed"] = sum(t.changed for t in self.tensors)
+        return got
 
     @property
     def total(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        got = self.__dict__.get("_total")
+        if got is None:
+            got = self.__dict__["_total"] = sum(t.numel for t in self.tensors)
+        return got
 
     def object_bytes(self, indices: set[int] | None = None) -> int:
         """Bytes of the objects at ``indices`` (all objects when None)."""

@@ -46,7 +46,7 @@ from ._version import __version__
 from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
-from .codecs import Codec, TensorSpec, Update, get_codec
+from .codecs import Codec, TensorSpec, Update, UpdateBatch, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
 from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
@@ -402,11 +402,11 @@ class Publisher:
         same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
         new, dropped = c.layout if c.layout is not None else ((), ())
         relaid = set(new)
-        changes = c.diff.changes if c.diff is not None else {}
+        counts = c.diff.counts() if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
         # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
         tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
-        proposed = self._drift.propose(changes, c.diff.flat) if same_layout and tracks else None
+        proposed = self._drift.propose(c.diff) if c.diff is not None and tracks else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
                                   "drift_elements": drift_elements})
@@ -417,11 +417,11 @@ class Publisher:
         delta_of: dict[str, list[Part]] = {}
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
-        diff_changes: dict[str, Change] = {}
+        diff_counts: dict[str, int] = {}
         whole: list[tuple[str, dict[str, list[Part]]]] = []  # tensors stored whole, and in which role
         jobs: list[Job] = []
         if same_layout:
-            jobs += self._sparse_jobs(specs, changes, mirror, delta_of, whole, base=None)
+            jobs += self._sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
         objects = store_jobs(self._pool, self.store, jobs, inflight=self.max_workers)
         advanced = False
         try:
@@ -431,8 +431,12 @@ class Publisher:
             later: list[Job] = []
             if with_diff:  # anchor -> now, read from the mirror (which holds "now")
                 assert proposed is not None
-                diff_changes = DriftTracker.differential(proposed, mirror.gather)
-                later += self._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, base=proposed)
+                differential: Mapping[str, Change] | Diff = \
+                    Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) if mirror.device.type == "cpu" \
+                    else DriftTracker.differential(proposed, mirror.gather)
+                diff_counts = differential.counts() if isinstance(differential, Diff) else \
+                    {n: ch.count for n, ch in differential.items()}
+                later += self._sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed)
             object_bytes, inflight = self._anchor_streaming(specs)
             for role_index in {id(ix): ix for _, ix in whole}.values():
                 names = [n for n, ix in whole if ix is role_index]
@@ -446,8 +450,8 @@ class Publisher:
             checksums = self._new_checksums(c)
             records = []
             for name, spec in specs.items():
-                changed = changes[name].count if same_layout and name not in relaid else spec.numel
-                dc = diff_changes[name].count if name in diff_changes else 0
+                changed = counts[name] if same_layout and name not in relaid else spec.numel
+                dc = diff_counts.get(name, 0)
                 records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
                                             format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
                                             tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
@@ -588,7 +592,7 @@ class Publisher:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
     # -- objects -----------------------------------------------------------------
-    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change], mirror: Mirror,
+    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change] | Diff, mirror: Mirror,
                      index_of: dict[str, list[Part]], whole: list[tuple[str, dict[str, list[Part]]]],
                      base: Any) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
@@ -597,16 +601,22 @@ class Publisher:
         differential (``base``: the drift) it holds this version. A tensor whose
         sparse form would be larger than the whole tensor is added to
         ``whole`` instead (stored with the anchor codec once the mirror holds
-        this version).
+        this version). A group of tensors that lie in one flat group of
+        ``changes`` (a :class:`Diff`: the compare, or a differential from the
+        drift) is handed to the codec as one :class:`UpdateBatch`
+        (:meth:`Codec.encode_batch`) with the old tensors only of those whose
+        encoding reads them, not as an :class:`Update` per tensor.
         """
+        diff = changes if isinstance(changes, Diff) else None
+        counts = diff.counts() if diff is not None else {n: ch.count for n, ch in changes.items()}
         sparse: list[tuple[int, str]] = []
         codec, dense = self.codec, self.anchor_codec
-        for name, ch in changes.items():
-            if not ch.count:
+        for name, count in counts.items():
+            if not count:
                 continue
             spec = specs[name]
-            sparse_bytes = codec.estimate_size(spec, ch.count)  # each codec sizes its own layout
-            if sparse_bytes < dense.estimate_size(spec, ch.count):
+            sparse_bytes = codec.estimate_size(spec, count)  # each codec sizes its own layout
+            if sparse_bytes < dense.estimate_size(spec, count):
                 sparse.append((sparse_bytes, name))
             else:
                 whole.append((name, index_of))
@@ -620,13 +630,19 @@ class Publisher:
                 else mirror.host_view(name)
 
         def needs_old(name: str) -> bool:  # what the encoder reads for this tensor (auto: only some)
-            return codec.needs_for(specs[name], changes[name].count) == "old_tensor"
+            return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
         jobs: list[Job] = []
         for group in self._groups(sparse, self.max_object_bytes):
-            def make(group: list[str] = group) -> list[tuple[int, Update]]:
-                return [(0, Update(specs[n], changes[n].new_bits, changes[n].positions, changes[n].old_bits,
-                                   old_tensor(n) if needs_old(n) else None)) for n in group]
+            def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
+                olds = [needs_old(n) for n in group]
+                if diff is not None:
+                    batch = diff.batch([specs[n] for n in group], {n: old_tensor(n) for n, o in zip(group, olds) if o})
+                    if batch is not None:
+                        return batch
+                ch = diff.changes if diff is not None else changes
+                return [(0, Update(specs[n], ch[n].new_bits, ch[n].positions, ch[n].old_bits,
+                                   old_tensor(n) if o else None)) for n, o in zip(group, olds)]
             jobs.append((codec, make, index_of))
         return jobs
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from ..errors import ManifestError, UnsupportedFormatError
 from ..registry import codecs as _registry
-from .base import Codec, OldBits, TensorSpec, Update, read_old_bits
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits
 
-__all__ = ["Codec", "OldBits", "TensorSpec", "Update", "get_codec", "read_old_bits", "register_codec"]
+__all__ = ["Codec", "OldBits", "TensorSpec", "Update", "UpdateBatch", "get_codec", "read_old_bits", "register_codec"]
 
 _registry.register("raw", "deltastore.codecs.raw:RawCodec")
 _registry.register("dense", "deltastore.codecs.dense:DenseCodec")

@@ -38,7 +38,7 @@ from ..errors import CorruptObjectError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
-from .base import Codec, OldBits, TensorSpec, Update
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -93,25 +93,57 @@ class AutoCodec(Codec):
             cfg["link_mbps"] = self.link_mbps
         return cfg
 
+    def _ctx_pays(self, numel: int, changed: int) -> bool:
+        """:func:`ctx_pays_off` on this machine's kernel threads; asked per tensor, so the common answer
+        (a saving below ctx's fixed cost per tensor, which no number of cores beats) needs no thread count."""
+        if self.link_mbps is not None and changed * CTX_SAVES_PER_CHANGE / (self.link_mbps * 1e6 / 8) \
+                <= CTX_TENSOR_SECONDS:
+            return False
+        return ctx_pays_off(numel, changed, self.link_mbps, threads())
+
     def needs_for(self, spec: TensorSpec, changed: int) -> str:
         """The whole old tensor only where ctx or a dense part may be chosen; else the old bits."""
         dense = spec.numel and changed / spec.numel > self.dense_above
-        if dense or ctx_pays_off(spec.numel, changed, self.link_mbps, threads()):
+        if dense or self._ctx_pays(spec.numel, changed):
             return "old_tensor"
         return "old_bits"
 
     def estimate_size(self, spec: TensorSpec, changed: int) -> int:
         """The estimate of the part this tensor would get with the sender holding the old tensor."""
-        pays = ctx_pays_off(spec.numel, changed, self.link_mbps, threads())
+        pays = self._ctx_pays(spec.numel, changed)
         return self._codecs["ctx" if pays else "ulp"].estimate_size(spec, changed)
 
     def _sparse_choice(self, u: Update) -> str:
         if u.old_tensor is not None and (u.old_bits is None
-                                         or ctx_pays_off(u.spec.numel, u.count, self.link_mbps, threads())):
+                                         or self._ctx_pays(u.spec.numel, u.count)):
             return "ctx"
         return "ulp" if u.old_bits is not None else "zstd"
 
     def encode(self, updates: Sequence[Update]) -> bytes:
+        choice, groups = self._choose(updates)
+        return self._pack({cid: self._codecs[cid].encode(ups) for cid, ups in groups.items()}, choice)
+
+    def encode_batch(self, batch: UpdateBatch) -> bytes:
+        """:meth:`encode` of the batch, with the same bytes: a tensor without an old tensor is ``ulp`` by the
+        rules (given the old bits), so only the tensors in ``batch.old_tensors`` are decided one by one, and
+        every ``ulp`` tensor is encoded from the flat arrays."""
+        if batch.old_bits is None or not batch.specs:
+            return super().encode_batch(batch)
+        choice = {s.name: "ulp" for s in batch.specs}
+        groups: dict[str, list[Update]] = {}
+        special = [i for i, s in enumerate(batch.specs) if s.name in batch.old_tensors]
+        if special:
+            decided, groups = self._choose(batch.updates(special))
+            choice.update(decided)
+            groups.pop("ulp", None)
+        encoded = {cid: self._codecs[cid].encode(ups) for cid, ups in groups.items()}
+        ulp = [i for i, s in enumerate(batch.specs) if choice[s.name] == "ulp"]
+        if ulp:
+            encoded["ulp"] = self._codecs["ulp"].encode_batch(batch.subset(ulp))
+        return self._pack(encoded, choice)
+
+    def _choose(self, updates: Sequence[Update]) -> tuple[dict[str, str], dict[str, list[Update]]]:
+        """Each tensor's part codec (see the rules) and the updates each part holds."""
         groups: dict[str, list[Update]] = {}
         choice: dict[str, str] = {}
         dense_candidates = []
@@ -137,9 +169,11 @@ class AutoCodec(Codec):
             else:
                 groups.setdefault(sparse_id, []).append(u)
                 choice[u.spec.name] = sparse_id
-        parts = {f"part.{cid}": u8(self._codecs[cid].encode(ups)) for cid, ups in groups.items()}
-        return pack_meta(parts, self.codec_id, self.format_version,
-                         {"deltastore.auto": json.dumps(choice, sort_keys=True)})
+        return choice, groups
+
+    def _pack(self, encoded: dict[str, bytes], choice: dict[str, str]) -> bytes:
+        return pack_meta({f"part.{cid}": u8(data) for cid, data in encoded.items()}, self.codec_id,
+                         self.format_version, {"deltastore.auto": json.dumps(choice, sort_keys=True)})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         raw, meta = unpack_meta(data, self.codec_id)

@@ -27,7 +27,6 @@ so a codec only has to encode and decode.
 from __future__ import annotations
 
 import abc
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,13 +78,21 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    # asked per tensor on every hot path: cached in the (frozen) instance's __dict__ by hand, since
+    # functools.cached_property takes a lock per call on Python 3.11
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        got = self.__dict__.get("_numel")
+        if got is None:
+            got = self.__dict__["_numel"] = math.prod(self.shape)
+        return got
 
-    @functools.cached_property
-    def bits_dtype(self) -> torch.dtype:  # cached: asked per tensor on every hot path
-        return bits_dtype(self.dtype)
+    @property
+    def bits_dtype(self) -> torch.dtype:
+        got = self.__dict__.get("_bits_dtype")
+        if got is None:
+            got = self.__dict__["_bits_dtype"] = bits_dtype(self.dtype)
+        return got
 
 
 @dataclass
@@ -109,6 +116,63 @@ class Update:
     @property
     def count(self) -> int:
         return int(self.bits.numel())
+
+
+def elements_of(bounds: np.ndarray, idxs: Sequence[int]) -> np.ndarray:
+    """Indices, in flat arrays laid out by ``bounds`` (segment ``i`` is ``bounds[i]:bounds[i + 1]``), of the
+    elements of segments ``idxs`` in turn: one vectorised pass, whatever the segment count."""
+    idx = np.asarray(idxs, dtype=np.int64)
+    starts, lens = bounds[idx], bounds[idx + 1] - bounds[idx]
+    at = np.cumsum(lens) - lens  # where each segment's elements begin in the result
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - at, lens)
+
+
+@dataclass
+class UpdateBatch:
+    """The sparse updates of several tensors of one bits dtype as flat arrays (no object per tensor).
+
+    specs: the tensors, in the order their elements lie in the arrays.
+    positions: int64 CPU tensor, each tensor's strictly increasing flat positions in turn.
+    bounds: int64 numpy array of ``len(specs) + 1`` offsets: tensor ``i``'s elements are
+        ``bounds[i]:bounds[i + 1]`` of every array.
+    bits: the new bits at ``positions`` (integer view dtype, CPU).
+    old_bits: for encoders only, the previous bits at ``positions``, or None.
+    old_tensors: for encoders only, the whole previous tensor (flat raw bits) of the tensors whose
+        encoding reads it (:meth:`Codec.needs_for`), by name; usually none or a few.
+    """
+
+    specs: list[TensorSpec]
+    positions: torch.Tensor
+    bounds: np.ndarray
+    bits: torch.Tensor
+    old_bits: torch.Tensor | None = field(default=None, repr=False)
+    old_tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def updates(self, idxs: Sequence[int] | None = None) -> list[Update]:
+        """One :class:`Update` per tensor (all, or those at ``idxs``): views into the arrays, a few
+        microseconds per tensor."""
+        b = self.bounds.tolist()
+        out = []
+        for i in range(len(self.specs)) if idxs is None else idxs:
+            lo, hi = b[i], b[i + 1]
+            spec = self.specs[i]
+            out.append(Update(spec, self.bits[lo:hi], self.positions[lo:hi],
+                              self.old_bits[lo:hi] if self.old_bits is not None else None,
+                              self.old_tensors.get(spec.name)))
+        return out
+
+    def subset(self, idxs: Sequence[int]) -> UpdateBatch:
+        """The batch of the tensors at ``idxs``, in that order: one copy per array, or itself when it is
+        every tensor in order."""
+        if list(idxs) == list(range(len(self.specs))):
+            return self
+        from ..segments import take
+
+        arrays = [self.positions, self.bits] + ([self.old_bits] if self.old_bits is not None else [])
+        got, bounds = take(arrays, self.bounds, np.asarray(idxs, dtype=np.int64))
+        specs = [self.specs[i] for i in idxs]
+        return UpdateBatch(specs, got[0], bounds, got[1], got[2] if self.old_bits is not None else None,
+                           {s.name: self.old_tensors[s.name] for s in specs if s.name in self.old_tensors})
 
 
 class Codec(abc.ABC):
@@ -167,6 +231,15 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def encode(self, updates: Sequence[Update]) -> bytes:
         """Bytes of one object holding ``updates`` (all dense or all sparse, per ``self.dense``)."""
+
+    def encode_batch(self, batch: UpdateBatch) -> bytes:
+        """:meth:`encode` of ``batch.updates()``: the same bytes, for a sparse codec.
+
+        The default makes one :class:`Update` per tensor; a codec whose encoder works on flat arrays
+        anyway overrides it, so that encoding many small tensors costs their elements, not their count.
+        Raises what :meth:`encode` raises.
+        """
+        return self.encode(batch.updates())
 
     @abc.abstractmethod
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:

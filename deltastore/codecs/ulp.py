@@ -17,7 +17,7 @@ Object layout (safetensors, tensors in name order, see ``docs/codecs.md``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
                       unpack_meta, zstd_compress, zstd_decompress)
-from .base import Codec, OldBits, TensorSpec, Update, read_old_bits
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, elements_of, read_old_bits
 
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
@@ -41,9 +41,8 @@ def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     return [(f, idxs) for (_, f), idxs in groups.items()]
 
 
-def _elements(bounds: np.ndarray, idxs: list[int]) -> np.ndarray:
-    """Indices, in the concatenation, of the elements of tensors ``idxs`` (``bounds``: each tensor's range)."""
-    return np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in idxs])
+#: streams below this many bytes in all are compressed on the calling thread
+_INLINE_BYTES = 1 << 18
 
 
 class UlpCodec(ZstdLevel, Codec):
@@ -64,31 +63,72 @@ class UlpCodec(ZstdLevel, Codec):
                 raise ValueError("ulp encodes sparse updates only")
             if u.old_bits is None or u.old_bits.numel() != u.count:
                 raise ValueError(f"ulp needs the old bits of {u.spec.name!r} at the changed positions")
+        specs = [u.spec for u in ups]
+        counts = np.array([u.count for u in ups], dtype=np.int64)
+
+        def arrays(idxs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            return (np.concatenate([np_bits(ups[i].bits).reshape(-1) for i in idxs]),
+                    np.concatenate([np_bits(ups[i].old_bits).reshape(-1) for i in idxs]))  # type: ignore[arg-type]
+
+        stream = encode_positions([u.positions.numpy() for u in ups if u.positions is not None])
+        return self._pack(specs, counts, stream, arrays)
+
+    def encode_batch(self, batch: UpdateBatch) -> bytes:
+        """:meth:`encode` of the batch's tensors from its flat arrays: the same bytes, with no per-tensor work
+        beyond putting the tensors in name order (one gather of the elements when they are not)."""
+        n = len(batch.specs)
+        total = int(batch.bounds[-1]) if n else 0
+        if batch.old_bits is None or batch.old_bits.numel() != total or batch.bits.numel() != total \
+                or batch.positions.numel() != total:
+            raise ValueError("ulp needs the old bits of every tensor at the changed positions")
+        names = [s.name for s in batch.specs]
+        if any(a >= b for a, b in zip(names, names[1:])):  # into name order: one copy per array
+            batch = batch.subset(sorted(range(n), key=names.__getitem__))
+        specs, bounds = batch.specs, np.asarray(batch.bounds, dtype=np.int64)
+        pos, new, before = batch.positions.numpy(), np_bits(batch.bits), np_bits(batch.old_bits)
+        counts = np.diff(bounds)
+
+        def arrays(idxs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            if len(idxs) == n:
+                return new, before
+            e = elements_of(bounds, idxs)
+            return new[e], before[e]
+
+        return self._pack(specs, counts, K.gap_stream_flat(pos, bounds), arrays)
+
+    def _pack(self, specs: list[TensorSpec], counts: np.ndarray, stream: bytes,
+              arrays: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]) -> bytes:
+        """The object of ``specs`` (name order) with ``counts`` changes each and their position ``stream``;
+        ``arrays(idxs)`` gives the new and old bits of the elements of tensors ``idxs`` in turn."""
         # one vectorised pass per kind of element (usually one: every tensor bf16), not per tensor
-        kinds = _kinds([u.spec for u in ups])
-        bounds = np.zeros(len(ups) + 1, np.int64)
-        np.cumsum([u.count for u in ups], out=bounds[1:])
-        z = np.empty(int(bounds[-1]), np.uint64) if len(kinds) != 1 else None
+        kinds = _kinds(specs)
+        bounds = np.zeros(len(specs) + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        z = np.zeros(int(bounds[-1]), np.uint64) if len(kinds) != 1 else None
         for f, idxs in kinds:
-            new = np.concatenate([np_bits(ups[i].bits).reshape(-1) for i in idxs])
-            before = np.concatenate([np_bits(ups[i].old_bits).reshape(-1) for i in idxs])  # type: ignore[arg-type]
+            new, before = arrays(idxs)
             if z is None:
                 z = K.steps(new, before, f)
             else:
-                z[_elements(bounds, idxs)] = K.steps(new, before, f)
+                z[elements_of(bounds, idxs)] = K.steps(new, before, f)
         if z is None:
             z = np.zeros(0, np.uint64)
         nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
-        stream = encode_positions([u.positions.numpy() for u in ups if u.positions is not None])
-        header = B.uvarint_encode(np.array([u.count for u in ups] + [len(stream), nplanes], dtype=np.uint64))
+        header = B.uvarint_encode(np.concatenate([counts.astype(np.uint64),
+                                                  np.array([len(stream), nplanes], dtype=np.uint64)]))
         planes = K.byte_planes(z, nplanes)
-        # the streams compress on the kernel threads at once (zstd releases the GIL)
-        frames = each(1 + nplanes, lambda j: zstd_compress(stream if j == 0 else planes[j - 1].tobytes(), self.level))
+        def frame(j: int) -> bytes:
+            return zstd_compress(stream if j == 0 else planes[j - 1].tobytes(), self.level)
+
+        # the streams compress on the kernel threads at once (zstd releases the GIL); small ones (a tensor
+        # auto weighs alone) here, where a hand-off to another thread costs more than the compression
+        frames = each(1 + nplanes, frame) if len(stream) + z.size * nplanes > _INLINE_BYTES else \
+            [frame(j) for j in range(1 + nplanes)]
         tensors = {"header": u8(header), "positions": u8(frames[0])}
         for j in range(nplanes):
             tensors[f"plane{j}"] = u8(frames[1 + j])
         return pack_meta(tensors, self.codec_id, self.format_version,
-                         {"deltastore.names": names_digest([u.spec.name for u in ups])})
+                         {"deltastore.names": names_digest([s.name for s in specs])})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         if old is None:
@@ -125,7 +165,7 @@ class UlpCodec(ZstdLevel, Codec):
             if len(kinds) == 1:
                 pos, b, steps = positions, bounds, planes
             else:  # several element kinds in one object: each kind's elements taken out of the concatenation
-                where = _elements(bounds, idxs)
+                where = elements_of(bounds, idxs)
                 pos, steps = positions[torch.from_numpy(where)], planes[:, where]
                 b = np.zeros(len(idxs) + 1, np.int64)
                 np.cumsum(np.diff(bounds)[idxs], out=b[1:])

@@ -269,9 +269,26 @@ def gap_stream(arrays: Sequence[np.ndarray]) -> bytes:
         return b""
     ptrs = np.fromiter((a.ctypes.data for a in arrays), dtype=np.int64, count=len(arrays))
     lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    out = _gap_bytes(ptrs, lens)
+    del arrays  # alive until here: the kernel reads them by address
+    return out
+
+
+def gap_stream_flat(positions: np.ndarray, bounds: np.ndarray) -> bytes:
+    """:func:`gap_stream` of ``positions[bounds[i]:bounds[i + 1]]`` for every ``i``, from one flat int64
+    array (``bounds``: non-decreasing offsets into it), with no array object per slice."""
+    pos = np.ascontiguousarray(positions, dtype=np.int64)
+    b = np.asarray(bounds, dtype=np.int64)
+    if not pos.size:
+        return b""
+    out = _gap_bytes(pos.ctypes.data + 8 * b[:-1], np.diff(b))
+    del pos  # alive until here: the kernel reads it by address
+    return out
+
+
+def _gap_bytes(ptrs: np.ndarray, lens: np.ndarray) -> bytes:
     out = np.empty(_gap_stream(ptrs, lens, np.empty(0, np.uint8)), np.uint8)
     _gap_stream(ptrs, lens, out)
-    del arrays  # alive until here: the kernel reads them by address
     return out.tobytes()
 
 

@@ -17,6 +17,8 @@ takes a contiguous run of items (:func:`split_items`).
 * :func:`mix_delta_segments` — the checksum delta of given changes, per segment;
   :func:`mix_full_items` — whole-tensor checksums.
 * :func:`check_segments` — positions strictly increasing and in range, per segment.
+* :func:`take_segments` — chosen segments of a flat array, back to back (a reorder or a subset
+  with no index array).
 
 Callers validate addresses and sizes (the kernels trust them) and pass
 unsigned bit arrays (``np.uint8/16/32/64``), so widening zero-extends as the
@@ -151,6 +153,18 @@ def scatter_items(like, ptr, lens, pos, bounds, s0, s1, vals):
         for i in range(bounds[s], bounds[s + 1]):
             a[pos[i]] = vals[i]
     return 0
+
+
+@njit(nogil=True, cache=True)
+def take_segments(src, bounds, idx, out):
+    """``out`` = segments ``idx[0], idx[1], ...`` of ``src`` (segment ``s`` is ``bounds[s] .. bounds[s + 1]``)
+    back to back; returns the elements written. Callers size ``out`` and keep ``idx`` in range."""
+    o = 0
+    for k in range(idx.size):
+        a, b = bounds[idx[k]], bounds[idx[k] + 1]
+        out[o:o + b - a] = src[a:b]
+        o += b - a
+    return o
 
 
 @njit(nogil=True, cache=True)

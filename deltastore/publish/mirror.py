@@ -30,14 +30,13 @@ the pending positions need a second look, O(changed) per version.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .. import segments
 from ..checksum import full_checksum, sparse_sum, tensor_key
-from ..codecs import TensorSpec
+from ..codecs import TensorSpec, UpdateBatch
 from ..diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from ..errors import TargetMismatchError
 from ..tensors import bits_view
@@ -57,23 +56,76 @@ def empty_change(bits: torch.dtype) -> Change:
     return ch
 
 
-@dataclass
 class Diff:
     """What :meth:`Mirror.diff` found: per tensor the changes and their checksum delta (mod 2**64).
 
-    ``flat`` keeps the kernel's flat arrays (per element width: names in
-    order, :class:`~deltastore.segments.FlatChanges`) so that advance and
-    revert write every tensor in one call; it is dropped when a change was
-    corrected afterwards.
+    ``sums`` has every compared tensor, in manifest order (empty for a
+    differential, which needs no checksum deltas). ``flat`` keeps the
+    kernel's flat arrays (per element width: names in order,
+    :class:`~deltastore.segments.FlatChanges`) so that advance, revert and
+    encoding handle every tensor in one call (:meth:`counts`, :meth:`batch`);
+    ``loose`` holds the changes of the tensors compared one by one.
+    :attr:`changes` (a :class:`~deltastore.diff.Change` per tensor: views,
+    a few microseconds each) is built on first use; once it is modified
+    (:meth:`Pending.correct`), ``flat`` is dropped.
     """
 
-    changes: dict[str, Change]
-    sums: dict[str, int]
-    flat: list[tuple[list[str], segments.FlatChanges]] = field(default_factory=list)
+    def __init__(self, sums: dict[str, int], flat: Sequence[tuple[list[str], segments.FlatChanges]] = (),
+                 loose: dict[str, Change] | None = None, changes: dict[str, Change] | None = None):
+        self.sums = sums
+        self.flat = list(flat)
+        self.loose = loose if loose is not None else {}
+        self._changes = changes
+        self._where: dict[str, tuple[int, int]] | None = None
+
+    @property
+    def changes(self) -> dict[str, Change]:
+        if self._changes is None:
+            got = dict(self.loose)
+            for names, fc in self.flat:
+                got.update(zip(names, fc.changes()))
+            self._changes = {n: got[n] for n in self.sums} if self.sums else got
+        return self._changes
+
+    def counts(self) -> dict[str, int]:
+        """Changed elements per tensor (no :class:`Change` is built)."""
+        if self._changes is not None:
+            return {n: ch.count for n, ch in self._changes.items()}
+        out = {n: ch.count for n, ch in self.loose.items()}
+        for names, fc in self.flat:
+            out.update(zip(names, np.diff(fc.bounds).tolist()))
+        return out
 
     @property
     def changed(self) -> int:
-        return sum(ch.count for ch in self.changes.values())
+        if self._changes is not None:
+            return sum(ch.count for ch in self._changes.values())
+        return sum(ch.count for ch in self.loose.values()) + sum(int(fc.bounds[-1]) for _, fc in self.flat)
+
+    def loose_changes(self) -> dict[str, Change]:
+        """The changes of the tensors outside ``flat``."""
+        if self._changes is None:
+            return self.loose
+        inside = {n for names, _ in self.flat for n in names}
+        return {n: ch for n, ch in self._changes.items() if n not in inside}
+
+    def batch(self, specs: Sequence[TensorSpec], old_tensors: dict[str, torch.Tensor] | None = None
+              ) -> UpdateBatch | None:
+        """The changes of ``specs``' tensors as one :class:`~deltastore.codecs.UpdateBatch` (new and old
+        bits, and ``old_tensors``), when they all lie in one flat group; else None."""
+        if not self.flat:
+            return None
+        if self._where is None:
+            self._where = {n: (g, i) for g, (names, _) in enumerate(self.flat) for i, n in enumerate(names)}
+        try:
+            at = [self._where[s.name] for s in specs]
+        except KeyError:
+            return None
+        group = at[0][0] if at else -1
+        if group < 0 or any(g != group for g, _ in at):
+            return None
+        pos, new, old, bounds = self.flat[group][1].select(np.fromiter((i for _, i in at), np.int64, len(at)))
+        return UpdateBatch(list(specs), pos, bounds, new, old, old_tensors or {})
 
 
 class Mirror:
@@ -229,7 +281,6 @@ class Mirror:
             if fast_names:
                 fc = segments.diff_segments(olds, news, np.array(keys, dtype=np.uint64), hint=self._hint)
                 flat.append((fast_names, fc))
-                changes.update(zip(fast_names, fc.changes()))
                 sums.update(zip(fast_names, fc.sums.tolist()))
                 changed += int(fc.bounds[-1])
                 total += sum(o.numel() for o in olds)
@@ -242,7 +293,7 @@ class Mirror:
             total += spec.numel
         # keep the tensor order of the specs (the manifest's order)
         order = self.specs if only is None else [n for n in self.specs if n in only]
-        out = Diff({n: changes[n] for n in order}, {n: sums[n] for n in order}, flat)
+        out = Diff({n: sums[n] for n in order}, flat, changes)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
         if pending is not None and pending.entries:
@@ -268,7 +319,7 @@ class Mirror:
                         segments.scatter(views, pos, fc.part_bounds(k), nb if new else ob)
                 done.update(names)
         with torch.no_grad():
-            for name, ch in diff.changes.items():
+            for name, ch in diff.loose_changes().items():
                 if ch.count and name not in done:
                     v = self._views[name]
                     v[ch.positions.to(v.device)] = (ch.new_bits if new else ch.old_bits).to(v.device)

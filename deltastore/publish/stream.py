@@ -98,7 +98,7 @@ def diff_stream(items: Iterable[tuple[str, torch.Tensor]], mirror: Mirror, specs
         ok = (set(changes) == set(specs) and set(alias_changes) == set(aliases)
               and all(_same_change(ch, changes[aliases[a]]) for a, ch in alias_changes.items()))
     if ok:
-        return Streamed(diff=Diff({n: changes[n] for n in specs}, {n: sums[n] for n in specs}, flat))
+        return Streamed(diff=Diff({n: sums[n] for n in specs}, flat, changes={n: changes[n] for n in specs}))
     rebuilt = {n: _rebuild(mirror, specs[n], changes[n]) for n in changes}
     for a, ch in alias_changes.items():
         rebuilt[a] = _rebuild(mirror, specs[aliases[a]], ch)

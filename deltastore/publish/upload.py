@@ -1,8 +1,9 @@
 """Encode and upload object jobs with a bounded number in flight.
 
 A *job* is one future object: its codec, a function that builds the
-``(offset, update)`` pairs it holds (called on the worker, so the inputs exist
-only while that object is encoded), and the ``name -> [Part]`` index where
+``(offset, update)`` pairs it holds, or one :class:`~deltastore.codecs.UpdateBatch`
+of sparse tensors (called on the worker, so the inputs exist only while that
+object is encoded), and the ``name -> [Part]`` index where
 its parts are noted. :func:`store_jobs` submits jobs to a thread pool, at most
 ``inflight`` at a time, so an anchor streams through memory object by object:
 build the updates (views of the mirror), encode, upload, drop the bytes.
@@ -15,11 +16,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import progress
-from ..codecs import Codec, Update
+from ..codecs import Codec, Update, UpdateBatch
 from ..manifest import ObjectRecord, Part
 from ..store import DeltaStore
 
-Job = tuple[Codec, Callable[[], list[tuple[int, Update]]], dict[str, list[Part]]]
+Job = tuple[Codec, Callable[[], "list[tuple[int, Update]] | UpdateBatch"], dict[str, list[Part]]]
 
 
 def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job], *, inflight: int,
@@ -35,8 +36,12 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
     def run(job: Job) -> tuple[ObjectRecord, list[tuple[str, int, int]]]:
         codec, make, _ = job
         made = make()
-        parts = [(u.spec.name, offset, u.spec.numel) for offset, u in made]
-        data = codec.encode([u for _, u in made])
+        if isinstance(made, UpdateBatch):
+            parts = [(s.name, 0, s.numel) for s in made.specs]
+            data = codec.encode_batch(made)
+        else:
+            parts = [(u.spec.name, offset, u.spec.numel) for offset, u in made]
+            data = codec.encode([u for _, u in made])
         del made
         record = ObjectRecord(store.put_object(data), len(data), codec.describe())
         return record, parts
