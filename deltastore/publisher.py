@@ -636,8 +636,9 @@ class Publisher:
         for group in self._groups(sparse, self.max_object_bytes):
             def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
                 olds = [needs_old(n) for n in group]
-                if diff is not None:
-                    batch = diff.batch([specs[n] for n in group], {n: old_tensor(n) for n, o in zip(group, olds) if o})
+                if diff is not None:  # in name order, the order the built-in layouts store (no reorder there)
+                    batch = diff.batch([specs[n] for n in sorted(group)],
+                                       {n: old_tensor(n) for n, o in zip(group, olds) if o})
                     if batch is not None:
                         return batch
                 ch = diff.changes if diff is not None else changes

@@ -131,10 +131,10 @@ class FlatChanges:
         return out
 
     def select(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-        """``(positions, new bits, old bits, bounds)`` of tensors ``idx`` (increasing) back to back: views
-        when they are consecutive and inside one part, else one kernel copy per array and part."""
+        """``(positions, new bits, old bits, bounds)`` of tensors ``idx`` (any order) back to back: views
+        when they are consecutive and inside one part, else one kernel copy per array."""
         idx = np.ascontiguousarray(idx, dtype=np.int64)
-        if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:  # one range of the stream
+        if idx.size and bool((np.diff(idx) == 1).all()):  # one range of the stream
             a, b = int(self.bounds[idx[0]]), int(self.bounds[idx[-1] + 1])
             k = int(np.searchsorted(self.starts, a, side="right")) - 1
             base = int(self.starts[k])
@@ -142,19 +142,8 @@ class FlatChanges:
             if b - base <= pos.numel():
                 return pos[a - base:b - base], new[a - base:b - base], old[a - base:b - base], \
                     self.bounds[idx[0]:idx[-1] + 2] - a
-        pieces = []  # each part's pieces of the chosen tensors, in order (a tensor may straddle two parts)
-        bounds = None
-        for k, part in enumerate(self.parts):
-            got, pb = take(part, self.part_bounds(k), idx)
-            if pb[-1]:
-                pieces.append(got)
-            bounds = pb if bounds is None else bounds + pb
-        if not pieces:
-            pos, new, old = self.parts[0]
-            return pos[:0], new[:0], old[:0], np.zeros(idx.size + 1, np.int64)
-        if len(pieces) == 1:
-            return (*pieces[0], bounds)
-        return cat([p for p, _, _ in pieces]), cat([q for _, q, _ in pieces]), cat([o for _, _, o in pieces]), bounds
+        got = [take_parts([p[j] for p in self.parts], self.starts, self.bounds, idx) for j in range(3)]
+        return got[0][0], got[1][0], got[2][0], got[0][1]
 
     def part_bounds(self, k: int) -> np.ndarray:
         """``bounds`` relative to part ``k`` (empty ranges for tensors outside it): for per-part kernels."""
@@ -275,21 +264,30 @@ def _bounds_of(sizes: Sequence[int]) -> np.ndarray:
     return b
 
 
-def take(arrays: Sequence[torch.Tensor], bounds: np.ndarray, idx: np.ndarray
-         ) -> tuple[list[torch.Tensor], np.ndarray]:
-    """Segments ``idx`` of each flat CPU array (segment ``i`` is ``bounds[i]:bounds[i + 1]`` of every
-    one), back to back, and the bounds of the result: one kernel copy per array, no index array."""
+def take_parts(parts: Sequence[torch.Tensor], starts: np.ndarray, bounds: np.ndarray, idx: np.ndarray
+               ) -> tuple[torch.Tensor, np.ndarray]:
+    """Segments ``idx`` (any order) of a flat stream held in CPU ``parts`` (part ``k`` holds the stream's
+    elements from ``starts[k]``; segment ``i`` is elements ``bounds[i]:bounds[i + 1]``), back to back, and
+    the bounds of the result: one kernel copy, no index array."""
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     b = np.ascontiguousarray(bounds, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
     out_bounds = np.zeros(idx.size + 1, np.int64)
     np.cumsum(b[idx + 1] - b[idx], out=out_bounds[1:])
-    outs = []
-    for a in arrays:
-        src = a.numpy()
-        out = np.empty(int(out_bounds[-1]), src.dtype)
-        _k.take_segments(src, b, idx, out)
-        outs.append(torch.from_numpy(out))
-    return outs, out_bounds
+    first = parts[0].numpy()
+    out = np.empty(int(out_bounds[-1]), first.dtype)
+    if out.size:
+        home = np.searchsorted(starts, b[idx], side="right") - 1
+        _k.take_stream(np.empty(0, first.dtype), pointers(parts), lengths(parts), starts, b, idx, home, out)
+    return torch.from_numpy(out), out_bounds
+
+
+def take(arrays: Sequence[torch.Tensor], bounds: np.ndarray, idx: np.ndarray
+         ) -> tuple[list[torch.Tensor], np.ndarray]:
+    """:func:`take_parts` of each flat CPU array (all laid out by the same ``bounds``)."""
+    zero = np.zeros(1, np.int64)
+    got = [take_parts([a], zero, bounds, idx) for a in arrays]
+    return [t for t, _ in got], (got[0][1] if got else np.zeros(len(idx) + 1, np.int64))
 
 
 def gather(tensors: Sequence[torch.Tensor], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:

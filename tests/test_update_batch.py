@@ -136,7 +136,8 @@ def _random(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def test_select_from_many_parts_matches_each_tensors_change(monkeypatch):
-    """Tiny compare buffers (many parts, tensors straddling them); consecutive, gapped and single choices."""
+    """Tiny compare buffers (many parts, tensors straddling them); consecutive, gapped, reordered and single
+    choices."""
     monkeypatch.setenv("DELTASTORE_THREADS", "3")
     g = torch.Generator().manual_seed(8)
     sizes = [5, 300_000, 17, 400_000, 64, 0, 90_000, 3]
@@ -150,7 +151,7 @@ def test_select_from_many_parts_matches_each_tensors_change(monkeypatch):
     keys = np.array([tensor_key(f"t{i}") for i in range(len(sizes))], np.uint64)
     fc = segments.diff_segments(olds, news, keys, hint=0.0)
     assert len(fc.parts) > 2
-    for idx in ([0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 3], [3], [0, 3, 6], [1, 4, 7], [5]):
+    for idx in ([0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 3], [3], [0, 3, 6], [1, 4, 7], [5], [7, 3, 1, 0], [6, 2, 4]):
         pos, new, old, bounds = fc.select(np.array(idx, np.int64))
         for k, i in enumerate(idx):
             ch = fc.change(i)

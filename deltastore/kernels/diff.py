@@ -17,8 +17,8 @@ takes a contiguous run of items (:func:`split_items`).
 * :func:`mix_delta_segments` — the checksum delta of given changes, per segment;
   :func:`mix_full_items` — whole-tensor checksums.
 * :func:`check_segments` — positions strictly increasing and in range, per segment.
-* :func:`take_segments` — chosen segments of a flat array, back to back (a reorder or a subset
-  with no index array).
+* :func:`take_stream` — chosen segments of a stream held in parts, in any order, back to back
+  (a reorder or a subset with no index array).
 
 Callers validate addresses and sizes (the kernels trust them) and pass
 unsigned bit arrays (``np.uint8/16/32/64``), so widening zero-extends as the
@@ -156,14 +156,24 @@ def scatter_items(like, ptr, lens, pos, bounds, s0, s1, vals):
 
 
 @njit(nogil=True, cache=True)
-def take_segments(src, bounds, idx, out):
-    """``out`` = segments ``idx[0], idx[1], ...`` of ``src`` (segment ``s`` is ``bounds[s] .. bounds[s + 1]``)
-    back to back; returns the elements written. Callers size ``out`` and keep ``idx`` in range."""
+def take_stream(like, ptrs, lens, starts, bounds, idx, home, out):
+    """``out`` = segments ``idx[0], idx[1], ...`` (any order) of a stream held in parts, back to back.
+
+    Part ``k``: ``lens[k]`` elements at address ``ptrs[k]``, the stream's elements from ``starts[k]``;
+    segment ``s`` is stream elements ``bounds[s] .. bounds[s + 1]``, beginning in part ``home[j]`` for
+    ``s = idx[j]`` (it may continue into the next parts). Returns the elements written. Callers size
+    ``out`` and keep every index in range."""
     o = 0
-    for k in range(idx.size):
-        a, b = bounds[idx[k]], bounds[idx[k] + 1]
-        out[o:o + b - a] = src[a:b]
-        o += b - a
+    for j in range(idx.size):
+        a, b, k = bounds[idx[j]], bounds[idx[j] + 1], home[j]
+        while a < b:
+            src = _at(ptrs[k], lens[k], like)
+            e = min(b, starts[k] + lens[k])
+            for x in range(a - starts[k], e - starts[k]):
+                out[o] = src[x]
+                o += 1
+            a = e
+            k += 1
     return o
 
 
