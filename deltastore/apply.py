@@ -381,10 +381,11 @@ class SparseOverlay:
 
     ``reader`` gives the bits the target holds now; ``base`` is the manifest
     of the version it holds (its checksums start the O(changed) checks).
-    ``tensors`` (optional): the target's flat bit views by name; for plain CPU
-    tensors among them, the old bits of every tensor a delta touches first
-    are gathered, and the checksums checked, in one kernel pass per element
-    width instead of a call per tensor.
+    ``tensors`` (optional): the target's contiguous tensors (or flat bit views
+    of them) by name; for plain CPU tensors among them, the old bits of every
+    tensor a delta touches first are gathered, and the checksums checked, in
+    one kernel pass per element width instead of a call per tensor (the
+    kernels read and write them by address: no view per tensor is made).
     """
 
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None):

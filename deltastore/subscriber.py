@@ -470,8 +470,8 @@ class Subscriber:
         else:
             assert current is not None
             self._prefetch(plan)
-            flat = {r.name: bits_view(tensors[r.name]) for r in lay.start_manifest.tensors}
-            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), flat)
+            held = {r.name: tensors[r.name] for r in lay.start_manifest.tensors}  # contiguous (check_target)
+            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held)
             fetched = self._apply_steps(plan, overlay)
             written = {n: p.positions.numel() for n, p in overlay.pending.items()}
             written.update((n, b.numel()) for n, b in overlay.whole.items())
