@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from . import segments
 from .diff import Change
 from .kernels.diff import drift_merge_rows
-from . import segments
 from .segments import FlatChanges
 
 if TYPE_CHECKING:

@@ -19,7 +19,10 @@ codecs that model *where* changes happen from the current values; the
 decoder calls ``old(name, None)``). A decoder that needs the old bits of
 many tensors asks for them in one call, :func:`read_old_bits` (a receiver
 that offers ``old.many`` answers with one pass over all of them). An encoder of an ``"old_tensor"`` codec
-reads the sender's copy of the previous bits from ``Update.old_tensor``. The library validates every decoded update against the manifest
+reads the sender's copy of the previous bits from ``Update.old_tensor``. A sender with the sparse
+updates of many tensors as flat arrays hands them over as one :class:`UpdateBatch`
+(:meth:`Codec.encode_batch`: the same bytes as :meth:`Codec.encode`; the default splits the batch).
+The library validates every decoded update against the manifest
 (names, counts, position order and range, dtype) before anything is applied,
 so a codec only has to encode and decode.
 """
@@ -116,15 +119,6 @@ class Update:
     @property
     def count(self) -> int:
         return int(self.bits.numel())
-
-
-def elements_of(bounds: np.ndarray, idxs: Sequence[int]) -> np.ndarray:
-    """Indices, in flat arrays laid out by ``bounds`` (segment ``i`` is ``bounds[i]:bounds[i + 1]``), of the
-    elements of segments ``idxs`` in turn: one vectorised pass, whatever the segment count."""
-    idx = np.asarray(idxs, dtype=np.int64)
-    starts, lens = bounds[idx], bounds[idx + 1] - bounds[idx]
-    at = np.cumsum(lens) - lens  # where each segment's elements begin in the result
-    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - at, lens)
 
 
 @dataclass

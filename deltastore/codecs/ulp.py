@@ -30,7 +30,7 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
                       unpack_meta, zstd_compress, zstd_decompress)
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, elements_of, read_old_bits
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits
 
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
@@ -39,6 +39,15 @@ def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     for i, s in enumerate(specs):
         groups.setdefault((s.bits_dtype, s.dtype in MANTISSA_BITS), []).append(i)
     return [(f, idxs) for (_, f), idxs in groups.items()]
+
+
+def _elements(bounds: np.ndarray, idxs: Sequence[int]) -> np.ndarray:
+    """Indices, in flat arrays laid out by ``bounds`` (segment ``i`` is ``bounds[i]:bounds[i + 1]``), of the
+    elements of segments ``idxs`` in turn: one vectorised pass, whatever the segment count."""
+    idx = np.asarray(idxs, dtype=np.int64)
+    starts, lens = bounds[idx], bounds[idx + 1] - bounds[idx]
+    at = np.cumsum(lens) - lens  # where each segment's elements begin in the result
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - at, lens)
 
 
 #: streams below this many bytes in all are compressed on the calling thread
@@ -75,7 +84,7 @@ class UlpCodec(ZstdLevel, Codec):
 
     def encode_batch(self, batch: UpdateBatch) -> bytes:
         """:meth:`encode` of the batch's tensors from its flat arrays: the same bytes, with no per-tensor work
-        beyond putting the tensors in name order (one gather of the elements when they are not)."""
+        beyond putting the tensors in name order (one copy per array when they are not)."""
         n = len(batch.specs)
         total = int(batch.bounds[-1]) if n else 0
         if batch.old_bits is None or batch.old_bits.numel() != total or batch.bits.numel() != total \
@@ -91,7 +100,7 @@ class UlpCodec(ZstdLevel, Codec):
         def arrays(idxs: list[int]) -> tuple[np.ndarray, np.ndarray]:
             if len(idxs) == n:
                 return new, before
-            e = elements_of(bounds, idxs)
+            e = _elements(bounds, idxs)
             return new[e], before[e]
 
         return self._pack(specs, counts, K.gap_stream_flat(pos, bounds), arrays)
@@ -110,7 +119,7 @@ class UlpCodec(ZstdLevel, Codec):
             if z is None:
                 z = K.steps(new, before, f)
             else:
-                z[elements_of(bounds, idxs)] = K.steps(new, before, f)
+                z[_elements(bounds, idxs)] = K.steps(new, before, f)
         if z is None:
             z = np.zeros(0, np.uint64)
         nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
@@ -165,7 +174,7 @@ class UlpCodec(ZstdLevel, Codec):
             if len(kinds) == 1:
                 pos, b, steps = positions, bounds, planes
             else:  # several element kinds in one object: each kind's elements taken out of the concatenation
-                where = elements_of(bounds, idxs)
+                where = _elements(bounds, idxs)
                 pos, steps = positions[torch.from_numpy(where)], planes[:, where]
                 b = np.zeros(len(idxs) + 1, np.int64)
                 np.cumsum(np.diff(bounds)[idxs], out=b[1:])

@@ -256,7 +256,7 @@ class Mirror:
         just those tensors are compared (``tensors`` needs no others) and the
         Diff holds just them (a streamed capture diffs a model piece by piece).
         """
-        changes: dict[str, Change] = {}
+        loose: dict[str, Change] = {}  # the tensors compared one by one
         sums: dict[str, int] = {}
         flat: list[tuple[list[str], segments.FlatChanges]] = []
         slow: list[str] = []
@@ -287,13 +287,13 @@ class Mirror:
         for name in slow:
             spec = self.specs[name]
             ch = find_changes(self._views[name], tensors[name], chunk_elems=chunk_elems, dtype=spec.dtype)
-            changes[name] = ch
+            loose[name] = ch
             sums[name] = _sum_delta(name, ch)
             changed += ch.count
             total += spec.numel
         # keep the tensor order of the specs (the manifest's order)
         order = self.specs if only is None else [n for n in self.specs if n in only]
-        out = Diff({n: sums[n] for n in order}, flat, changes)
+        out = Diff({n: sums[n] for n in order}, flat, loose)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
         if pending is not None and pending.entries:

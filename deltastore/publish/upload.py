@@ -20,7 +20,7 @@ from ..codecs import Codec, Update, UpdateBatch
 from ..manifest import ObjectRecord, Part
 from ..store import DeltaStore
 
-Job = tuple[Codec, Callable[[], "list[tuple[int, Update]] | UpdateBatch"], dict[str, list[Part]]]
+Job = tuple[Codec, Callable[[], list[tuple[int, Update]] | UpdateBatch], dict[str, list[Part]]]
 
 
 def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job], *, inflight: int,
