@@ -69,6 +69,16 @@ MUTANTS = [
            [("deltastore/codecs/dense.py", "    if declared != count:\n", "    if False:\n"),
             ("deltastore/codecs/dense.py", "max_output_size=count", "max_output_size=0")],
            [REL + "test_zstd_bombs_are_refused_without_inflating"]),
+    Mutant("batch-name-order", "ulp encodes a flat update batch in the order it was given, not in name order",
+           [("deltastore/codecs/ulp.py", "            batch = batch.subset(sorted(range(n), key=names.__getitem__))\n",
+             "            pass\n")],
+           ["tests/test_update_batch.py"]),
+    Mutant("take-one-part", "a tensor straddling two parts of the compare's output is cut at the first one",
+           [("deltastore/kernels/diff.py", "            a = e\n            k += 1\n", "            a = b\n")],
+           ["tests/test_update_batch.py"]),
+    Mutant("publish-per-tensor", "the synchronous publish hands every tensor to the codec as its own Update",
+           [("deltastore/publisher.py", "                if diff is not None:  # in name order", "                if False:  # in name order")],
+           ["tests/test_update_batch.py"]),
 ]
 
 
