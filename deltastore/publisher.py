@@ -431,11 +431,9 @@ class Publisher:
             later: list[Job] = []
             if with_diff:  # anchor -> now, read from the mirror (which holds "now")
                 assert proposed is not None
-                differential: Mapping[str, Change] | Diff = \
-                    Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) if mirror.device.type == "cpu" \
-                    else DriftTracker.differential(proposed, mirror.gather)
-                diff_counts = differential.counts() if isinstance(differential, Diff) else \
-                    {n: ch.count for n, ch in differential.items()}
+                differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) \
+                    if mirror.device.type == "cpu" else Diff({}, loose=DriftTracker.differential(proposed, mirror.gather))
+                diff_counts = differential.counts()
                 later += self._sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed)
             object_bytes, inflight = self._anchor_streaming(specs)
             for role_index in {id(ix): ix for _, ix in whole}.values():

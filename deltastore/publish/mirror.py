@@ -98,9 +98,7 @@ class Diff:
 
     @property
     def changed(self) -> int:
-        if self._changes is not None:
-            return sum(ch.count for ch in self._changes.values())
-        return sum(ch.count for ch in self.loose.values()) + sum(int(fc.bounds[-1]) for _, fc in self.flat)
+        return sum(self.counts().values())
 
     def loose_changes(self) -> dict[str, Change]:
         """The changes of the tensors outside ``flat``."""
