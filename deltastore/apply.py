@@ -30,6 +30,7 @@ import torch
 from . import segments
 from .checksum import full_checksum, tensor_key, updated_checksum
 from .codecs import OldBits, TensorSpec, Update, read_old_bits
+from .pull.decoded import DecodedUpdates
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
 from .layout import describe, layout_diff, same_spec
@@ -327,6 +328,63 @@ class _Pending:
     original: torch.Tensor   # the target's bits there before the pull
 
 
+#: a first-touch batch: (names, positions, final bits, original bits, bounds), flat
+_Batch = tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]
+
+
+class _PendingMap(MutableMapping[str, _Pending]):
+    """``name -> _Pending``; the tensors of a first-touch batch get their :class:`_Pending` (views into
+    the batch's arrays) only when one is asked for, so staging them costs no object per tensor."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, _Pending] = {}
+        self._lazy: dict[str, tuple[_Batch, int]] = {}
+
+    def add_batch(self, batch: _Batch) -> None:
+        names = batch[0]
+        for n in names:
+            self._items.pop(n, None)
+        self._lazy.update(zip(names, ((batch, i) for i in range(len(names)))))
+
+    def counts(self) -> dict[str, int]:
+        """Changed elements per name (from the batches' bounds, no object made)."""
+        out = {n: p.positions.numel() for n, p in self._items.items()}
+        sizes: dict[int, list[int]] = {}
+        for n, (batch, i) in self._lazy.items():
+            got = sizes.get(id(batch))
+            if got is None:
+                got = sizes[id(batch)] = np.diff(batch[4]).tolist()
+            out[n] = got[i]
+        return out
+
+    def __getitem__(self, name: str) -> _Pending:
+        p = self._items.get(name)
+        if p is not None:
+            return p
+        (_, pos, bits, orig, bounds), i = self._lazy.pop(name)
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        p = self._items[name] = _Pending(pos[lo:hi], bits[lo:hi], orig[lo:hi])
+        return p
+
+    def __setitem__(self, name: str, value: _Pending) -> None:
+        self._lazy.pop(name, None)
+        self._items[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        if self._lazy.pop(name, None) is None:
+            del self._items[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items or name in self._lazy
+
+    def __iter__(self) -> Iterator[str]:
+        yield from list(self._items)
+        yield from list(self._lazy)
+
+    def __len__(self) -> int:
+        return len(self._items) + len(self._lazy)
+
+
 Reader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
 """``reader(name, positions) -> bits`` a target holds at flat ``positions`` (CPU, integer view);
 ``positions=None`` asks for the whole flat tensor on the CPU, which the caller only reads (a view of a
@@ -391,11 +449,11 @@ class SparseOverlay:
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None):
         self.reader = reader
         self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
-        self.pending: dict[str, _Pending] = {}
+        self.pending = _PendingMap()
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
         # first touches staged in one batch: (names, positions, bits, original, bounds), written by one
         # scatter while every name in it is still untouched by a later delta (``_batched``)
-        self.batches: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = []
+        self.batches: list[_Batch] = []
         self._batched: set[str] = set()
         # layout changes: tensors held whole on the host (final flat bits, written or inserted at the end)
         # and tensors to delete from the target
@@ -473,9 +531,19 @@ class SparseOverlay:
         """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
         return StagedBits(self)
 
-    def _recall(self, read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
+    def _first_touch(self, names: list[str]) -> bool:
+        """Whether every one of ``names`` is a plain CPU tensor of the target that no staged delta touched."""
+        fast, pending, whole = self._fast, self.pending, self.whole
+        return all(n in fast and n not in pending and n not in whole for n in names)
+
+    @staticmethod
+    def _recall(read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
                 positions: torch.Tensor) -> torch.Tensor | None:
-        """The old bits of ``names`` at ``positions`` if exactly those were read for the decoder, else None."""
+        """The old bits of ``names`` at ``positions`` if exactly those were read for the decoder (one read,
+        or all of them joined), else None."""
+        for ns, p, o in read:  # a decoder's batch is usually one of its reads, by the same arrays
+            if p.data_ptr() == positions.data_ptr() and p.numel() == positions.numel() and ns == names:
+                return o
         if [n for ns, _, _ in read for n in ns] != names:
             return None
         pos = segments.joined([p for _, p, _ in read])
@@ -484,13 +552,25 @@ class SparseOverlay:
         return segments.joined([o for _, _, o in read]) if same else None
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
+        """Stage version ``manifest``'s ``updates`` (a :class:`DecodedUpdates` is read batch by batch),
+        checking every touched tensor's checksum before anything is staged."""
         staged = []
-        firsts = []
         held = []
         read, self._read = self._read, {}
-        batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
         records = manifest.tensor_map()
-        for name, u in updates.items():  # in decoding order: a batch's arrays then often lie back to back
+        # first touches of plain CPU tensors, flat: (records, positions, new bits, bounds)
+        groups: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
+        loose: Mapping[str, Update] = updates
+        if isinstance(updates, DecodedUpdates):
+            loose = dict(updates.loose)
+            for b in updates.batches:
+                names = [s.name for s in b.specs]
+                if names and self._first_touch(names):
+                    groups.append(([records[n] for n in names], b.positions, b.bits, b.bounds))
+                else:
+                    loose.update((u.spec.name, u) for u in b.updates())
+        batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
+        for name, u in loose.items():  # in decoding order: a batch's arrays then often lie back to back
             rec = records[name]
             if rec.name in self.whole:  # held on the host since a layout change: updated there
                 cur = self.whole[rec.name]
@@ -507,23 +587,10 @@ class SparseOverlay:
             cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
             _expect(rec, cs, manifest.step, "applying the delta to the target")
             staged.append((rec.name, positions, u.bits, old, cs))
-        for width, group in batch.items():  # first touches of plain CPU tensors: one gather + one checksum pass
-            bounds = segments.bounds_of([u.count for _, u in group])
-            pos = segments.joined([u.positions for _, u in group])
-            new = segments.joined([u.bits for _, u in group])
-            old = self._recall(read.get(width, []), [r.name for r, _ in group], pos)
-            if old is None:
-                old = segments.gather([self._fast[r.name] for r, _ in group], pos, bounds)
-            keys = np.fromiter((_key(r.name) for r, _ in group), dtype=np.uint64, count=len(group))
-            deltas = segments.mix_delta(pos, old, new, bounds, keys).tolist()
-            checksums, step = self.checksums, manifest.step
-            sums = []
-            for (rec, _), d in zip(group, deltas):
-                cs = (checksums[rec.name] + d) & _M64
-                if cs != int(rec.checksum, 16):
-                    _expect(rec, cs, step, "applying the delta to the target")
-                sums.append(cs)
-            firsts.append((group, old.split(np.diff(bounds).tolist()), sums, (pos, new, old, bounds)))
+        for group in batch.values():
+            groups.append(([r for r, _ in group], segments.joined([u.positions for _, u in group]),  # type: ignore[misc]
+                           segments.joined([u.bits for _, u in group]), segments.bounds_of([u.count for _, u in group])))
+        firsts = [self._check_first_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
@@ -533,14 +600,31 @@ class SparseOverlay:
             else:
                 self.whole[name][u.positions] = u.bits
             self.checksums[name] = cs
-        pending, checksums = self.pending, self.checksums
-        for group, olds, sums, flat in firsts:  # first touches: nothing to merge
-            for (rec, u), o, cs in zip(group, olds, sums):
-                pending[rec.name] = _Pending(u.positions, u.bits, o)
-                checksums[rec.name] = cs
-            names = [r.name for r, _ in group]
-            self.batches.append((names, *flat))
-            self._batched.update(names)
+        for entry, sums in firsts:  # first touches: nothing to merge
+            self.batches.append(entry)
+            self.pending.add_batch(entry)
+            self.checksums.update(zip(entry[0], sums))
+            self._batched.update(entry[0])
+
+    def _check_first_touches(self, manifest: Manifest, recs: list[TensorRecord], pos: torch.Tensor,
+                             new: torch.Tensor, bounds: np.ndarray,
+                             read: list[tuple[list[str], torch.Tensor, torch.Tensor]]) -> tuple[_Batch, list[int]]:
+        """One gather (or the decoder's read) and one checksum pass over first touches; the staged batch
+        and the new checksums, or :class:`ChecksumMismatchError` naming the first tensor that is off."""
+        names = [r.name for r in recs]
+        old = self._recall(read, names, pos)
+        if old is None:
+            old = segments.gather([self._fast[n] for n in names], pos, bounds)
+        n = len(recs)
+        keys = np.fromiter((_key(nm) for nm in names), dtype=np.uint64, count=n)
+        before = np.fromiter((self.checksums[nm] for nm in names), dtype=np.uint64, count=n)
+        after = before + segments.mix_delta(pos, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
+        want = np.fromiter((int(r.checksum, 16) for r in recs), dtype=np.uint64, count=n)
+        off = np.flatnonzero(after != want)
+        if off.size:
+            k = int(off[0])
+            _expect(recs[k], int(after[k]), manifest.step, "applying the delta to the target")
+        return (names, pos, new, old, bounds), after.tolist()
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
@@ -606,8 +690,9 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     try:
         with torch.no_grad():
             batch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
-            for name, p, dest in _destinations(overlay.pending, copies):
-                if not p.positions.numel() or (dest == name and name in done):
+            for name, dest in _pending_destinations(overlay.pending, copies, done):
+                p = overlay.pending[name]
+                if not p.positions.numel():
                     continue
                 t = target[dest]
                 flat = bits_view(t)
@@ -683,6 +768,17 @@ def _destinations(items: Mapping[str, Any], copies: Mapping[str, list[str]] | No
         yield name, item, name
         for alias in (copies or {}).get(name, ()):
             yield name, item, alias
+
+
+def _pending_destinations(pending: Mapping[str, _Pending], copies: Mapping[str, list[str]] | None,
+                          done: set[str]) -> Iterator[tuple[str, str]]:
+    """``(name, destination)`` of every staged tensor still to write: its own name unless ``done`` (written
+    from its batch), and its aliases."""
+    for name in pending:
+        if name not in done:
+            yield name, name
+        for alias in (copies or {}).get(name, ()):
+            yield name, alias
 
 
 def restored_after(error: BaseException) -> bool:

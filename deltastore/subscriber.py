@@ -24,14 +24,15 @@ from ._memory import release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum
-from .codecs import OldBits, Update
+from .codecs import OldBits, Update, UpdateBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
                      InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
                      VersionNotFoundError)
 from .layout import PathLayout, layout_diff, layout_of, path_layout, same_spec
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
-from .pull.objects import decode_object, object_index
+from .pull.decoded import DecodedUpdates
+from .pull.objects import decode_object, decode_sparse_object, object_index
 from .store import DeltaStore, open_store
 from .tensors import bits_view, named_tensors
 from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
@@ -473,7 +474,7 @@ class Subscriber:
             held = {r.name: tensors[r.name] for r in lay.start_manifest.tensors}  # contiguous (check_target)
             overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held)
             fetched = self._apply_steps(plan, overlay)
-            written = {n: p.positions.numel() for n, p in overlay.pending.items()}
+            written = overlay.pending.counts()
             written.update((n, b.numel()) for n, b in overlay.whole.items())
             tracking.set_version(target, None)  # unknown while writing
             try:
@@ -650,7 +651,7 @@ class Subscriber:
 
     # -- decoding --------------------------------------------------------------------
     def fetch_updates(self, manifest: Manifest, role: Role, old: OldBits | None,
-                      names: set[str] | None = None) -> tuple[dict[str, Update], int]:
+                      names: set[str] | None = None) -> tuple[Mapping[str, Update], int]:
         """Fetch, verify and decode the ``role`` objects of ``manifest``; returns updates and bytes read.
 
         With ``names``, only the objects holding one of those tensors are read
@@ -659,9 +660,14 @@ class Subscriber:
         Each tensor's parts are decoded from their objects, checked against the
         manifest and joined into one update per tensor: dense (whole tensor)
         when that is what was stored, else sparse with positions in the whole
-        tensor. Raises :class:`ObjectNotFoundError`, :class:`CorruptObjectError`,
-        :class:`UnknownCodecError` or :class:`UnsupportedFormatError`.
+        tensor. For a delta or differential (without ``names``) the result is a
+        :class:`~deltastore.pull.decoded.DecodedUpdates`: the decoders' flat
+        batches, read by name on demand. Raises :class:`ObjectNotFoundError`,
+        :class:`CorruptObjectError`, :class:`UnknownCodecError` or
+        :class:`UnsupportedFormatError`.
         """
+        batched = role != "full" and names is None
+        batches: list[UpdateBatch] = []
         pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
         index = object_index(manifest, role)
@@ -674,13 +680,18 @@ class Subscriber:
             data = self.store.get_object(rec.digest, rec.size)
             fetched += len(data)
             _progress.advance(bar, len(data))
-            for t, p, u in decode_object(manifest, i, data, pairs, role, old):
+            if batched:
+                whole, split = decode_sparse_object(manifest, i, data, pairs, role, old)
+                batches += whole
+            else:
+                split = decode_object(manifest, i, data, pairs, role, old)
+            for t, p, u in split:
                 pieces.setdefault(t.name, []).append((p, u))
             del data
         records = manifest.tensor_map()
         updates = {name: _join(records[name], got, role, manifest.step) for name, got in pieces.items()
                    if names is None or name in names}  # in decoding order (see SparseOverlay.apply)
-        return updates, fetched
+        return (DecodedUpdates(batches, updates) if batched else updates), fetched
 
 
 def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: int) -> Update:

@@ -38,7 +38,7 @@ from ..errors import CorruptObjectError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, decode_batched, encode_batched
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -139,7 +139,7 @@ class AutoCodec(Codec):
         encoded = {cid: self._codecs[cid].encode(ups) for cid, ups in groups.items()}
         ulp = [i for i, s in enumerate(batch.specs) if choice[s.name] == "ulp"]
         if ulp:
-            encoded["ulp"] = self._codecs["ulp"].encode_batch(batch.subset(ulp))
+            encoded["ulp"] = encode_batched(self._codecs["ulp"], batch.subset(ulp))
         return self._pack(encoded, choice)
 
     def _choose(self, updates: Sequence[Update]) -> tuple[dict[str, str], dict[str, list[Update]]]:
@@ -176,6 +176,20 @@ class AutoCodec(Codec):
                          self.format_version, {"deltastore.auto": json.dumps(choice, sort_keys=True)})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
+        batches, out = self._decode(data, specs, old, batched=False)
+        return out
+
+    def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                     ) -> list[UpdateBatch]:
+        batches, loose = self._decode(data, specs, old, batched=True)
+        groups: dict[torch.dtype, list[Update]] = {}
+        for u in loose.values():
+            groups.setdefault(u.bits.dtype, []).append(u)
+        return batches + [UpdateBatch.join(g) for g in groups.values()]
+
+    def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, batched: bool
+                ) -> tuple[list[UpdateBatch], dict[str, Update]]:
+        """The ``ulp`` part as batches when ``batched``, everything else as updates by name."""
         raw, meta = unpack_meta(data, self.codec_id)
         try:
             choice = json.loads(meta["deltastore.auto"])
@@ -192,10 +206,14 @@ class AutoCodec(Codec):
         if set(raw) != {f"part.{c}" for c in by_codec}:
             raise CorruptObjectError(f"auto: object parts {sorted(raw)} do not match its choice map")
         out: dict[str, Update] = {}
+        batches: list[UpdateBatch] = []
         for cid, sp in by_codec.items():
             if cid != "zstd" and old is None:
                 raise ValueError("auto decoding needs the receiver's old tensors")
             part = as_bytes(raw[f"part.{cid}"], self.codec_id, cid)
+            if batched and cid == "ulp":
+                batches += decode_batched(self._codecs[cid], part, sp, old)
+                continue
             decoded = self._codecs[cid].decode(part, sp, old)
             if cid == "dense":
                 assert old is not None
@@ -208,7 +226,7 @@ class AutoCodec(Codec):
                     out[s.name] = Update(s, gather(new, pos), pos)
             else:
                 out.update(decoded)
-        return out
+        return batches, out
 
 
 __all__ = ["AutoCodec", "DEFAULT_LINK_MBPS", "ctx_pays_off"]

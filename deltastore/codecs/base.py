@@ -21,7 +21,11 @@ many tensors asks for them in one call, :func:`read_old_bits` (a receiver
 that offers ``old.many`` answers with one pass over all of them). An encoder of an ``"old_tensor"`` codec
 reads the sender's copy of the previous bits from ``Update.old_tensor``. A sender with the sparse
 updates of many tensors as flat arrays hands them over as one :class:`UpdateBatch`
-(:meth:`Codec.encode_batch`: the same bytes as :meth:`Codec.encode`; the default splits the batch).
+(:meth:`Codec.encode_batch`: the same bytes as :meth:`Codec.encode`; the default splits the batch), and a
+reader of a sparse object takes them back the same way (:meth:`Codec.decode_batch`; the default joins
+what :meth:`Codec.decode` returns). The library calls both through :func:`encode_batched` and
+:func:`decode_batched`, which use a codec's own batch method only where it is defined at or below the
+class that defines the per-tensor one (a subclass that overrides ``decode`` alone is never bypassed).
 The library validates every decoded update against the manifest
 (names, counts, position order and range, dtype) before anything is applied,
 so a codec only has to encode and decode.
@@ -155,6 +159,20 @@ class UpdateBatch:
                               self.old_tensors.get(spec.name)))
         return out
 
+    @classmethod
+    def join(cls, updates: Sequence[Update]) -> UpdateBatch:
+        """One batch of sparse ``updates`` (one bits dtype, every one with positions), in their order: one
+        copy per array (none when they lie back to back already; the batch is then read-only). Raises :class:`ValueError` for a dense update or mixed dtypes."""
+        from ..segments import bounds_of, joined
+
+        if any(u.positions is None for u in updates):
+            raise ValueError("a batch holds sparse updates only")
+        if len({u.bits.dtype for u in updates}) > 1:
+            raise ValueError("a batch holds one bits dtype")
+        bits = joined([u.bits.reshape(-1) for u in updates]) if updates else torch.empty(0, dtype=torch.int16)
+        positions = joined([u.positions for u in updates]) if updates else torch.empty(0, dtype=torch.int64)  # type: ignore[misc]
+        return cls([u.spec for u in updates], positions, bounds_of([u.count for u in updates]), bits)
+
     def subset(self, idxs: Sequence[int]) -> UpdateBatch:
         """The batch of the tensors at ``idxs``, in that order: one copy per array, or itself when it is
         every tensor in order."""
@@ -242,6 +260,52 @@ class Codec(abc.ABC):
         Raises :class:`CorruptObjectError` when ``data`` cannot be decoded.
         """
 
+    def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                     ) -> list[UpdateBatch]:
+        """:meth:`decode` of a sparse codec's object as flat batches: every tensor of ``specs`` in exactly
+        one batch, each batch of one bits dtype, the tensors in any order.
+
+        The default joins what :meth:`decode` returns (one copy per array, the tensors in ``specs``
+        order); a codec whose decoder makes flat arrays anyway overrides it, so that decoding many
+        small tensors costs their elements, not their count. Raises what :meth:`decode` raises, and
+        :class:`CorruptObjectError` when it returns other tensors than ``specs`` or a dense update.
+        """
+        from ..errors import CorruptObjectError
+
+        got = self.decode(data, specs, old)
+        if len(got) != len(specs) or not all(s.name in got for s in specs):
+            raise CorruptObjectError(f"{self.codec_id}: decoded tensors {sorted(got)[:5]}, expected "
+                                     f"{[s.name for s in specs][:5]}")
+        groups: dict[torch.dtype, list[Update]] = {}
+        for s in specs:
+            u = got[s.name]
+            if u.positions is None:
+                raise CorruptObjectError(f"{self.codec_id}: a sparse object decoded {s.name!r} as a dense update")
+            groups.setdefault(u.bits.dtype, []).append(Update(s, u.bits, u.positions))
+        return [UpdateBatch.join(g) for g in groups.values()]
+
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({cfg})"
+
+
+def _defined_at_or_below(codec: Codec, batch: str, single: str) -> bool:
+    """Whether the class defining ``codec.<batch>`` is the one defining ``codec.<single>`` or a subclass of it."""
+    mro = type(codec).__mro__
+    where = {name: next(i for i, c in enumerate(mro) if name in vars(c)) for name in (batch, single)}
+    return where[batch] <= where[single]
+
+
+def encode_batched(codec: Codec, batch: UpdateBatch) -> bytes:
+    """``codec.encode_batch(batch)``, or the per-tensor default when a subclass overrides only ``encode``."""
+    if _defined_at_or_below(codec, "encode_batch", "encode"):
+        return codec.encode_batch(batch)
+    return Codec.encode_batch(codec, batch)
+
+
+def decode_batched(codec: Codec, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                   ) -> list[UpdateBatch]:
+    """``codec.decode_batch(...)``, or the per-tensor default when a subclass overrides only ``decode``."""
+    if _defined_at_or_below(codec, "decode_batch", "decode"):
+        return codec.decode_batch(data, specs, old)
+    return Codec.decode_batch(codec, data, specs, old)

@@ -140,6 +140,10 @@ class UlpCodec(ZstdLevel, Codec):
                          {"deltastore.names": names_digest([s.name for s in specs])})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
+        return {u.spec.name: u for batch in self.decode_batch(data, specs, old) for u in batch.updates()}
+
+    def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                     ) -> list[UpdateBatch]:
         if old is None:
             raise ValueError("ulp decoding needs the receiver's old bits (old(name, positions))")
         raw, meta = unpack_meta(data, self.codec_id)
@@ -169,7 +173,7 @@ class UlpCodec(ZstdLevel, Codec):
             raise CorruptObjectError("ulp: changes without value planes")
         positions = torch.from_numpy(flat)
         kinds = _kinds(specs)
-        out = {}
+        out = []
         for f, idxs in kinds:
             if len(kinds) == 1:
                 pos, b, steps = positions, bounds, planes
@@ -185,7 +189,5 @@ class UlpCodec(ZstdLevel, Codec):
             bits, bad = K.apply_steps(before, steps, f)
             if bad >= 0:
                 raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
-            sizes = np.diff(b).tolist()
-            for i, p, v in zip(idxs, pos.split(sizes), to_torch_bits(bits, specs[idxs[0]]).split(sizes)):
-                out[specs[i].name] = Update(specs[i], v, p)
+            out.append(UpdateBatch([specs[i] for i in idxs], pos, b, to_torch_bits(bits, specs[idxs[0]])))
         return out

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import progress
 from ..codecs import Codec, Update, UpdateBatch
+from ..codecs.base import encode_batched
 from ..manifest import ObjectRecord, Part
 from ..store import DeltaStore
 
@@ -38,7 +39,7 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
         made = make()
         if isinstance(made, UpdateBatch):
             parts = [(s.name, 0, s.numel) for s in made.specs]
-            data = codec.encode_batch(made)
+            data = encode_batched(codec, made)
         else:
             parts = [(u.spec.name, offset, u.spec.numel) for offset, u in made]
             data = codec.encode([u for _, u in made])

@@ -1,7 +1,8 @@
 """Pieces of the pull path used by :class:`deltastore.Subscriber`.
 
 * :mod:`.objects` — fetch a version's objects (bounded read-ahead), decode and
-  validate one object against the manifest;
+  validate one object against the manifest (a delta's as flat batches);
+* :mod:`.decoded` — a version's decoded batches, read as updates by name;
 * :mod:`.anchor` — stream an anchor, object by object, into a live target
   (with an undo journal) or into new tensors.
 """

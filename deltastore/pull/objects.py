@@ -7,7 +7,9 @@ number ahead, so a pull holds a few encoded objects at a time, never all of
 them. :func:`decode_object` decodes one object with the codec named in the
 manifest and validates every update (names, counts, dtypes, position order
 and range) before anything uses it; codec failures become
-:class:`CorruptObjectError` naming the object.
+:class:`CorruptObjectError` naming the object. :func:`decode_sparse_object`
+does the same for a delta's object as flat batches (one check pass per
+batch, no object per tensor).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 
 from .. import segments
 from ..apply import check_update
-from ..codecs import OldBits, TensorSpec, Update, get_codec, read_old_bits
+from ..codecs import OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits
+from ..codecs.base import decode_batched
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
 from ..store import DeltaStore
@@ -144,6 +147,82 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
             raise CorruptObjectError(f"version {manifest.step}, tensor {r.name!r}: positions are not strictly "
                                      f"increasing in [0, {r.numel})")
     return out
+
+
+def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
+                         old: OldBits | None) -> tuple[list[UpdateBatch], list[tuple[TensorRecord, Part, Update]]]:
+    """Decode object ``index`` of a delta or differential (``role``) and validate it, as flat batches.
+
+    Returns the batches of the tensors the object holds whole (positions in
+    the tensor, counts checked against the manifest), and ``(tensor, part,
+    update)`` for every tensor it holds a part of (positions in the part,
+    joined by the caller), or for everything when the codec is dense
+    (:func:`decode_object`). Raises as :func:`decode_object`.
+    """
+    rec = manifest.objects[index]
+    codec = get_codec(rec.codec)
+    if codec.dense:
+        return [], decode_object(manifest, index, data, pairs, role, old)
+    records = {t.name: (t, p) for t, p in pairs}
+    if len(records) != len(pairs):
+        raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
+    specs = [t.spec if t.is_whole(p) else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for t, p in pairs]
+    reader = PartReader(old, {t.name: p for t, p in pairs}) if old is not None else None
+    try:
+        batches = decode_batched(codec, data, specs, reader)
+    except (CorruptObjectError, ChecksumMismatchError):
+        raise
+    except Exception as e:  # a codec bug or hostile content must not escape untyped
+        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
+                                 f"{rec.digest}: {e!r}", digest=rec.digest) from e
+    names = [s.name for b in batches for s in b.specs]
+    if len(names) != len(records) or not records.keys() == set(names):
+        raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
+                                 f"{sorted(set(names))[:5]}, manifest expects {sorted(records)[:5]}",
+                                 digest=rec.digest)
+    whole_batches: list[UpdateBatch] = []
+    parts: list[tuple[TensorRecord, Part, Update]] = []
+    for b in batches:
+        held = [records[s.name] for s in b.specs]
+        wholes = [t.is_whole(p) for t, p in held]
+        _check_batch(b, held, wholes, role, manifest.step)
+        if all(wholes):
+            whole_batches.append(UpdateBatch([t.spec for t, _ in held], b.positions.contiguous(), b.bounds,
+                                             b.bits.contiguous()))
+        else:
+            parts += [(t, p, u) for (t, p), u in zip(held, b.updates())]
+    return whole_batches, parts
+
+
+def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: list[bool], role: Role,
+                 step: int) -> None:
+    """A decoded batch's arrays, counts and positions against the manifest (:class:`CorruptObjectError`)."""
+    first = held[0][0].name if held else "?"
+    bits, pos, bounds = b.bits, b.positions, b.bounds
+    if not isinstance(bounds, np.ndarray) or bounds.dtype != np.int64 or bounds.shape != (len(held) + 1,):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    if bits.dim() != 1 or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != bits.numel():
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: positions and bits disagree "
+                                 f"({pos.numel()} vs {bits.numel()})")
+    for t, _ in held:
+        if t.spec.bits_dtype != bits.dtype:
+            raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
+    counts = np.diff(bounds)
+    if int(bounds[0]) != 0 or int(bounds[-1]) != bits.numel() or bool((counts < 0).any()):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    attr = "diff_changed" if role == "diff" else "changed"
+    expected = np.fromiter((getattr(t, attr) if whole else -1 for (t, _), whole in zip(held, wholes)),
+                           dtype=np.int64, count=len(held))
+    off = np.flatnonzero((counts != expected) & (expected >= 0))
+    if off.size:
+        t = held[int(off[0])][0]
+        raise CorruptObjectError(f"version {step}, tensor {t.name!r}: {int(counts[off[0]])} changed elements "
+                                 f"decoded, manifest says {int(expected[off[0]])}")
+    numels = np.fromiter((p.numel for _, p in held), dtype=np.int64, count=len(held))
+    bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
+    if bad >= 0:
+        raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
+                                 f"increasing in [0, {int(numels[bad])})")
 
 
 def _check_sparse_shape(u: Update, spec: TensorSpec, name: str, step: int, expected: int) -> None:
