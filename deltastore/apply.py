@@ -35,7 +35,7 @@ from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, Targe
 from .kernels.gather import gather
 from .layout import describe, layout_diff, same_spec
 from .manifest import Manifest, TensorRecord
-from .tensors import bits_view, dtype_name
+from .tensors import bits_view
 
 _M64 = (1 << 64) - 1
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -77,7 +77,7 @@ def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict
 def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: int) -> None:
     if t is None:
         raise TargetMismatchError(f"target has no tensor {name!r} (version {step} has it)")
-    if dtype_name(t.dtype) != rec.dtype or tuple(t.shape) != rec.shape:
+    if t.dtype is not rec.spec.dtype or t.shape != rec.shape:
         raise TargetMismatchError(f"target tensor {name!r} is {t.dtype}{tuple(t.shape)}, "
                                   f"version {step} has {rec.dtype}{list(rec.shape)}")
     if not t.is_contiguous():
@@ -588,8 +588,9 @@ class SparseOverlay:
             _expect(rec, cs, manifest.step, "applying the delta to the target")
             staged.append((rec.name, positions, u.bits, old, cs))
         for group in batch.values():
-            groups.append(([r for r, _ in group], segments.joined([u.positions for _, u in group]),  # type: ignore[misc]
-                           segments.joined([u.bits for _, u in group]), segments.bounds_of([u.count for _, u in group])))
+            positions = segments.joined([u.positions for _, u in group])  # type: ignore[misc]
+            groups.append(([r for r, _ in group], positions, segments.joined([u.bits for _, u in group]),
+                           segments.bounds_of([u.count for _, u in group])))
         firsts = [self._check_first_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
@@ -683,8 +684,12 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
     done: set[str] = set()
     fast = overlay._fast
+    batched = overlay._batched
     for names, pos, bits, orig, bounds in overlay.batches:
-        if all(n in overlay._batched and n in fast and fast[n].data_ptr() == target[n].data_ptr() for n in names):
+        # a batch is written as it is while none of its tensors was touched again and each is still the
+        # target's own (the same tensor object, or one over the same memory)
+        if batched.issuperset(names) and all(fast.get(n) is target.get(n) or n in fast and
+                                              fast[n].data_ptr() == target[n].data_ptr() for n in names):
             direct.append(([fast[n] for n in names], pos, bounds, bits, orig))
             done.update(names)
     try:

@@ -74,7 +74,8 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
     else:
         items = state
     out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[Any, ...], str] = {}
+    # by address first (one call a tensor); the whole layout is compared only where two tensors share one
+    at: dict[int, list[tuple[tuple[Any, ...] | None, str, torch.Tensor]]] = {}
     for name, t in items:
         if not isinstance(name, str):
             raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
@@ -82,12 +83,23 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
         if name in out:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
-        # same address, layout, dtype and device: the same elements (tied weights)
-        alias = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-        if t.numel() > 0 and alias in seen:
-            if aliases is not None:
-                aliases[name] = seen[alias]
+        ptr = t.data_ptr()
+        same = at.get(ptr)
+        if same is None:
+            at[ptr] = [(None, name, t)]
+            out[name] = t
             continue
-        seen[alias] = name
+        # same address, layout, dtype and device: the same elements (tied weights)
+        alias = _layout_key(t)
+        kept = next((n for key, n, other in same if (key or _layout_key(other)) == alias), None)
+        if t.numel() > 0 and kept is not None:
+            if aliases is not None:
+                aliases[name] = kept
+            continue
+        same.append((alias, name, t))
         out[name] = t
     return out
+
+
+def _layout_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)

@@ -70,3 +70,48 @@ def test_a_bad_field_is_named_by_the_full_check(bad, message):
     assert M._plain_record(t, N_OBJECTS) is None
     with pytest.raises(ManifestError, match=message):
         M._record(t, 0, N_OBJECTS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(records(), min_size=0, max_size=4), st.integers(0, 200), st.randoms(use_true_random=False))
+def test_the_column_pass_agrees_with_the_record_by_record_fast_path(odd, plain, rnd):
+    """Many valid records with a few odd ones mixed in (or none): the bulk pass gives what the per-record
+    fast path gives, entry by entry (it falls back to it whenever a column is not plain)."""
+    valid = [dict(_VALID, name=f"layer.{i}.w", shape=[i % 7 + 1, 3], changed=i % 3, delta=i % N_OBJECTS)
+             for i in range(plain)]
+    ts = valid + odd
+    rnd.shuffle(ts)
+    assert M._plain_records(ts, N_OBJECTS) == [M._plain_record(t, N_OBJECTS) for t in ts]
+
+
+@pytest.mark.parametrize("field, value", [("name", "a\nb"), ("name", "w\n"), ("checksum", "0123456789abcdef\n"),
+                                          ("name", "x..y"), ("shape", [2, True]), ("delta", True), ("dtype", ["x"])])
+def test_the_column_pass_sees_a_value_that_only_looks_plain(field, value):
+    ts = [dict(_VALID, name=f"layer.{i}.w") for i in range(100)]
+    ts[37] = dict(ts[37], **{field: value})
+    assert M._plain_records(ts, N_OBJECTS) == [M._plain_record(t, N_OBJECTS) for t in ts]
+
+
+_part = st.sampled_from([(), (M.Part(0, 0, 4),)])
+
+
+@st.composite
+def role_cases(draw):
+    n = draw(st.integers(0, 5))
+    recs = [M.TensorRecord(draw(st.sampled_from(["a", "b", "c", "d", "e", "f"])), "bfloat16", (4,),
+                           draw(st.integers(0, 2)), "0123456789abcdef", draw(_part), draw(_part), draw(_part),
+                           draw(st.integers(0, 2))) for _ in range(n)]
+    return (recs, draw(st.sampled_from(["anchor", "delta"])), draw(st.sampled_from([None, object()])),
+            draw(st.sampled_from([None, object()])), draw(st.sampled_from([set(), {"a"}, {"a", "b", "c"}])))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(role_cases())
+def test_the_one_pass_role_rules_agree_with_the_record_by_record_check(case):
+    """Where the C-level passes see no problem the per-record loop finds none either, and where they do it
+    names one (a ManifestError, never the loop's internal assertion)."""
+    recs, kind, parent, differential, new_names = case
+    ok = len({r.name for r in recs}) == len(recs) and M._roles_hold(recs, kind, parent is not None,
+                                                                    differential is not None, new_names)
+    with pytest.raises(AssertionError if ok else ManifestError):
+        M._check_roles(recs, kind, parent, differential, new_names)

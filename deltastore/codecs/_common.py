@@ -195,12 +195,14 @@ def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec
     vals, used = B.uvarint_decode(hdr, len(specs) + extra)
     if used != len(hdr):
         raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
-    ints = [int(v) for v in vals]
-    counts = ints[:len(specs)]
-    for c, s in zip(counts, specs):
-        if c > s.numel:
-            raise CorruptObjectError(f"{codec_id}: {c} changes in {s.name!r} of {s.numel} elements")
-    return counts, ints[len(specs):]
+    n = len(specs)
+    numels = np.fromiter((s.numel for s in specs), dtype=np.uint64, count=n)
+    over = np.flatnonzero(vals[:n] > numels)  # both uint64: compared exactly
+    if over.size:
+        s = specs[int(over[0])]
+        raise CorruptObjectError(f"{codec_id}: {int(vals[over[0]])} changes in {s.name!r} of {s.numel} elements")
+    ints = vals.tolist()
+    return ints[:n], ints[n:]
 
 
 def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,

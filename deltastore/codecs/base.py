@@ -162,15 +162,18 @@ class UpdateBatch:
     @classmethod
     def join(cls, updates: Sequence[Update]) -> UpdateBatch:
         """One batch of sparse ``updates`` (one bits dtype, every one with positions), in their order: one
-        copy per array (none when they lie back to back already; the batch is then read-only). Raises :class:`ValueError` for a dense update or mixed dtypes."""
+        copy per array (none when they lie back to back already; the batch is then read-only).
+        Raises :class:`ValueError` for a dense update or mixed dtypes."""
         from ..segments import bounds_of, joined
 
         if any(u.positions is None for u in updates):
             raise ValueError("a batch holds sparse updates only")
         if len({u.bits.dtype for u in updates}) > 1:
             raise ValueError("a batch holds one bits dtype")
-        bits = joined([u.bits.reshape(-1) for u in updates]) if updates else torch.empty(0, dtype=torch.int16)
-        positions = joined([u.positions for u in updates]) if updates else torch.empty(0, dtype=torch.int64)  # type: ignore[misc]
+        if not updates:
+            return cls([], torch.empty(0, dtype=torch.int64), bounds_of([]), torch.empty(0, dtype=torch.int16))
+        bits = joined([u.bits.reshape(-1) for u in updates])
+        positions = joined([u.positions for u in updates])  # type: ignore[misc]
         return cls([u.spec for u in updates], positions, bounds_of([u.count for u in updates]), bits)
 
     def subset(self, idxs: Sequence[int]) -> UpdateBatch:

@@ -35,6 +35,8 @@ from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     """Indices of ``specs`` grouped by (bits dtype, is float): one vectorised pass per group (usually one)."""
+    if len({s.dtype for s in specs}) == 1:  # the usual object: one kind
+        return [(specs[0].dtype in MANTISSA_BITS, list(range(len(specs))))]
     groups: dict[tuple[Any, bool], list[int]] = {}
     for i, s in enumerate(specs):
         groups.setdefault((s.bits_dtype, s.dtype in MANTISSA_BITS), []).append(i)

@@ -166,7 +166,8 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     records = {t.name: (t, p) for t, p in pairs}
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    specs = [t.spec if t.is_whole(p) else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for t, p in pairs]
+    specs = [t.spec if p.offset == 0 and p.numel == t.numel else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,))
+             for t, p in pairs]
     reader = PartReader(old, {t.name: p for t, p in pairs}) if old is not None else None
     try:
         batches = decode_batched(codec, data, specs, reader)
@@ -184,7 +185,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     parts: list[tuple[TensorRecord, Part, Update]] = []
     for b in batches:
         held = [records[s.name] for s in b.specs]
-        wholes = [t.is_whole(p) for t, p in held]
+        wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
         _check_batch(b, held, wholes, role, manifest.step)
         if all(wholes):
             whole_batches.append(UpdateBatch([t.spec for t, _ in held], b.positions.contiguous(), b.bounds,
