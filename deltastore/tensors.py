@@ -74,8 +74,9 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
     else:
         items = state
     out: dict[str, torch.Tensor] = {}
-    # by address first (one call a tensor); the whole layout is compared only where two tensors share one
-    at: dict[int, list[tuple[tuple[Any, ...] | None, str, torch.Tensor]]] = {}
+    # by address first (one call a tensor); layouts are compared only at an address two tensors share
+    first: dict[int, tuple[str, torch.Tensor | None]] = {}
+    keyed: dict[tuple[Any, ...], str] = {}
     for name, t in items:
         if not isinstance(name, str):
             raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
@@ -83,21 +84,27 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
         if name in out:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
-        ptr = t.data_ptr()
-        same = at.get(ptr)
-        if same is None:
-            at[ptr] = [(None, name, t)]
-            out[name] = t
+        out[name] = t
+        if t.numel() == 0:  # no elements: never an alias
             continue
+        ptr = t.data_ptr()
+        got = first.get(ptr)
+        if got is None:
+            first[ptr] = (name, t)
+            continue
+        kept_name, kept = got
+        if kept is not None:  # the second tensor at this address: the first one's layout is keyed now
+            keyed.setdefault(_layout_key(kept), kept_name)
+            first[ptr] = (kept_name, None)
         # same address, layout, dtype and device: the same elements (tied weights)
         alias = _layout_key(t)
-        kept = next((n for key, n, other in same if (key or _layout_key(other)) == alias), None)
-        if t.numel() > 0 and kept is not None:
+        kept_name = keyed.get(alias)  # type: ignore[assignment]
+        if kept_name is not None:
+            del out[name]
             if aliases is not None:
-                aliases[name] = kept
+                aliases[name] = kept_name
             continue
-        same.append((alias, name, t))
-        out[name] = t
+        keyed[alias] = name
     return out
 
 

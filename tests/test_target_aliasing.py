@@ -64,3 +64,21 @@ def test_disjoint_views_of_one_buffer_are_fine(published):
     target = {"a": base[:64].view(8, 8), "b": base[64:72], "c": base[72:].view(8, 8)}
     ds.Subscriber(uri).pull(target, step=1)
     assert bits_equal(target, s1)
+
+
+def test_named_tensors_drops_exact_aliases_only_and_stays_linear_at_one_address():
+    """Tied entries (same address, layout, dtype, device) go; views at one address that differ in shape,
+    stride or dtype stay; many tensors at one address (empty ones, views) cost one lookup each."""
+    from deltastore.tensors import named_tensors
+
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"w": w, "tied": w, "same_view": w.view(3, 4), "flat": w.view(-1), "t": w.t(),
+             "bits": w.view(torch.int32), "head": w[0], "other": w.clone()}
+    state.update({f"empty.{i}": torch.empty(0) for i in range(20000)})
+    state.update({f"view.{i}": w.view(-1)[: i % 11 + 1] for i in range(20000)})  # 11 layouts at one address
+    aliases: dict[str, str] = {}
+    out = named_tensors(state, aliases)
+    assert aliases["tied"] == "w" and aliases["same_view"] == "w" and aliases["view.11"] == "view.0"
+    assert {"w", "flat", "t", "bits", "head", "other", "empty.7"} <= set(out) and "tied" not in out
+    assert aliases.get("head") is None and "view.10" in out and "view.21" not in out
+    assert list(out) == [k for k in state if k in out]  # the state's order
