@@ -127,6 +127,7 @@ class TensorRecord:
         got = self.__dict__.get("_spec")
         if got is None:
             got = self.__dict__["_spec"] = TensorSpec(self.name, DTYPES[self.dtype], self.shape)
+            got.__dict__["_numel"] = self.numel  # known here: spared a product per tensor later
         return got
 
     @property
