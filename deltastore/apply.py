@@ -37,7 +37,6 @@ from .layout import describe, layout_diff, same_spec
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_view
 
-_M64 = (1 << 64) - 1
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

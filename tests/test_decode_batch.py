@@ -229,10 +229,15 @@ class _Lying(RawCodec):
             b.bits = b.bits.to(torch.int32)
         elif how == "length":
             b.bits = b.bits[:-1]
+        elif how == "numpy":
+            b.bits = b.bits.numpy()
+        elif how == "not-a-list":
+            return {"batch": b}
         return got
 
 
-@pytest.mark.parametrize("how", ["count", "bounds", "missing", "order", "range", "dtype", "length"])
+@pytest.mark.parametrize("how", ["count", "bounds", "missing", "order", "range", "dtype", "length", "numpy",
+                                 "not-a-list"])
 def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_version(memory_uri, how):
     register_codec(_Lying.codec_id, _Lying, clobber=True)
     try:

@@ -176,6 +176,9 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     except Exception as e:  # a codec bug or hostile content must not escape untyped
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
                                  f"{rec.digest}: {e!r}", digest=rec.digest) from e
+    if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
+        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
+                                 f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
     names = [s.name for b in batches for s in b.specs]
     if len(names) != len(records) or not records.keys() == set(names):
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
@@ -200,6 +203,8 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
     """A decoded batch's arrays, counts and positions against the manifest (:class:`CorruptObjectError`)."""
     first = held[0][0].name if held else "?"
     bits, pos, bounds = b.bits, b.positions, b.bounds
+    if not isinstance(bits, torch.Tensor) or not isinstance(pos, torch.Tensor):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch holds no tensors")
     if not isinstance(bounds, np.ndarray) or bounds.dtype != np.int64 or bounds.shape != (len(held) + 1,):
         raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
     if bits.dim() != 1 or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != bits.numel():
