@@ -38,7 +38,7 @@ from ..errors import CorruptObjectError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import as_bytes, pack_meta, u8, unpack_meta
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, decode_batched, encode_batched
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, decode_batched, encode_batched
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -176,16 +176,12 @@ class AutoCodec(Codec):
                          self.format_version, {"deltastore.auto": json.dumps(choice, sort_keys=True)})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
-        batches, out = self._decode(data, specs, old, batched=False)
-        return out
+        return self._decode(data, specs, old, batched=False)[1]
 
     def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
                      ) -> list[UpdateBatch]:
         batches, loose = self._decode(data, specs, old, batched=True)
-        groups: dict[torch.dtype, list[Update]] = {}
-        for u in loose.values():
-            groups.setdefault(u.bits.dtype, []).append(u)
-        return batches + [UpdateBatch.join(g) for g in groups.values()]
+        return batches + batches_by_dtype(list(loose.values()))
 
     def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, batched: bool
                 ) -> tuple[list[UpdateBatch], dict[str, Update]]:

@@ -279,17 +279,25 @@ class Codec(abc.ABC):
         if len(got) != len(specs) or not all(s.name in got for s in specs):
             raise CorruptObjectError(f"{self.codec_id}: decoded tensors {sorted(got)[:5]}, expected "
                                      f"{[s.name for s in specs][:5]}")
-        groups: dict[torch.dtype, list[Update]] = {}
+        ups = []
         for s in specs:
             u = got[s.name]
             if u.positions is None:
                 raise CorruptObjectError(f"{self.codec_id}: a sparse object decoded {s.name!r} as a dense update")
-            groups.setdefault(u.bits.dtype, []).append(Update(s, u.bits, u.positions))
-        return [UpdateBatch.join(g) for g in groups.values()]
+            ups.append(Update(s, u.bits, u.positions))
+        return batches_by_dtype(ups)
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({cfg})"
+
+
+def batches_by_dtype(updates: Sequence[Update]) -> list[UpdateBatch]:
+    """:meth:`UpdateBatch.join` of sparse ``updates``, one batch per bits dtype (in first-seen order)."""
+    groups: dict[torch.dtype, list[Update]] = {}
+    for u in updates:
+        groups.setdefault(u.bits.dtype, []).append(u)
+    return [UpdateBatch.join(g) for g in groups.values()]
 
 
 def _defined_at_or_below(codec: Codec, batch: str, single: str) -> bool:
