@@ -245,7 +245,7 @@ class FullState:
         self = cls.__new__(cls)
         self.specs = {r.name: r.spec for r in manifest.tensors}
         self.bits = {r.name: bits[r.name] for r in manifest.tensors}
-        self.checksums = {r.name: int(r.checksum, 16) for r in manifest.tensors}
+        self.checksums = dict(manifest.checksum_values)
         return self
 
     def old_bits(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
@@ -447,7 +447,7 @@ class SparseOverlay:
 
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None):
         self.reader = reader
-        self.checksums: dict[str, int] = {r.name: int(r.checksum, 16) for r in base.tensors}
+        self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
         # first touches staged in one batch: (names, positions, bits, original, bounds), written by one
@@ -619,7 +619,7 @@ class SparseOverlay:
         keys = np.fromiter((_key(nm) for nm in names), dtype=np.uint64, count=n)
         before = np.fromiter((self.checksums[nm] for nm in names), dtype=np.uint64, count=n)
         after = before + segments.mix_delta(pos, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
-        want = np.fromiter((int(r.checksum, 16) for r in recs), dtype=np.uint64, count=n)
+        want = np.fromiter(map(manifest.checksum_values.__getitem__, names), dtype=np.uint64, count=n)
         off = np.flatnonzero(after != want)
         if off.size:
             k = int(off[0])

@@ -126,8 +126,13 @@ class TensorRecord:
     def spec(self) -> TensorSpec:
         got = self.__dict__.get("_spec")
         if got is None:
-            got = self.__dict__["_spec"] = TensorSpec(self.name, DTYPES[self.dtype], self.shape)
-            got.__dict__["_numel"] = self.numel  # known here: spared a product per tensor later
+            # made once per tensor of every parsed manifest: one __dict__, not a frozen dataclass's
+            # per-field object.__setattr__ (the same fields as TensorSpec(name, dtype, shape)), with
+            # the element count it would compute later
+            got = TensorSpec.__new__(TensorSpec)
+            object.__setattr__(got, "__dict__", {"name": self.name, "dtype": DTYPES[self.dtype],
+                                                 "shape": self.shape, "_numel": self.numel})
+            self.__dict__["_spec"] = got
         return got
 
     @property
@@ -248,6 +253,11 @@ class Manifest:
     @property
     def changes_layout(self) -> bool:
         return bool(self.new_tensors or self.dropped_tensors)
+
+    @functools.cached_property
+    def checksum_values(self) -> dict[str, int]:
+        """``name -> checksum`` as integers (parsed once per manifest; callers copy before changing it)."""
+        return {t.name: int(t.checksum, 16) for t in self.tensors}
 
     @functools.cached_property
     def layout_key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
