@@ -387,6 +387,7 @@ def test_overlay_hands_decoders_a_view_of_a_cpu_target():
 
     class _M:  # the manifest fields SparseOverlay reads
         tensors = ()
+        checksum_values: dict[str, int] = {}
 
     overlay = SparseOverlay(reader, _M())
     whole = overlay.old_bits("w", None)
