@@ -220,6 +220,14 @@ def is_zero(t: torch.Tensor) -> bool:
     return bool(_k.all_zero(like(t.element_size()), t.data_ptr(), t.numel()))
 
 
+def zero_flags(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """:func:`is_zero` of each flat contiguous CPU tensor of one element width, as a bool array (one kernel call)."""
+    out = np.zeros(len(tensors), np.bool_)
+    if len(tensors):
+        _k.zero_flags(like(tensors[0].element_size()), pointers(tensors), lengths(tensors), out)
+    return out
+
+
 def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` of 1-D CPU tensors of one dtype; a few big pieces go through numpy (one memcpy each,
     no OpenMP hand-off: torch's parallel copy stalls when the cores are busy with other work)."""

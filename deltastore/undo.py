@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import IO
 
 import numpy as np
 import torch
 
-from .segments import is_zero, unsigned
+from .apply import plain_cpu
+from .segments import is_zero, unsigned, zero_flags
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
@@ -68,6 +70,29 @@ class UndoJournal:
         self._file.write(memoryview(unsigned(host)).cast("B"))
         self._entries.append((flat, "file", (self._offset, nbytes)))
         self._offset += nbytes
+
+    def save_many(self, flats: Sequence[torch.Tensor]) -> None:
+        """:meth:`save` of each of ``flats``; the plain CPU ones are checked for zeros in one kernel pass
+        per element width, so a fresh target's many small tensors cost their bytes, not their count."""
+        by_width: dict[int, list[torch.Tensor]] = {}
+        for flat in flats:
+            if plain_cpu(flat) and flat.numel():
+                by_width.setdefault(flat.element_size(), []).append(flat)
+            else:
+                self.save(flat)
+        for group in by_width.values():
+            fresh = []
+            for flat in group:
+                key = (flat.data_ptr(), flat.numel())
+                if key not in self._saved:
+                    self._saved.add(key)
+                    fresh.append(flat)
+            for flat, zero in zip(fresh, zero_flags(fresh).tolist()):
+                if zero:
+                    self._entries.append((flat, "zeros", None))
+                else:
+                    self._saved.discard((flat.data_ptr(), flat.numel()))
+                    self.save(flat)
 
     def restore(self) -> int:
         """Put every saved tensor back (newest first); returns how many refused."""

@@ -287,6 +287,20 @@ class Codec(abc.ABC):
             ups.append(Update(s, u.bits, u.positions))
         return batches_by_dtype(ups)
 
+    def decode_into(self, data: bytes, specs: Sequence[TensorSpec], dests: Sequence[torch.Tensor]) -> bool:
+        """:meth:`decode` of a dense codec's object written straight into ``dests``, when the codec can.
+
+        ``dests[i]`` receives the bits of ``specs[i]`` (a whole tensor): a contiguous CPU tensor of that
+        many elements of the spec's element width. Returns False, having written nothing, when this
+        codec (the default) or this object's format cannot place its output; the caller then decodes
+        with :meth:`decode` and copies. A codec whose decoder writes into buffers it is handed
+        overrides it, so that an anchor lands in its target with no second copy. Raises
+        :class:`CorruptObjectError` when ``data`` cannot be decoded (``dests`` may then hold part of
+        the object: the caller keeps what it needs to undo), ``ValueError`` when a destination does
+        not fit its spec (nothing written).
+        """
+        return False
+
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({cfg})"
@@ -312,6 +326,11 @@ def encode_batched(codec: Codec, batch: UpdateBatch) -> bytes:
     if _defined_at_or_below(codec, "encode_batch", "encode"):
         return codec.encode_batch(batch)
     return Codec.encode_batch(codec, batch)
+
+
+def decode_placed(codec: Codec, data: bytes, specs: Sequence[TensorSpec], dests: Sequence[torch.Tensor]) -> bool:
+    """``codec.decode_into(...)``, or False (nothing written) when a subclass overrides only ``decode``."""
+    return _defined_at_or_below(codec, "decode_into", "decode") and codec.decode_into(data, specs, dests)
 
 
 def decode_batched(codec: Codec, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None

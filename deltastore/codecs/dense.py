@@ -385,14 +385,12 @@ class DenseCodec(Codec):
     # --- decode ------------------------------------------------------------------------------------
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
-        parsed = header(data, self.codec_id)
-        meta = parsed[1]
-        if meta.get("deltastore.codec", self.codec_id) != self.codec_id:
-            raise CorruptObjectError(f"dense: object was written by codec {meta.get('deltastore.codec')!r}")
-        version = meta.get("deltastore.codec_version", "1.0")
+        parsed, version = self._parse(data)
         if version == PLANES_VERSION:
             tensors, meta = view(data, self.codec_id, parsed)
-            return _decode_v21(tensors, meta, specs)
+            outs = {s.name: _empty(math.prod(s.shape), _kind(s.dtype)[0]) for s in specs}
+            _decode_v21(tensors, meta, specs, [outs[s.name] for s in specs])
+            return {s.name: Update(s, outs[s.name]) for s in specs}
         raw, meta = unpack_meta(data, self.codec_id)
         if version.split(".")[0] == "1":
             return _decode_v1(raw, specs)
@@ -401,9 +399,38 @@ class DenseCodec(Codec):
                                          f"(1.x, 2.0, {PLANES_VERSION}); upgrade deltastore")
         return _decode_v20(raw, meta, specs)
 
+    def decode_into(self, data: bytes, specs: Sequence[TensorSpec], dests: Sequence[torch.Tensor]) -> bool:
+        """Format 2.1 objects are decoded straight into ``dests`` (the planes joined where they go);
+        older formats answer False."""
+        parsed, version = self._parse(data)
+        if version != PLANES_VERSION:
+            return False
+        if len(dests) != len(specs):
+            raise ValueError(f"dense: {len(dests)} destinations for {len(specs)} tensors")
+        for s, d in zip(specs, dests):
+            width = _kind(s.dtype)[0]
+            if d.device.type != "cpu" or d.element_size() != width or d.numel() != math.prod(s.shape) \
+                    or not d.is_contiguous():
+                raise ValueError(f"dense: destination {d.dtype}{tuple(d.shape)} on {d.device} cannot hold "
+                                 f"{s.name!r} ({s.dtype}{tuple(s.shape)}, contiguous, on the CPU)")
+        tensors, meta = view(data, self.codec_id, parsed)
+        _decode_v21(tensors, meta, specs, dests)
+        return True
+
+    def _parse(self, data: bytes) -> tuple[Any, str]:
+        """The object's safetensors header and its format version; a foreign codec's object is refused."""
+        parsed = header(data, self.codec_id)
+        meta = parsed[1]
+        if meta.get("deltastore.codec", self.codec_id) != self.codec_id:
+            raise CorruptObjectError(f"dense: object was written by codec {meta.get('deltastore.codec')!r}")
+        return parsed, meta.get("deltastore.codec_version", "1.0")
+
 
 def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], meta: dict[str, str],
-                specs: Sequence[TensorSpec]) -> dict[str, Update]:
+                specs: Sequence[TensorSpec], outs: Sequence[torch.Tensor]) -> None:
+    """Join the 2.1 object's planes into ``outs`` (``outs[i]``: a contiguous CPU buffer of ``specs[i]``'s
+    element count and width, checked by the caller); raises :class:`CorruptObjectError` first when the
+    index does not describe exactly these tensors."""
     if set(tensors) != {"frames"} or tensors["frames"][0] != "U8" or len(tensors["frames"][1]) != 1:
         raise CorruptObjectError(f"dense: a {PLANES_VERSION} object holds one 1-D uint8 tensor 'frames', "
                                  f"found {sorted(tensors)}")
@@ -473,9 +500,9 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
     if off != payload.nbytes:
         raise CorruptObjectError(f"dense: {payload.nbytes - off} bytes after the last frame")
 
-    outs = {name: _empty(n, kind[0]) for name, (n, kind) in info.items()}
+    addr = {s.name: o.data_ptr() for s, o in zip(specs, outs)}
     for g in groups:
-        g.addrs[:] = [outs[name].data_ptr() for name in g.names]
+        g.addrs[:] = [addr[name] for name in g.names]
 
     def one(i: int) -> None:
         g, start, count, frames = units[i]
@@ -490,7 +517,6 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
         _planes.join_segments(g.width, g.rotate, planes, starts, counts, addrs)
 
     _parallel(len(units), one)
-    return {s.name: Update(s, outs[s.name]) for s in specs}
 
 
 #: below this many bytes torch.empty is cheaper; above, numpy's buffers (advised onto transparent huge pages)

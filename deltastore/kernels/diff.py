@@ -255,6 +255,13 @@ def all_zero(like, ptr, n):
 
 
 @njit(nogil=True, cache=True)
+def zero_flags(like, ptrs, lens, out):
+    """``out[i]`` = whether the ``lens[i]`` elements at ``ptrs[i]`` are all zero."""
+    for i in range(ptrs.size):
+        out[i] = all_zero(like, ptrs[i], lens[i])
+
+
+@njit(nogil=True, cache=True)
 def drift_merge_rows(p_bounds, p_pos, p_anchor, c_bounds, c_pos, c_old, c_new, out_bounds, out_pos, out_anchor):
     """Merge one version's changes into the positions that differ from the anchor, every row at once.
 

@@ -2,7 +2,10 @@
 
 :func:`stream_anchor` fetches the anchor's full objects with a bounded
 read-ahead, decodes each, writes its tensors (or parts of tensors) where they
-go and drops the object, so a pull holds a few objects at a time:
+go and drops the object, so a pull holds a few objects at a time. An object
+of whole tensors bound for plain CPU tensors is decoded straight into them
+when its codec can place its output (``dense`` format 2.1: no decode buffer,
+no copy); any other is decoded, checked, then copied:
 
 * into a live target (``dests``: per tensor the flat bit views to write,
   the tensor itself and any alias copies): each view's old bits are saved in
@@ -30,7 +33,7 @@ from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
 from ..undo import UndoJournal
-from .objects import decode_object, object_index, stream_objects
+from .objects import decode_object, decode_object_into, object_index, stream_objects
 
 
 class WriteFailed(Exception):
@@ -49,7 +52,20 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     progress.grow(bar, am.object_bytes(set(index)))
     for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
         progress.advance(bar, len(data))
-        decoded = decode_object(am, i, data, index[i], "full", None)
+        pairs = index[i]
+        flats = _placeable(pairs, dests)
+        if flats is not None:
+            if journal is not None:
+                journal.save_many(flats)
+            if decode_object_into(am, i, data, pairs, flats):
+                del data
+                complete = [t.name for t, _ in pairs]
+                for name in complete:
+                    received[name] = records[name].numel
+                if verify:
+                    _verify(am, records, complete, dict(zip(complete, flats)))
+                continue
+        decoded = decode_object(am, i, data, pairs, "full", None)
         del data
         complete = []
         copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # plain CPU writes, by width
@@ -93,6 +109,20 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     missing = [n for n, got in received.items() if got != records[n].numel]
     if missing:
         raise ManifestError(f"anchor {am.step} does not hold every element of {missing[:5]}")
+    return out
+
+
+def _placeable(pairs: list, dests: Mapping[str, list[torch.Tensor]] | None) -> list[torch.Tensor] | None:
+    """The one flat view each tensor of an object goes to, when a decoder may write them itself: every
+    tensor whole, with one destination (no alias copies), a plain CPU tensor. None otherwise."""
+    if dests is None:
+        return None
+    out = []
+    for t, p in pairs:
+        d = dests.get(t.name)
+        if d is None or len(d) != 1 or not t.is_whole(p) or not plain_cpu(d[0]):
+            return None
+        out.append(d[0])
     return out
 
 

@@ -7,7 +7,9 @@ number ahead, so a pull holds a few encoded objects at a time, never all of
 them. :func:`decode_object` decodes one object with the codec named in the
 manifest and validates every update (names, counts, dtypes, position order
 and range) before anything uses it; codec failures become
-:class:`CorruptObjectError` naming the object. :func:`decode_sparse_object`
+:class:`CorruptObjectError` naming the object; :func:`decode_object_into`
+writes a dense object's tensors straight where they go when its codec can.
+:func:`decode_sparse_object`
 does the same for a delta's object as flat batches (one check pass per
 batch, no object per tensor).
 """
@@ -25,7 +27,7 @@ import torch
 from .. import segments
 from ..apply import check_update
 from ..codecs import OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits
-from ..codecs.base import decode_batched
+from ..codecs.base import decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
 from ..store import DeltaStore
@@ -97,6 +99,23 @@ class PartReader:
             offsets = np.fromiter((self.parts[n].offset for n in names), dtype=np.int64, count=len(names))
             positions = positions + torch.from_numpy(np.repeat(offsets, np.diff(bounds)))
         return read_old_bits(self.old, names, positions, bounds)
+
+
+def decode_object_into(manifest: Manifest, index: int, data: bytes, pairs: Pairs,
+                       dests: Sequence[torch.Tensor]) -> bool:
+    """Decode object ``index`` of ``manifest`` (whole tensors only, ``pairs`` order) straight into ``dests``
+    when its codec can place its output (:meth:`~deltastore.codecs.Codec.decode_into`); False, with
+    nothing written, when it cannot. Raises :class:`CorruptObjectError` naming the object when it is
+    bad (``dests`` may then hold part of it)."""
+    rec = manifest.objects[index]
+    codec = get_codec(rec.codec)
+    try:
+        return decode_placed(codec, data, [t.spec for t, _ in pairs], dests)
+    except (CorruptObjectError, ChecksumMismatchError):
+        raise
+    except Exception as e:  # a codec bug or hostile content must not escape untyped
+        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
+                                 f"{rec.digest}: {e!r}", digest=rec.digest) from e
 
 
 def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
