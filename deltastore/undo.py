@@ -13,8 +13,9 @@ write). Where they are saved:
   straight from and read straight back into a CPU tensor's storage.
 
 So an anchor pull into a live target costs, beyond the decode buffers, at
-most ``memory_bytes`` of RAM and the target's size in temporary disk space
-(page cache), never a second resident copy. A tensor is saved once per
+most ``memory_bytes`` of RAM (and, while :meth:`UndoJournal.save_many` packs
+many small tensors for one write, an 8 MiB block) and the target's size in
+temporary disk space (page cache), never a second resident copy. A tensor is saved once per
 journal however many parts are written into it.
 """
 
@@ -23,16 +24,19 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
+from itertools import repeat
 from typing import IO
 
 import numpy as np
 import torch
 
 from .apply import plain_cpu
-from .segments import is_zero, unsigned, zero_flags
+from .segments import is_zero, lengths, unsigned, zero_flags
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
+#: most bytes :meth:`UndoJournal.save_many` packs into one block before writing it to the file
+_BLOCK = 8 << 20
 
 
 class UndoJournal:
@@ -46,6 +50,7 @@ class UndoJournal:
         self._offset = 0
         self._entries: list[tuple[torch.Tensor, str, object]] = []
         self._saved: set[tuple[int, int]] = set()
+        self._block: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -61,19 +66,17 @@ class UndoJournal:
             return
         nbytes = flat.numel() * flat.element_size()
         if self._in_memory + nbytes <= self.memory_bytes:
-            self._entries.append((flat, "copy", flat.to("cpu", copy=True)))
+            self._entries.append((flat, "copy", (flat.to("cpu", copy=True), 0)))
             self._in_memory += nbytes
             return
         host = flat if flat.is_cpu else flat.cpu()
-        if self._file is None:
-            self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-")
-        self._file.write(memoryview(unsigned(host)).cast("B"))
-        self._entries.append((flat, "file", (self._offset, nbytes)))
-        self._offset += nbytes
+        self._write(memoryview(unsigned(host)).cast("B"))
+        self._entries.append((flat, "file", (self._offset - nbytes, nbytes)))
 
     def save_many(self, flats: Sequence[torch.Tensor]) -> None:
-        """:meth:`save` of each of ``flats``; the plain CPU ones are checked for zeros in one kernel pass
-        per element width, so a fresh target's many small tensors cost their bytes, not their count."""
+        """:meth:`save` of each of ``flats``; the plain CPU ones of one element width are checked for
+        zeros in one kernel pass and copied (into memory, or to the file) in a few packed blocks, so a
+        target's many small tensors cost their bytes, not their count."""
         by_width: dict[int, list[torch.Tensor]] = {}
         for flat in flats:
             if plain_cpu(flat) and flat.numel():
@@ -87,12 +90,53 @@ class UndoJournal:
                 if key not in self._saved:
                     self._saved.add(key)
                     fresh.append(flat)
+            kept = []
             for flat, zero in zip(fresh, zero_flags(fresh).tolist()):
                 if zero:
                     self._entries.append((flat, "zeros", None))
                 else:
-                    self._saved.discard((flat.data_ptr(), flat.numel()))
-                    self.save(flat)
+                    kept.append(flat)
+            self._pack(kept)
+
+    def _pack(self, flats: list[torch.Tensor]) -> None:
+        """Save ``flats`` (plain CPU, one width, not saved yet) as packed blocks: in memory while the
+        budget lasts, then to the file in blocks of at most ``_BLOCK`` bytes."""
+        if not flats:
+            return
+        width = flats[0].element_size()
+        sizes = lengths(flats)
+        ends = np.cumsum(sizes)
+        room = max(0, self.memory_bytes - self._in_memory) // width
+        n_mem = int(np.searchsorted(ends, room, side="right"))
+        if n_mem:
+            buf = torch.cat(flats[:n_mem])
+            self._in_memory += buf.numel() * width
+            starts = (ends[:n_mem] - sizes[:n_mem]).tolist()
+            self._entries.extend(zip(flats[:n_mem], repeat("copy"), zip(repeat(buf), starts)))
+        i = n_mem
+        while i < len(flats):
+            if sizes[i] * width >= _BLOCK:  # a big tensor is written from where it lies
+                self._write(memoryview(unsigned(flats[i])).cast("B"))
+                self._entries.append((flats[i], "file", (self._offset - int(sizes[i]) * width, int(sizes[i]) * width)))
+                i += 1
+                continue
+            base = int(ends[i - 1]) if i else 0
+            j = int(np.searchsorted(ends, base + _BLOCK // width, side="right"))  # > i: sizes[i] fits
+            if self._block is None:
+                self._block = torch.empty(_BLOCK, dtype=torch.uint8)  # one staging block, reused
+            block = self._block[:(int(ends[j - 1]) - base) * width].view(flats[0].dtype)
+            torch.cat(flats[i:j], out=block)  # one memcpy a tensor, no Python loop
+            at = self._offset
+            self._write(memoryview(unsigned(block)).cast("B"))
+            offsets = ((ends[i:j] - sizes[i:j] - base) * width + at).tolist()
+            self._entries.extend(zip(flats[i:j], repeat("file"), zip(offsets, (sizes[i:j] * width).tolist())))
+            i = j
+
+    def _write(self, data: memoryview) -> None:
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-")
+        self._file.write(data)
+        self._offset += data.nbytes
 
     def restore(self) -> int:
         """Put every saved tensor back (newest first); returns how many refused."""
@@ -103,8 +147,8 @@ class UndoJournal:
                     if kind == "zeros":
                         flat.zero_()
                     elif kind == "copy":
-                        assert isinstance(where, torch.Tensor)
-                        flat.copy_(where.to(flat.device))
+                        buf, start = where
+                        flat.copy_(buf[start:start + flat.numel()].to(flat.device))
                     else:
                         assert self._file is not None and isinstance(where, tuple)
                         offset, nbytes = where
@@ -124,7 +168,8 @@ class UndoJournal:
             self._file = None
         self._entries = []
         self._saved = set()
-        self._in_memory = 0
+        self._in_memory = self._offset = 0
+        self._block = None
 
     def __enter__(self) -> UndoJournal:
         return self

@@ -92,8 +92,11 @@ MUTANTS = [
            [("deltastore/pull/anchor.py", "                if verify:\n                    _verify(am, records, complete, "
              "dict(zip(complete, flats)))\n", "")],
            ["tests/test_anchor_placed.py"]),
+    Mutant("journal-block-offsets", "the undo journal records each packed tensor at its block's end, not its start",
+           [("deltastore/undo.py", "offsets = ((ends[i:j] - sizes[i:j] - base)", "offsets = ((ends[i:j] - base)")],
+           ["tests/test_anchor_placed.py"]),
     Mutant("dense-into-unchecked", "dense decode_into writes into destinations of another size",
-           [("deltastore/codecs/dense.py", "d.numel() != math.prod(s.shape)", "False")],
+           [("deltastore/codecs/dense.py", "d.numel() != s.numel", "False")],
            ["tests/test_anchor_placed.py"]),
     Mutant("pending-lazy-slice", "a staged batch's per-tensor entry is cut one element too long",
            [("deltastore/apply.py", "        lo, hi = int(bounds[i]), int(bounds[i + 1])\n",

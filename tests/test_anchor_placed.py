@@ -18,6 +18,7 @@ from deltastore.codecs.base import decode_placed
 from deltastore.codecs.dense import DenseCodec
 from deltastore.errors import ChecksumMismatchError, CorruptObjectError
 from deltastore.tensors import bits_view
+from deltastore import undo as undo_mod
 from deltastore.undo import UndoJournal
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool, torch.int8]
@@ -202,6 +203,27 @@ def test_undo_journal_save_many_checks_zeros_in_one_pass_and_restores(tmp_path):
     assert [kind for _, kind, _ in journal._entries].count("zeros") == 2
     for t in ts:
         t.fill_(7)
+    assert journal.restore() == 0
+    assert all(torch.equal(a, b) for a, b in zip(ts, before))
+    journal.close()
+
+
+@pytest.mark.parametrize("memory_bytes", [0, 3000, 1 << 20])
+def test_undo_journal_save_many_packs_blocks_and_big_tensors_exactly(tmp_path, monkeypatch, memory_bytes):
+    """Many small tensors packed into several file blocks, tensors larger than a block written alone, a
+    memory budget that ends inside the list: every tensor comes back bit for bit."""
+    monkeypatch.setattr(undo_mod, "_BLOCK", 1024)
+    g = torch.Generator().manual_seed(14)
+    sizes = [3, 100, 600, 1, 511, 512, 2000, 7, 40, 900, 13]  # int16: 1200, 1024 and 4000 bytes are >= a block
+    ts = [torch.randint(1, 999, (n,), generator=g, dtype=torch.int16) for n in sizes]
+    ts.insert(4, torch.zeros(50, dtype=torch.int16))
+    before = [t.clone() for t in ts]
+    journal = UndoJournal(tmp_path, memory_bytes=memory_bytes)
+    journal.save_many(ts)
+    assert len(journal) == len(ts)
+    assert journal._in_memory <= memory_bytes
+    for t in ts:
+        t.fill_(-1)
     assert journal.restore() == 0
     assert all(torch.equal(a, b) for a, b in zip(ts, before))
     journal.close()

@@ -408,8 +408,7 @@ class DenseCodec(Codec):
         if len(dests) != len(specs):
             raise ValueError(f"dense: {len(dests)} destinations for {len(specs)} tensors")
         for s, d in zip(specs, dests):
-            width = _kind(s.dtype)[0]
-            if d.device.type != "cpu" or d.element_size() != width or d.numel() != math.prod(s.shape) \
+            if not d.is_cpu or d.element_size() != s.dtype.itemsize or d.numel() != s.numel \
                     or not d.is_contiguous():
                 raise ValueError(f"dense: destination {d.dtype}{tuple(d.shape)} on {d.device} cannot hold "
                                  f"{s.name!r} ({s.dtype}{tuple(s.shape)}, contiguous, on the CPU)")
