@@ -535,15 +535,16 @@ class Subscriber:
         am = self.store.manifest(plan.anchor)
         self._prefetch(plan)
         keep = _kept(am, lay, tensors, copies)
-        dests = {r.name: [bits_view(tensors[r.name])] + [bits_view(tensors[a]) for a in copies.get(r.name, ())]
-                 for r in am.tensors if keep is None or r.name in keep}
+        names = [r.name for r in am.tensors] if keep is None else [r.name for r in am.tensors if r.name in keep]
+        dests = {n: bits_view(tensors[n]) for n in names}
+        alias_dests = {n: [bits_view(tensors[a]) for a in aliases] for n, aliases in copies.items() if n in dests}
         journal = UndoJournal(self.journal_dir, self.journal_memory)
         tracking.set_version(target, None)  # unknown while writing
         try:
             held = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=dests,
-                                 journal=journal, verify=self.verify_anchors)
+                                 alias_dests=alias_dests, journal=journal, verify=self.verify_anchors)
             fetched = am.object_bytes(am.full_objects)
-            overlay = SparseOverlay(mapping_reader(tensors), am, {n: d[0] for n, d in dests.items()})
+            overlay = SparseOverlay(mapping_reader(tensors), am, dests)
             records = am.tensor_map()
             for name, bits in held.items():
                 overlay.hold(name, records[name].spec, bits, int(records[name].checksum, 16))
@@ -580,11 +581,11 @@ class Subscriber:
         assert plan.anchor is not None
         am = self.store.manifest(plan.anchor)
         keep = _kept(am, self.path_layout(plan, None))
-        direct = {r.name: [dests[r.name]] for r in am.tensors if keep is None or r.name in keep}
+        direct = {r.name: dests[r.name] for r in am.tensors if keep is None or r.name in keep}
         self._prefetch(plan)
         held = stream_anchor(self.store, am, workers=self.max_workers, ahead=self._ahead(am), dests=direct,
                              verify=self.verify_anchors)
-        state = FullState.from_bits(am, {**{n: d[0] for n, d in direct.items()}, **held})
+        state = FullState.from_bits(am, {**direct, **held})
         self._apply_steps(plan, state)
         for name, bits in state.bits.items():  # tensors the path re-laid: held on the host until now
             if bits.data_ptr() != dests[name].data_ptr():

@@ -89,9 +89,13 @@ MUTANTS = [
            ["tests/test_anchor_placed.py"]),
     Mutant("anchor-placed-unverified",
            "tensors decoded straight into the target are not checked against the manifest's checksums",
-           [("deltastore/pull/anchor.py", "                if verify:\n                    _verify(am, records, complete, "
+           [("deltastore/pull/anchor.py", "                if verify:\n                    _verify(am, complete, "
              "dict(zip(complete, flats)))\n", "")],
            ["tests/test_anchor_placed.py"]),
+    Mutant("anchor-torch-path-unverified",
+           "an anchor's tensors written through torch ops (subclasses, accelerators) skip the checksum",
+           [("deltastore/pull/anchor.py", "        elif full_checksum(n, t) != want[n]:", "        elif False:")],
+           ["tests/test_anchor_placed.py", "tests/test_bad_inputs.py", "tests/test_scale_paths.py"]),
     Mutant("journal-block-offsets", "the undo journal records each packed tensor at its block's end, not its start",
            [("deltastore/undo.py", "offsets = ((ends[i:j] - sizes[i:j] - base)", "offsets = ((ends[i:j] - base)")],
            ["tests/test_anchor_placed.py"]),

@@ -227,3 +227,29 @@ def test_undo_journal_save_many_packs_blocks_and_big_tensors_exactly(tmp_path, m
     assert journal.restore() == 0
     assert all(torch.equal(a, b) for a, b in zip(ts, before))
     journal.close()
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: the pull writes it through torch ops, never by address."""
+
+
+def test_an_anchor_pull_through_torch_ops_checks_every_checksum(monkeypatch):
+    uri = f"memory://{uuid.uuid4().hex}"
+    states = _states(8)
+    _store(uri, states)
+    target = {k: torch.zeros_like(v).as_subclass(_Tagged) for k, v in states[0].items()}
+    real = DenseCodec.decode
+
+    def lying(self, data, specs, old=None):  # noqa: ANN001, ANN202
+        out = real(self, data, specs, old)
+        out[specs[-1].name].bits[-1] ^= 1
+        return out
+
+    monkeypatch.setattr(DenseCodec, "decode", lying)
+    sub = ds.Subscriber(uri)
+    with pytest.raises(ChecksumMismatchError):
+        sub.pull(target, step=0)
+    assert all(not bits_view(v.as_subclass(torch.Tensor)).any() for v in target.values())
+    monkeypatch.setattr(DenseCodec, "decode", real)
+    sub.pull(target, step=0)
+    assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[0])

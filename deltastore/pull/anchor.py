@@ -7,8 +7,8 @@ of whole tensors bound for plain CPU tensors is decoded straight into them
 when its codec can place its output (``dense`` format 2.1: no decode buffer,
 no copy); any other is decoded, checked, then copied:
 
-* into a live target (``dests``: per tensor the flat bit views to write,
-  the tensor itself and any alias copies): each view's old bits are saved in
+* into a live target (``dests``: per tensor the flat bit view to write;
+  ``alias_dests``: the alias copies that get the same bits): each view's old bits are saved in
   an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
   caller can put the target back if anything fails later;
 * into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
@@ -41,9 +41,12 @@ class WriteFailed(Exception):
 
 
 def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
-                  dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
+                  dests: Mapping[str, torch.Tensor] | None = None,
+                  alias_dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
                   verify: bool = True) -> dict[str, torch.Tensor]:
-    """Write anchor ``am``'s whole tensors into ``dests``; return the others as new flat bit tensors."""
+    """Write anchor ``am``'s tensors into ``dests`` (per tensor its flat bit view; ``alias_dests``: the
+    alias copies that receive the same bits); return the others as new flat bit tensors."""
+    alias_dests = alias_dests or {}
     index = object_index(am, "full")
     records = am.tensor_map()
     received = dict.fromkeys(records, 0)
@@ -53,7 +56,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
         progress.advance(bar, len(data))
         pairs = index[i]
-        flats = _placeable(pairs, dests)
+        flats = _placeable(pairs, dests, alias_dests)
         if flats is not None:
             if journal is not None:
                 journal.save_many(flats)
@@ -63,7 +66,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 for name in complete:
                     received[name] = records[name].numel
                 if verify:
-                    _verify(am, records, complete, dict(zip(complete, flats)))
+                    _verify(am, complete, dict(zip(complete, flats)))
                 continue
         decoded = decode_object(am, i, data, pairs, "full", None)
         del data
@@ -80,7 +83,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                         buf = out[t.name] = torch.empty(t.numel, dtype=u.bits.dtype)
                     buf[p.offset:p.offset + p.numel].copy_(u.bits)
             else:
-                for flat in dests[t.name]:
+                for flat in (dests[t.name], *alias_dests.get(t.name, ())):
                     if journal is not None:
                         journal.save(flat)
                     dst = flat if whole else flat[p.offset:p.offset + p.numel]
@@ -104,7 +107,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 raise WriteFailed(f"writing {len(dsts)} tensors of object {i} into the target failed: {e!r}") from e
         del decoded, copies
         if verify and complete:
-            _verify(am, records, complete, {n: dests[n][0] if dests is not None and n in dests else out[n]
+            _verify(am, complete, {n: dests[n] if dests is not None and n in dests else out[n]
                                             for n in complete})
     missing = [n for n, got in received.items() if got != records[n].numel]
     if missing:
@@ -112,33 +115,41 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     return out
 
 
-def _placeable(pairs: list, dests: Mapping[str, list[torch.Tensor]] | None) -> list[torch.Tensor] | None:
-    """The one flat view each tensor of an object goes to, when a decoder may write them itself: every
+def _placeable(pairs: list, dests: Mapping[str, torch.Tensor] | None,
+               alias_dests: Mapping[str, list[torch.Tensor]]) -> list[torch.Tensor] | None:
+    """The flat view each tensor of an object goes to, when a decoder may write them itself: every
     tensor whole, with one destination (no alias copies), a plain CPU tensor. None otherwise."""
     if dests is None:
         return None
     out = []
     for t, p in pairs:
         d = dests.get(t.name)
-        if d is None or len(d) != 1 or not t.is_whole(p) or not plain_cpu(d[0]):
+        if d is None or t.name in alias_dests or not t.is_whole(p) or not plain_cpu(d):
             return None
-        out.append(d[0])
+        out.append(d)
     return out
 
 
-def _verify(am: Manifest, records: Mapping, names: list[str], where: Mapping[str, torch.Tensor]) -> None:
-    fast = [n for n in names if plain_cpu(where[n])]
-    sums: dict[str, int] = {}
+def _verify(am: Manifest, names: list[str], where: Mapping[str, torch.Tensor]) -> None:
+    """Compare each named tensor's full checksum (of its bits in ``where``) with the manifest's; plain CPU
+    tensors in one kernel pass and one array compare per element width."""
+    want = am.checksum_values
     by_width: dict[int, list[str]] = {}
-    for n in fast:
-        by_width.setdefault(where[n].element_size(), []).append(n)
+    for n in names:
+        t = where[n]
+        if plain_cpu(t):
+            by_width.setdefault(t.element_size(), []).append(n)
+        elif full_checksum(n, t) != want[n]:
+            _mismatch(am, n)
     for group in by_width.values():
         keys = np.fromiter((_key(n) for n in group), dtype=np.uint64, count=len(group))
         got = segments.full_sums([where[n] for n in group], keys)
-        sums.update((n, int(v)) for n, v in zip(group, got))
-    for n in names:
-        cs = sums[n] if n in sums else full_checksum(n, where[n])
-        if cs != int(records[n].checksum, 16):
-            raise ChecksumMismatchError(
-                f"version {am.step}, tensor {n!r}: checksum after decoding the anchor does not match the manifest "
-                f"(the base it was applied to differs from the publisher's, or the data is corrupt)")
+        off = np.flatnonzero(got != np.fromiter(map(want.__getitem__, group), dtype=np.uint64, count=len(group)))
+        if off.size:
+            _mismatch(am, group[int(off[0])])
+
+
+def _mismatch(am: Manifest, name: str) -> None:
+    raise ChecksumMismatchError(
+        f"version {am.step}, tensor {name!r}: checksum after decoding the anchor does not match the manifest "
+        f"(the base it was applied to differs from the publisher's, or the data is corrupt)")
