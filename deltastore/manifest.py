@@ -17,7 +17,7 @@ import json
 import math
 import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -458,8 +458,9 @@ def _parse(doc: Any) -> Manifest:
     new_names = set(new_tensors)
     n_objects = len(objects)
     listed = _get(doc, "tensors", list)
-    tensors = [plain or _record(t, i, n_objects)
-               for i, (t, plain) in enumerate(zip(listed, _plain_records(listed, n_objects)))]
+    plain = _plain_records(listed, n_objects)
+    tensors = plain if all(plain) else [rec or _record(t, i, n_objects)
+                                        for i, (t, rec) in enumerate(zip(listed, plain))]
     names = {t.name for t in tensors}
     if len(names) != len(tensors) or not _roles_hold(tensors, kind, parent is not None, differential is not None,
                                                      new_names):
@@ -597,6 +598,9 @@ _NAME_LINES = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,511}\n)*")
 _CHECKSUM_LINES = re.compile(r"(?:[0-9a-f]{16}\n)*")
 
 
+_COLUMNS = operator.itemgetter("name", "dtype", "shape", "changed", "checksum", "delta", "full", "diff", "diff_changed")
+
+
 def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     """:func:`_plain_record` of every entry of ``ts``, column by column (C-level passes per field instead
     of one Python call per record) when every entry is plain; else entry by entry. Same results
@@ -604,10 +608,10 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     n = len(ts)
     if n < 64 or set(map(type, ts)) != {dict}:
         return [_plain_record(t, n_objects) for t in ts]
-    names, dtypes, shapes, changed, checksums, delta, full, diff = (
-        list(map(operator.methodcaller("get", k), ts))
-        for k in ("name", "dtype", "shape", "changed", "checksum", "delta", "full", "diff"))
-    diff_changed = list(map(operator.methodcaller("get", "diff_changed", 0), ts))
+    try:  # one C call per entry, then one transpose (an entry lacking a field takes the slow path)
+        names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = zip(*map(_COLUMNS, ts))
+    except KeyError:
+        return [_plain_record(t, n_objects) for t in ts]
     if not (set(map(type, names)) == set(map(type, checksums)) == set(map(type, dtypes)) == {str}
             and set(map(type, shapes)) == {list} and set(dtypes) <= DTYPES.keys()):
         return [_plain_record(t, n_objects) for t in ts]
@@ -643,7 +647,7 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     return out
 
 
-def _indices_below(values: list[int | None], n: int) -> bool:
+def _indices_below(values: Sequence[int | None], n: int) -> bool:
     """Whether every value that is not None lies in ``[0, n)``."""
     got = set(values)
     got.discard(None)
