@@ -35,7 +35,8 @@ Format 1.0 (the default, and always read): one tensor per name in its own dtype 
 plain safetensors checkpoint.
 
 Memory: a decoder allocates exactly one output buffer per tensor (its size
-from the specs, i.e. the manifest) and writes the planes straight into it;
+from the specs, i.e. the manifest), or takes the caller's (``decode_into``),
+and writes the planes straight into it;
 every zstd frame must declare the content size the index implies before it is
 decompressed, so nothing larger than the specs imply is ever allocated.
 """

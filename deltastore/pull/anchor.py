@@ -107,8 +107,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 raise WriteFailed(f"writing {len(dsts)} tensors of object {i} into the target failed: {e!r}") from e
         del decoded, copies
         if verify and complete:
-            _verify(am, complete, {n: dests[n] if dests is not None and n in dests else out[n]
-                                            for n in complete})
+            _verify(am, complete, {n: dests[n] if dests is not None and n in dests else out[n] for n in complete})
     missing = [n for n, got in received.items() if got != records[n].numel]
     if missing:
         raise ManifestError(f"anchor {am.step} does not hold every element of {missing[:5]}")

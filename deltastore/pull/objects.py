@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from .. import segments
 from ..apply import check_update
-from ..codecs import OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits
+from ..codecs import Codec, OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits
 from ..codecs.base import decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
@@ -101,21 +102,28 @@ class PartReader:
         return read_old_bits(self.old, names, positions, bounds)
 
 
+@contextmanager
+def _typed_errors(manifest: Manifest, index: int, codec: Codec) -> Iterator[None]:
+    """A codec's failure on object ``index`` as :class:`CorruptObjectError` naming it (typed errors pass)."""
+    try:
+        yield
+    except (CorruptObjectError, ChecksumMismatchError):
+        raise
+    except Exception as e:  # a codec bug or hostile content must not escape untyped
+        digest = manifest.objects[index].digest
+        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
+                                 f"{digest}: {e!r}", digest=digest) from e
+
+
 def decode_object_into(manifest: Manifest, index: int, data: bytes, pairs: Pairs,
                        dests: Sequence[torch.Tensor]) -> bool:
     """Decode object ``index`` of ``manifest`` (whole tensors only, ``pairs`` order) straight into ``dests``
     when its codec can place its output (:meth:`~deltastore.codecs.Codec.decode_into`); False, with
     nothing written, when it cannot. Raises :class:`CorruptObjectError` naming the object when it is
     bad (``dests`` may then hold part of it)."""
-    rec = manifest.objects[index]
-    codec = get_codec(rec.codec)
-    try:
+    codec = get_codec(manifest.objects[index].codec)
+    with _typed_errors(manifest, index, codec):
         return decode_placed(codec, data, [t.spec for t, _ in pairs], dests)
-    except (CorruptObjectError, ChecksumMismatchError):
-        raise
-    except Exception as e:  # a codec bug or hostile content must not escape untyped
-        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
-                                 f"{rec.digest}: {e!r}", digest=rec.digest) from e
 
 
 def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
@@ -130,13 +138,8 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     wholes = {t.name: p.offset == 0 and p.numel == t.numel for t, p in pairs}
     specs = {t.name: t.spec if wholes[t.name] else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for t, p in pairs}
     records = {t.name: t for t, _ in pairs}
-    try:
+    with _typed_errors(manifest, index, codec):
         decoded = codec.decode(data, list(specs.values()), PartReader(old, offsets) if old is not None else None)
-    except (CorruptObjectError, ChecksumMismatchError):
-        raise
-    except Exception as e:  # a codec bug or hostile content must not escape untyped
-        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
-                                 f"{rec.digest}: {e!r}", digest=rec.digest) from e
     if len(decoded) != len(names) or not all(n in decoded for n in names):
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
                                  f"{sorted(decoded)[:5]}, manifest expects {names[:5]}", digest=rec.digest)
@@ -188,13 +191,8 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     specs = [t.spec if p.offset == 0 and p.numel == t.numel else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,))
              for t, p in pairs]
     reader = PartReader(old, {t.name: p for t, p in pairs}) if old is not None else None
-    try:
+    with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
-    except (CorruptObjectError, ChecksumMismatchError):
-        raise
-    except Exception as e:  # a codec bug or hostile content must not escape untyped
-        raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} failed on object "
-                                 f"{rec.digest}: {e!r}", digest=rec.digest) from e
     if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
