@@ -13,14 +13,14 @@ write). Where they are saved:
   straight from and read straight back into a CPU tensor's storage.
 
 So an anchor pull into a live target costs, beyond the decode buffers, at
-most ``memory_bytes`` of RAM (and, while :meth:`UndoJournal.save_many` packs
-many small tensors for one write, an 8 MiB block) and the target's size in
-temporary disk space (page cache), never a second resident copy. A tensor is saved once per
+most ``memory_bytes`` of RAM and the target's size in temporary disk space
+(page cache), never a second resident copy. A tensor is saved once per
 journal however many parts are written into it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Sequence
@@ -35,8 +35,8 @@ from .segments import is_zero, lengths, unsigned, zero_flags
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
-#: most bytes :meth:`UndoJournal.save_many` packs into one block before writing it to the file
-_BLOCK = 8 << 20
+#: buffers handed to one ``writev`` call (the system's IOV_MAX; 16, the POSIX floor, where it is not known)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
 
 class UndoJournal:
@@ -50,7 +50,6 @@ class UndoJournal:
         self._offset = 0
         self._entries: list[tuple[torch.Tensor, str, object]] = []
         self._saved: set[tuple[int, int]] = set()
-        self._block: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,13 +69,13 @@ class UndoJournal:
             self._in_memory += nbytes
             return
         host = flat if flat.is_cpu else flat.cpu()
-        self._write(memoryview(unsigned(host)).cast("B"))
+        self._write([unsigned(host)])
         self._entries.append((flat, "file", (self._offset - nbytes, nbytes)))
 
     def save_many(self, flats: Sequence[torch.Tensor]) -> None:
         """:meth:`save` of each of ``flats``; the plain CPU ones of one element width are checked for
-        zeros in one kernel pass and copied (into memory, or to the file) in a few packed blocks, so a
-        target's many small tensors cost their bytes, not their count."""
+        zeros in one kernel pass, then packed into memory by one ``torch.cat`` or written to the file
+        by a few ``writev`` calls, so a target's many small tensors cost their bytes, not their count."""
         by_width: dict[int, list[torch.Tensor]] = {}
         for flat in flats:
             if plain_cpu(flat) and flat.numel():
@@ -99,8 +98,8 @@ class UndoJournal:
             self._pack(kept)
 
     def _pack(self, flats: list[torch.Tensor]) -> None:
-        """Save ``flats`` (plain CPU, one width, not saved yet) as packed blocks: in memory while the
-        budget lasts, then to the file in blocks of at most ``_BLOCK`` bytes."""
+        """Save ``flats`` (plain CPU, one width, not saved yet): packed into one buffer while the memory
+        budget lasts, then written to the file straight from where they lie."""
         if not flats:
             return
         width = flats[0].element_size()
@@ -113,30 +112,33 @@ class UndoJournal:
             self._in_memory += buf.numel() * width
             starts = (ends[:n_mem] - sizes[:n_mem]).tolist()
             self._entries.extend(zip(flats[:n_mem], repeat("copy"), zip(repeat(buf), starts)))
-        i = n_mem
-        while i < len(flats):
-            if sizes[i] * width >= _BLOCK:  # a big tensor is written from where it lies
-                self._write(memoryview(unsigned(flats[i])).cast("B"))
-                self._entries.append((flats[i], "file", (self._offset - int(sizes[i]) * width, int(sizes[i]) * width)))
-                i += 1
-                continue
-            base = int(ends[i - 1]) if i else 0
-            j = int(np.searchsorted(ends, base + _BLOCK // width, side="right"))  # > i: sizes[i] fits
-            if self._block is None:
-                self._block = torch.empty(_BLOCK, dtype=torch.uint8)  # one staging block, reused
-            block = self._block[:(int(ends[j - 1]) - base) * width].view(flats[0].dtype)
-            torch.cat(flats[i:j], out=block)  # one memcpy a tensor, no Python loop
+        if n_mem < len(flats):  # the rest straight from the tensors to the file: no staging copy
+            rest, base = flats[n_mem:], int(ends[n_mem - 1]) if n_mem else 0
             at = self._offset
-            self._write(memoryview(unsigned(block)).cast("B"))
-            offsets = ((ends[i:j] - sizes[i:j] - base) * width + at).tolist()
-            self._entries.extend(zip(flats[i:j], repeat("file"), zip(offsets, (sizes[i:j] * width).tolist())))
-            i = j
+            self._write([unsigned(f) for f in rest])
+            offsets = ((ends[n_mem:] - sizes[n_mem:] - base) * width + at).tolist()
+            self._entries.extend(zip(rest, repeat("file"), zip(offsets, (sizes[n_mem:] * width).tolist())))
 
-    def _write(self, data: memoryview) -> None:
+    def _write(self, arrays: Sequence[np.ndarray]) -> None:
+        """Append the arrays' bytes to the file: one ``writev`` per ``_IOV_MAX`` arrays, short writes resumed."""
         if self._file is None:
-            self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-")
-        self._file.write(data)
-        self._offset += data.nbytes
+            self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-", buffering=0)
+        fd = self._file.fileno()
+        views = [memoryview(a).cast("B") for a in arrays]
+        i = 0
+        while i < len(views):
+            chunk = views[i:i + _IOV_MAX]
+            n = os.writev(fd, chunk) if hasattr(os, "writev") else os.write(fd, chunk[0])
+            if n <= 0:
+                raise OSError(errno.EIO, "undo journal: a write to its temporary file made no progress")
+            self._offset += n
+            k = 0
+            while k < len(chunk) and n >= chunk[k].nbytes:  # the views written whole
+                n -= chunk[k].nbytes
+                k += 1
+            if k < len(chunk):
+                views[i + k] = chunk[k][n:]  # resume inside a view the kernel cut short
+            i += k
 
     def restore(self) -> int:
         """Put every saved tensor back (newest first); returns how many refused."""
@@ -169,7 +171,6 @@ class UndoJournal:
         self._entries = []
         self._saved = set()
         self._in_memory = self._offset = 0
-        self._block = None
 
     def __enter__(self) -> UndoJournal:
         return self
