@@ -140,6 +140,17 @@ class UndoJournal:
                 views[i + k] = chunk[k][n:]  # resume inside a view the kernel cut short
             i += k
 
+    def _read(self, offset: int, into: memoryview) -> None:
+        """Fill ``into`` from the file at ``offset`` (the unbuffered file reads at most ~2 GiB a call)."""
+        assert self._file is not None
+        self._file.seek(offset)
+        got = 0
+        while got < into.nbytes:
+            n = self._file.readinto(into[got:])
+            if not n:
+                raise OSError("undo journal is truncated")
+            got += n
+
     def restore(self) -> int:
         """Put every saved tensor back (newest first); returns how many refused."""
         failed = 0
@@ -154,10 +165,8 @@ class UndoJournal:
                     else:
                         assert self._file is not None and isinstance(where, tuple)
                         offset, nbytes = where
-                        self._file.seek(offset)
                         buf = np.empty(nbytes, np.uint8)
-                        if self._file.readinto(memoryview(buf)) != nbytes:
-                            raise OSError("undo journal is truncated")
+                        self._read(offset, memoryview(buf))
                         flat.copy_(torch.from_numpy(buf).view(flat.dtype).to(flat.device))
                 except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
                     failed += 1

@@ -241,11 +241,26 @@ def test_undo_journal_save_many_writes_through_short_writes_exactly(tmp_path, mo
     assert journal._in_memory <= memory_bytes
     if memory_bytes < 3000:
         assert calls and max(calls) <= 3
+    if journal._file is not None:
+        journal._file = _ShortReads(journal._file)  # and every read back cut short too
     for t in ts:
         t.fill_(-1)
     assert journal.restore() == 0
     assert all(torch.equal(a, b) for a, b in zip(ts, before))
     journal.close()
+
+
+class _ShortReads:
+    """A file whose ``readinto`` returns at most 300 bytes a call, as a raw file may for big reads."""
+
+    def __init__(self, f):  # noqa: ANN001
+        self.f = f
+
+    def readinto(self, b):  # noqa: ANN001, ANN201
+        return self.f.readinto(memoryview(b)[:300])
+
+    def __getattr__(self, name):  # noqa: ANN001, ANN204
+        return getattr(self.f, name)
 
 
 class _Tagged(torch.Tensor):
