@@ -1,7 +1,8 @@
 """Framing shared by the built-in codecs: one object = safetensors with codec metadata.
 
-Here: the object frame (``pack_meta`` / ``unpack_meta``, the tensor-names
-digest ``check_object``), bomb-safe zstd (``zstd_decompress`` refuses any
+Here: the object frame (``pack_meta`` / ``unpack_meta``; ``unpack_frames``
+reads the sparse codecs' byte frames without a copy; the tensor-names digest
+``check_object``), bomb-safe zstd (``zstd_decompress`` refuses any
 frame whose declared size is not the expected one), the LEB128 header and
 gap-coded position stream of ``zstd`` and ``ulp``, the zstd ``level`` config,
 numpy views of bit tensors, and the per-tensor thread map. Bit streams live
@@ -89,7 +90,7 @@ def zstd_compress(data: bytes, level: int = 1) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
-def zstd_decompress(data: bytes, expected: int, what: str) -> bytes:
+def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes:
     """Decompress exactly ``expected`` bytes; anything else is :class:`CorruptObjectError` (bomb-safe)."""
     if expected == 0 and len(data) == 0:
         return b""
@@ -136,6 +137,24 @@ def unpack_meta(data: bytes, codec_id: str) -> tuple[dict[str, torch.Tensor], di
     return tensors, meta
 
 
+def unpack_frames(data: bytes | memoryview, codec_id: str) -> tuple[dict[str, memoryview], dict[str, str]]:
+    """The byte frames and header metadata of a sparse codec's object (every entry 1-D uint8), no copy.
+
+    The frames are views of ``data`` (:func:`deltastore.codecs._safetensors.view` checks the file as the
+    safetensors library does); a malformed file, or an entry of another dtype or rank, is
+    :class:`CorruptObjectError`.
+    """
+    from ._safetensors import view
+
+    entries, meta = view(data, codec_id)
+    frames = {}
+    for key, (dtype, shape, mv) in entries.items():
+        if dtype != "U8" or len(shape) != 1:
+            raise CorruptObjectError(f"{codec_id}: {key} is {dtype}{list(shape)}, expected 1-D uint8")
+        frames[key] = mv
+    return frames, meta
+
+
 def pack_meta(tensors: dict[str, torch.Tensor], codec_id: str, version: str, meta: dict[str, str]) -> bytes:
     """Safetensors bytes with the codec id/version and ``meta`` in the header metadata.
 
@@ -150,12 +169,6 @@ def pack_meta(tensors: dict[str, torch.Tensor], codec_id: str, version: str, met
 def u8(b: bytes) -> torch.Tensor:
     """A uint8 tensor holding ``b``."""
     return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-
-
-def as_bytes(t: torch.Tensor, codec_id: str, key: str) -> bytes:
-    if t.dtype != torch.uint8 or t.dim() != 1:
-        raise CorruptObjectError(f"{codec_id}: {key} is {t.dtype}{tuple(t.shape)}, expected 1-D uint8")
-    return t.numpy().tobytes()
 
 
 # -- gap-coded positions and LEB128 headers (zstd, ulp) ---------------------------------------
@@ -186,12 +199,12 @@ def decode_positions(stream: bytes, counts: Sequence[int], numels: Sequence[int]
     return p, bounds
 
 
-def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec_id: str,
+def read_header(frames: dict[str, memoryview], specs: Sequence[TensorSpec], codec_id: str,
                 extra: int) -> tuple[list[int], list[int]]:
-    """Per-tensor counts and ``extra`` trailing integers from the ``header`` tensor."""
-    if "header" not in raw:
+    """Per-tensor counts and ``extra`` trailing integers from the ``header`` frame."""
+    if "header" not in frames:
         raise CorruptObjectError(f"{codec_id}: object lacks its header")
-    hdr = as_bytes(raw["header"], codec_id, "header")
+    hdr = frames["header"]
     vals, used = B.uvarint_decode(hdr, len(specs) + extra)
     if used != len(hdr):
         raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
@@ -205,15 +218,15 @@ def read_header(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], codec
     return ints[:n], ints[n:]
 
 
-def read_positions(raw: dict[str, torch.Tensor], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
+def read_positions(frames: dict[str, memoryview], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
                    codec_id: str) -> tuple[np.ndarray, np.ndarray]:
     """The object's ``positions`` stream decoded: every tensor's positions in turn, and their bounds
     (see :func:`decode_positions`)."""
     if raw_len > 10 * sum(counts):
         raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
-    if "positions" not in raw:
+    if "positions" not in frames:
         raise CorruptObjectError(f"{codec_id}: object lacks its positions")
-    stream = zstd_decompress(as_bytes(raw["positions"], codec_id, "positions"), raw_len, f"{codec_id} positions")
+    stream = zstd_decompress(frames["positions"], raw_len, f"{codec_id} positions")
     return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
 
 

@@ -37,7 +37,7 @@ import torch
 from ..errors import CorruptObjectError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
-from ._common import as_bytes, pack_meta, u8, unpack_meta
+from ._common import pack_meta, u8, unpack_frames
 from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, decode_batched, encode_batched
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
@@ -186,7 +186,7 @@ class AutoCodec(Codec):
     def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, batched: bool
                 ) -> tuple[list[UpdateBatch], dict[str, Update]]:
         """The ``ulp`` part as batches when ``batched``, everything else as updates by name."""
-        raw, meta = unpack_meta(data, self.codec_id)
+        raw, meta = unpack_frames(data, self.codec_id)
         try:
             choice = json.loads(meta["deltastore.auto"])
         except (KeyError, ValueError) as e:
@@ -206,7 +206,7 @@ class AutoCodec(Codec):
         for cid, sp in by_codec.items():
             if cid != "zstd" and old is None:
                 raise ValueError("auto decoding needs the receiver's old tensors")
-            part = as_bytes(raw[f"part.{cid}"], self.codec_id, cid)
+            part = raw[f"part.{cid}"]
             if batched and cid == "ulp":
                 batches += decode_batched(self._codecs[cid], part, sp, old)
                 continue

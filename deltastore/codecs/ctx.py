@@ -27,8 +27,8 @@ import torch
 from ..errors import CorruptObjectError
 from ..kernels import ranks as R
 from . import _bits as B
-from ._common import (MANTISSA_BITS, as_bytes, position_bits, check_object, names_digest, np_bits, pack_meta,
-                      parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta)
+from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, np_bits, pack_meta,
+                      parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_frames)
 from .base import Codec, OldBits, TensorSpec, Update
 
 _BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
@@ -340,11 +340,9 @@ class CtxCodec(Codec):
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         if old is None:
             raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
-        raw, meta = unpack_meta(data, self.codec_id)
+        raw, meta = unpack_frames(data, self.codec_id)
         check_object(meta, specs, self.codec_id)
-        hdr = as_bytes(raw.get("header", torch.zeros(0, dtype=torch.int16)), self.codec_id, "header") \
-            if "header" in raw else None
-        streams = as_bytes(raw["streams"], self.codec_id, "streams") if "streams" in raw else None
+        hdr, streams = raw.get("header"), raw.get("streams")
         if hdr is None or streams is None:
             raise CorruptObjectError("ctx: object lacks its header or streams")
         ordered_specs = sorted_specs(specs)

@@ -27,9 +27,9 @@ from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
 from ..kernels.parallel import each
 from . import _bits as B
-from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, as_bytes, check_object, encode_positions, names_digest, np_bits,
+from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
-                      unpack_meta, zstd_compress, zstd_decompress)
+                      unpack_frames, zstd_compress, zstd_decompress)
 from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits
 
 
@@ -148,7 +148,7 @@ class UlpCodec(ZstdLevel, Codec):
                      ) -> list[UpdateBatch]:
         if old is None:
             raise ValueError("ulp decoding needs the receiver's old bits (old(name, positions))")
-        raw, meta = unpack_meta(data, self.codec_id)
+        raw, meta = unpack_frames(data, self.codec_id)
         check_object(meta, specs, self.codec_id)
         specs = sorted_specs(specs)
         counts, (raw_len, nplanes) = read_header(raw, specs, self.codec_id, 2)
@@ -161,7 +161,7 @@ class UlpCodec(ZstdLevel, Codec):
             key = f"plane{j}"
             if key not in raw:
                 raise CorruptObjectError(f"ulp: object lacks {key}")
-            frames.append(as_bytes(raw[key], self.codec_id, key))
+            frames.append(raw[key])
 
         def unpack_planes() -> None:
             for j, frame in enumerate(frames):

@@ -21,8 +21,8 @@ import torch
 from ..errors import CorruptObjectError
 from . import _bits as B
 from ._common import (ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits, np_bits_dtype, pack_meta,
-                      read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_meta,
-                      zstd_compress, as_bytes)
+                      read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_frames,
+                      zstd_compress)
 from .base import Codec, OldBits, TensorSpec, Update
 
 
@@ -49,13 +49,13 @@ class ZstdCodec(ZstdLevel, Codec):
                          {"deltastore.names": names_digest([u.spec.name for u in ups])})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
-        raw, meta = unpack_meta(data, self.codec_id)
+        raw, meta = unpack_frames(data, self.codec_id)
         check_object(meta, specs, self.codec_id)
         specs = sorted_specs(specs)
         counts, (raw_len,) = read_header(raw, specs, self.codec_id, 1)
         flat, bounds = read_positions(raw, specs, counts, raw_len, self.codec_id)
         positions = torch.from_numpy(flat).split(np.diff(bounds).tolist())
-        values = as_bytes(raw["values"], self.codec_id, "values") if "values" in raw else None
+        values = raw.get("values")
         need = sum(c * s.bits_dtype.itemsize for c, s in zip(counts, specs))
         if values is None or len(values) != need:
             raise CorruptObjectError(f"{self.codec_id}: values hold {None if values is None else len(values)} "

@@ -339,23 +339,28 @@ def _gap_positions(b: np.ndarray, counts: np.ndarray, numels: np.ndarray, out: n
     # its segment's numel. Positions are strictly increasing per segment, so each is checked as it is made.
     i = 0
     k = 0
+    n = b.size
     for s in range(counts.size):
         lim = np.uint64(numels[s])
         p = np.uint64(0)
         for c in range(counts[s]):
-            x = np.uint64(0)
-            j = 0
-            while True:
-                if i >= b.size:
-                    return 1, s, i
-                if j >= 10:
-                    return 2, s, i
-                byte = np.uint64(b[i])
+            if i < n and b[i] < 0x80:  # a one-byte value (most gaps): no loop
+                x = np.uint64(b[i])
                 i += 1
-                x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
-                j += 1
-                if byte < np.uint64(0x80):
-                    break
+            else:
+                x = np.uint64(0)
+                j = 0
+                while True:
+                    if i >= n:
+                        return 1, s, i
+                    if j >= 10:
+                        return 2, s, i
+                    byte = np.uint64(b[i])
+                    i += 1
+                    x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+                    j += 1
+                    if byte < np.uint64(0x80):
+                        break
             if x >= lim:  # checked before the add: no wrap-around
                 return 3, s, i
             p = x if c == 0 else p + x + np.uint64(1)
