@@ -387,18 +387,17 @@ def gap_positions(data: bytes | np.ndarray, counts: np.ndarray, numels: np.ndarr
 
 
 # -- ulp steps in the ordered image ----------------------------------------------------------
-@njit(nogil=True, cache=True)
-def _ordered(x: np.int64, is_float: bool, mag: np.int64) -> np.int64:  # pragma: no cover - compiled
-    # sign-magnitude -> two's complement for floats (-0.0 -> -1); integers as they are
-    if is_float and x < 0:
-        return ~(x & mag)
-    return x
+@njit(nogil=True, cache=True, inline="always")
+def _ordered(x: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
+    # sign-magnitude -> two's complement for floats (fmag = the magnitude mask; -0.0 -> -1), integers as
+    # they are (fmag = 0); branch-free, and its own inverse
+    return x ^ ((x >> 63) & fmag)
 
 
 @njit(nogil=True, cache=True)
-def _steps(new: np.ndarray, old: np.ndarray, is_float: bool, mag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
+def _steps(new: np.ndarray, old: np.ndarray, fmag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
     for i in range(new.size):
-        d = _ordered(np.int64(new[i]), is_float, mag) - _ordered(np.int64(old[i]), is_float, mag)
+        d = _ordered(np.int64(new[i]), fmag) - _ordered(np.int64(old[i]), fmag)
         z = np.uint64((d << np.int64(1)) ^ (d >> np.int64(63)))  # zig-zag
         out[i] = z - np.uint64(1)
 
@@ -406,9 +405,9 @@ def _steps(new: np.ndarray, old: np.ndarray, is_float: bool, mag: np.int64, out:
 def steps(new: np.ndarray, old: np.ndarray, is_float: bool) -> np.ndarray:
     """``zigzag(ordered(new) - ordered(old)) - 1`` (uint64) for paired raw bits of one width."""
     out = np.empty(new.size, np.uint64)
-    mag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1)
+    fmag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1) if is_float else np.int64(0)
     new, old = np.ascontiguousarray(new), np.ascontiguousarray(old)
-    chunked(new.size, lambda a, e: _steps(new[a:e], old[a:e], is_float, mag, out[a:e]), 1 << 18)
+    chunked(new.size, lambda a, e: _steps(new[a:e], old[a:e], fmag, out[a:e]), 1 << 18)
     return out
 
 
@@ -430,22 +429,33 @@ def byte_planes(z: np.ndarray, nplanes: int) -> np.ndarray:
     return out
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _applied(z: np.int64, x: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
+    # old bits x (sign-extended) plus the step coded as z = zigzag(step) - 1, in the ordered image
+    u = np.uint64(z) + np.uint64(1)  # unsigned: a 64-bit step's top bit must shift out logically
+    return _ordered(x, fmag) + (np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1)))
+
+
 @njit(nogil=True, cache=True)
-def _apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool, mag: np.int64, lo: np.int64, hi: np.int64,
+def _apply_steps(old: np.ndarray, planes: np.ndarray, fmag: np.int64, lo: np.int64, hi: np.int64,
                  out: np.ndarray) -> int:  # pragma: no cover - compiled
     # planes[j, i]: byte j of (zigzag(step) - 1) of element i; returns the first element whose
-    # result leaves the dtype's range, or -1
-    sign = ~mag
+    # result leaves the dtype's range, or -1. One and two planes (most steps) have loops of their own.
+    npl = planes.shape[0]
     for i in range(old.size):
-        z = np.uint64(0)
-        for j in range(planes.shape[0]):
-            z |= np.uint64(planes[j, i]) << np.uint64(8 * j)
-        z += np.uint64(1)
-        d = np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
-        o = _ordered(np.int64(old[i]), is_float, mag) + d
+        if npl == 1:
+            z = np.int64(planes[0, i])
+        elif npl == 2:
+            z = np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
+        else:
+            u = np.uint64(0)
+            for j in range(npl):
+                u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
+            z = np.int64(u)
+        o = _applied(z, np.int64(old[i]), fmag)
         if o < lo or o > hi:
             return i
-        out[i] = (~o) | sign if (is_float and o < 0) else o
+        out[i] = _ordered(o, fmag)  # back to raw bits
     return -1
 
 
@@ -466,10 +476,10 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
         lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
     out = np.empty(old.size, old.dtype)
     old = np.ascontiguousarray(old)
-    f = is_float and old.dtype != np.uint8
+    fmag = mag if is_float and old.dtype != np.uint8 else np.int64(0)
 
     def run(a: int, e: int) -> int:  # elements are independent: one chunk per kernel thread
-        bad = _apply_steps(old[a:e], planes[:, a:e], f, mag, lo, hi, out[a:e])
+        bad = _apply_steps(old[a:e], planes[:, a:e], fmag, lo, hi, out[a:e])
         return a + bad if bad >= 0 else -1
 
     found = [b for b in chunked(old.size, run, 1 << 18) if b >= 0]
