@@ -39,6 +39,7 @@ from .backends.base import KeyInfo
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
                      ObjectNotFoundError, ValueTooLargeError, VersionExistsError, VersionNotFoundError)
 from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
+from .manifest_cache import ManifestCache
 
 log = logging.getLogger("deltastore.store")
 
@@ -72,7 +73,8 @@ class DeltaStore:
 
     Every object read is re-hashed and must match its digest
     (:class:`CorruptObjectError` otherwise); manifests are validated on parse
-    and cached by step (they are immutable).
+    and cached by step (they are immutable), the cache bounded
+    (:attr:`manifest_cache`, :mod:`deltastore.manifest_cache`).
     """
 
     def __init__(self, backend: Backend, uri: str = "", *, refresh_window: float = REFRESH_WINDOW,
@@ -81,7 +83,8 @@ class DeltaStore:
         self.uri = uri or repr(backend)
         self.refresh_window = refresh_window
         self.delete_window = delete_window
-        self._manifests: dict[int, tuple[Manifest, str]] = {}
+        #: parsed manifests and their digests by step (bounds adjustable: ``max_entries``, ``max_bytes``)
+        self.manifest_cache: ManifestCache[tuple[Manifest, str]] = ManifestCache()
         self._verified: dict[str, bytes] = {}  # filled by prefetch, consumed by get_object
         self._lock = threading.Lock()
         # GC safety: monotonic time before this store last wrote/refreshed each object, and which
@@ -307,7 +310,7 @@ class DeltaStore:
         Raises :class:`VersionNotFoundError`, :class:`ManifestError` or
         :class:`UnsupportedFormatError`.
         """
-        cached = self._manifests.get(step)
+        cached = self.manifest_cache.get(step)
         if cached is not None:
             return cached
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
@@ -324,7 +327,7 @@ class DeltaStore:
         if manifest.step != step:
             raise ManifestError(f"{version_key(step)} holds the manifest of step {manifest.step}")
         result = (manifest, sha256_digest(data))
-        self._manifests[step] = result
+        self.manifest_cache.put(step, result, len(data))
         return result
 
     def manifest(self, step: int) -> Manifest:
@@ -354,7 +357,7 @@ class DeltaStore:
         except KeyExistsError:
             raise VersionExistsError(f"version {manifest.step} already exists in {self.uri}") from None
         digest = sha256_digest(data)
-        self._manifests[manifest.step] = (manifest, digest)
+        self.manifest_cache.put(manifest.step, (manifest, digest), len(data))
         keep = {o.digest for o in manifest.objects} | {f["digest"] for f in manifest.files.values()}
         with self._lock:  # the ledger holds what the next commit may name again
             self._written = {d: t for d, t in self._written.items() if d in keep}
@@ -368,13 +371,13 @@ class DeltaStore:
 
     def forget_all(self) -> None:
         """Drop every cached manifest and prefetched object (after a GC race)."""
-        self._manifests.clear()
+        self.manifest_cache.clear()
         with self._lock:
             self._verified.clear()
 
     def forget(self, step: int) -> None:
         """Drop a cached manifest (after it was deleted by GC)."""
-        self._manifests.pop(step, None)
+        self.manifest_cache.pop(step)
 
     def _ensure_marker(self) -> None:
         if not self.backend.exists(STORE_MARKER):

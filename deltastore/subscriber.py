@@ -299,7 +299,8 @@ class Subscriber:
         collected = False
         while True:
             try:
-                res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                with self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
+                    res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
                 _log.info("pulled version %d (%s): %d B fetched, %d versions applied, %.3f s", res.step, res.path,
                           res.bytes_fetched, len(res.versions_applied), time.perf_counter() - t0)
                 return res
@@ -353,6 +354,11 @@ class Subscriber:
         Raises the same typed errors as :meth:`pull`.
         """
         _check_step_arg(step)
+        with self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
+            return self._stage(step, current, reader, allow_anchor, avoid, layout_changes)
+
+    def _stage(self, step: int, current: VersionRef | None, reader: Reader | None, allow_anchor: bool,
+               avoid: frozenset[str], layout_changes: bool) -> Staged:
         manifest, digest = self.store.manifest_with_digest(step)
         ref = VersionRef(step, digest)
         if current == ref:
@@ -455,7 +461,8 @@ class Subscriber:
         if plan.anchor is not None and tensors is None:  # a new dict: stream the anchor into new tensors
             staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid, layout_changes=True)
             assert isinstance(staged.state, FullState)
-            result = staged.state.as_tensors()
+            result = tracking.StateDict(staged.state.as_tensors())
+            tracking.set_version(result, ref)  # tracked weakly: the next pull into it takes deltas
             release_memory()
             return PullResult(step, result, staged.bytes_fetched, applied, "anchor", ref.digest, lag=lag,
                               created=created)
