@@ -139,6 +139,12 @@ def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = 
     (only safe while no Publisher writes). Returns the :class:`GCPlan`; with
     ``dry_run`` nothing is deleted.
     """
+    with store.manifest_cache.holding():  # every manifest is read in each pass: once, not once per pass
+        return _collect(store, retention, dry_run, grace, orphans, sleep)
+
+
+def _collect(store: DeltaStore, retention: Retention, dry_run: bool, grace: float, orphans: bool,
+             sleep: Callable[[float], None]) -> GCPlan:
     plan = plan_gc(store, retention)
     if orphans:
         listed = set(store.list_objects())
