@@ -227,17 +227,53 @@ class DriftTracker:
 
     @staticmethod
     def differential_flat(proposed: Drift, views: Callable[[str], torch.Tensor]
-                          ) -> list[tuple[list[str], FlatChanges]]:
+                          ) -> list[tuple[list[str], DifferentialRows]]:
         """:meth:`differential` as flat changes, one per element width, with no work per tensor.
 
-        ``views(name)``: the current version's flat bits as a CPU tensor (the mirror's view); every
-        width's current bits are read by one kernel gather. Tensors without drift have empty rows.
+        ``views(name)``: the current version's flat bits as a CPU tensor (the mirror's view). Nothing
+        is read here: each :class:`DifferentialRows` reads its tensors' rows when an encoder selects
+        them. Tensors without drift have empty rows.
         """
-        out = []
-        for t in proposed._tables.values():
-            names = list(t.names)
-            pos = torch.from_numpy(t.positions.astype(np.int64, copy=False))
-            new = segments.gather([views(n) for n in names], pos, t.bounds)
-            out.append((names, FlatChanges(t.bounds, [(pos, new, torch.from_numpy(t.anchor))], np.zeros(1, np.int64),
-                                           np.zeros(len(names), np.uint64))))
-        return out
+        return [(list(t.names), DifferentialRows(t, views)) for t in proposed._tables.values()]
+
+
+class DifferentialRows:
+    """One drift table's differential (anchor -> now), read when selected.
+
+    It answers what :class:`~deltastore.publish.mirror.Diff` asks of its flat
+    changes (``bounds``, :meth:`select`, :meth:`changes`): :meth:`select`
+    widens the positions and gathers the current bits of the selected tensors
+    only, so an encoder holds its own object's elements (10 bytes each beyond
+    the drift), not the whole differential's at once. The views must hold the
+    version being published while it is used.
+    """
+
+    def __init__(self, table: _Table, views: Callable[[str], torch.Tensor]):
+        self.bounds = table.bounds
+        self._table = table
+        self._views = views
+
+    def select(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+        """``(positions int64, current bits, anchor bits, bounds)`` of rows ``idx`` (any order), back to back."""
+        t = self._table
+        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        b = t.bounds
+        counts = b[idx + 1] - b[idx]
+        bounds = np.zeros(idx.size + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        if idx.size and bool((np.diff(idx) == 1).all()):  # one range of the table: the anchor bits are a view
+            a, e = int(b[idx[0]]), int(b[idx[-1] + 1])
+            pos, anchor = t.positions[a:e].astype(np.int64), t.anchor[a:e]
+        else:
+            spans = [slice(int(b[i]), int(b[i + 1])) for i in idx.tolist()]
+            pos = np.concatenate([t.positions[sp] for sp in spans] or [np.zeros(0, np.int64)]).astype(np.int64)
+            anchor = np.concatenate([t.anchor[sp] for sp in spans] or [t.anchor[:0]])
+        positions = torch.from_numpy(pos)
+        new = segments.gather([self._views(t.names[i]) for i in idx.tolist()], positions, bounds)
+        return positions, new, torch.from_numpy(anchor), bounds
+
+    def changes(self) -> list[Change]:
+        """Every row's :class:`~deltastore.diff.Change` (one read of the whole table)."""
+        pos, new, old, bounds = self.select(np.arange(len(self._table.names)))
+        sizes = np.diff(bounds).tolist()
+        return [Change(p, q, o) for p, q, o in zip(pos.split(sizes), new.split(sizes), old.split(sizes))]

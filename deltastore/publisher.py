@@ -429,13 +429,16 @@ class Publisher:
                 mirror.advance(c.diff)  # from here on the mirror holds this version
                 advanced = True
             later: list[Job] = []
+            object_bytes, inflight = self._anchor_streaming(specs)
             if with_diff:  # anchor -> now, read from the mirror (which holds "now")
                 assert proposed is not None
                 differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) \
                     if mirror.device.type == "cpu" else Diff({}, loose=DriftTracker.differential(proposed, mirror.gather))
                 diff_counts = differential.counts()
-                later += self._sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed)
-            object_bytes, inflight = self._anchor_streaming(specs)
+                # the drift can be a large part of the model: objects no larger than an anchor's, read from
+                # the drift as each is encoded, so memory follows the objects in flight
+                later += self._sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed,
+                                           limit=object_bytes)
             for role_index in {id(ix): ix for _, ix in whole}.values():
                 names = [n for n, ix in whole if ix is role_index]
                 later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
@@ -592,7 +595,7 @@ class Publisher:
     # -- objects -----------------------------------------------------------------
     def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change] | Diff, mirror: Mirror,
                      index_of: dict[str, list[Part]], whole: list[tuple[str, dict[str, list[Part]]]],
-                     base: Any) -> list[Job]:
+                     base: Any, limit: int | None = None) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
         For a delta ``mirror`` still holds the parent version; for a
@@ -603,7 +606,8 @@ class Publisher:
         ``changes`` (a :class:`Diff`: the compare, or a differential from the
         drift) is handed to the codec as one :class:`UpdateBatch`
         (:meth:`Codec.encode_batch`) with the old tensors only of those whose
-        encoding reads them, not as an :class:`Update` per tensor.
+        encoding reads them, not as an :class:`Update` per tensor. ``limit``: the estimated bytes
+        of one object (default ``max_object_bytes``).
         """
         diff = changes if isinstance(changes, Diff) else None
         counts = diff.counts() if diff is not None else {n: ch.count for n, ch in changes.items()}
@@ -631,7 +635,7 @@ class Publisher:
             return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
         jobs: list[Job] = []
-        for group in self._groups(sparse, self.max_object_bytes):
+        for group in self._groups(sparse, limit or self.max_object_bytes):
             def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
                 olds = [needs_old(n) for n in group]
                 if diff is not None:  # in name order, the order the built-in layouts store (no reorder there)

@@ -183,6 +183,50 @@ def test_differential_flat_matches_the_per_tensor_differential():
         assert counts[name] == ch.count
         for a, b in ((got.positions, ch.positions), (got.new_bits, ch.new_bits), (got.old_bits, ch.old_bits)):
             assert torch.equal(a, b)
+    (table_names, rows), = DriftTracker.differential_flat(tracker._drift, views.__getitem__)
+    for idx in ([3, 4, 5, 6], [17, 2, 29, 5], [8], []):  # one range (views), any order (joined), empty
+        pos, new, old, bounds = rows.select(np.array(idx, dtype=np.int64))
+        assert pos.dtype == torch.int64 and bounds.tolist()[0] == 0 and int(bounds[-1]) == pos.numel()
+        for k, i in enumerate(idx):
+            ch = per_tensor.get(table_names[i])
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            if ch is None:
+                assert a == b
+                continue
+            for x, y in ((pos[a:b], ch.positions), (new[a:b], ch.new_bits), (old[a:b], ch.old_bits)):
+                assert torch.equal(x, y)
+
+
+def test_a_differential_larger_than_an_object_is_split_and_a_joiner_reads_it(memory_uri, monkeypatch):
+    """A differential is cut into objects of the anchor's object size, not ``max_object_bytes`` (each read
+    from the drift as it is encoded), and a joiner that takes it is bit-exact."""
+    from deltastore import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "ANCHOR_OBJECT_MIN", 4096)  # this model's anchor objects: 4 KiB
+    g = torch.Generator().manual_seed(13)
+    state = {f"block.{i}.w": (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16) for i in range(24)}
+    pub = ds.Publisher(memory_uri, anchor=Adaptive(budget=100.0, max_drift=1.0, differential_gain=0.2))
+    infos = []
+    for step in range(8):
+        for v in state.values():
+            v.view(torch.int16)[torch.rand(v.shape, generator=g) < 0.1] += 1
+        infos.append(pub.publish(state, step=step))
+    pub.close()
+    with_diff = [i.step for i in infos if i.differential]
+    assert with_diff, [i.kind for i in infos]
+    store = ds.open_store(memory_uri)
+    m = store.manifest(with_diff[-1])
+    assert len(m.diff_objects) > 1 and all(m.objects[i].size <= 2 * 4096 for i in m.diff_objects)
+    sub = ds.Subscriber(memory_uri)
+    assert sub.plan(with_diff[-1]).differential is not None
+    joined = sub.pull(step=with_diff[-1]).state
+    for k in state:
+        if with_diff[-1] == infos[-1].step:
+            assert torch.equal(joined[k].view(torch.int16), state[k].view(torch.int16)), k
+    last = sub.pull(joined, step=infos[-1].step)  # then on through the deltas
+    assert last.step == infos[-1].step
+    for k in state:
+        assert torch.equal(joined[k].view(torch.int16), state[k].view(torch.int16)), k
 
 
 @pytest.mark.parametrize("anchor_every", [None, 2], ids=["adaptive-with-differentials", "every-2"])
