@@ -26,10 +26,11 @@ from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
-MAX_ENTRIES = 8
+MAX_ENTRIES = 4
 """Manifests kept between operations, at most."""
-MAX_BYTES = 16 << 20
-"""Bytes of manifest JSON kept between operations, at most (parsed, four to five times as much)."""
+MAX_BYTES = 4 << 20
+"""Bytes of manifest JSON kept between operations, at most (parsed, four to five times as much): a
+follower between two pulls needs only the manifest of the version it holds."""
 KEEP = 2
 """The most recently used manifests kept whatever their size."""
 
