@@ -77,6 +77,22 @@ def test_stream_tampering(cid):
                 _decode(codec, bad, ups)
 
 
+@pytest.mark.parametrize("cid", ["zstd", "ulp", "ctx", "auto"])
+def test_a_frame_of_another_dtype_or_rank_is_refused(cid):
+    """The sparse codecs read their frames as bytes in place: a frame stored as int16, or as a 2-D array,
+    is named as corrupt, not reinterpreted."""
+    codec, ups, data = _encode(cid, _sample())
+    tensors, meta = unpack_meta(data, cid)
+    key = sorted(tensors)[0]
+    extra = {k: v for k, v in meta.items() if not k.startswith("deltastore.codec")}
+    raw = tensors[key].numpy().tobytes()
+    for wrong in (torch.frombuffer(bytearray(raw + b"\0" * (len(raw) % 2)), dtype=torch.int16),
+                  u8(raw).reshape(1, -1)):
+        bad = pack_meta({**tensors, key: wrong}, codec.codec_id, meta["deltastore.codec_version"], extra)
+        with pytest.raises(CorruptObjectError, match=f"{key}.*expected 1-D uint8"):
+            _decode(codec, bad, ups)
+
+
 @pytest.mark.parametrize("cid", ["zstd", "ulp"])
 def test_zstd_bomb_is_refused(cid):
     codec, ups, data = _encode(cid, _sample())
