@@ -254,23 +254,21 @@ class DifferentialRows:
         self._views = views
 
     def select(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-        """``(positions int64, current bits, anchor bits, bounds)`` of rows ``idx`` (any order), back to back."""
+        """``(positions int64, current bits, anchor bits, bounds)`` of rows ``idx`` (any order), back to back
+        (as :meth:`FlatChanges.select <deltastore.segments.FlatChanges.select>`: views of one range of the
+        table, else one kernel copy)."""
         t = self._table
         idx = np.ascontiguousarray(idx, dtype=np.int64)
-        b = t.bounds
-        counts = b[idx + 1] - b[idx]
-        bounds = np.zeros(idx.size + 1, np.int64)
-        np.cumsum(counts, out=bounds[1:])
-        if idx.size and bool((np.diff(idx) == 1).all()):  # one range of the table: the anchor bits are a view
-            a, e = int(b[idx[0]]), int(b[idx[-1] + 1])
-            pos, anchor = t.positions[a:e].astype(np.int64), t.anchor[a:e]
+        if idx.size and bool((np.diff(idx) == 1).all()):
+            a, e = int(t.bounds[idx[0]]), int(t.bounds[idx[-1] + 1])
+            pos, anchor = torch.from_numpy(t.positions[a:e]), torch.from_numpy(t.anchor[a:e])
+            bounds = t.bounds[idx[0]:idx[-1] + 2] - a
         else:
-            spans = [slice(int(b[i]), int(b[i + 1])) for i in idx.tolist()]
-            pos = np.concatenate([t.positions[sp] for sp in spans] or [np.zeros(0, np.int64)]).astype(np.int64)
-            anchor = np.concatenate([t.anchor[sp] for sp in spans] or [t.anchor[:0]])
-        positions = torch.from_numpy(pos)
+            (pos, anchor), bounds = segments.take([torch.from_numpy(t.positions), torch.from_numpy(t.anchor)],
+                                                  t.bounds, idx)
+        positions = pos.to(torch.int64)  # the drift keeps 32-bit positions where they fit: widened per object
         new = segments.gather([self._views(t.names[i]) for i in idx.tolist()], positions, bounds)
-        return positions, new, torch.from_numpy(anchor), bounds
+        return positions, new, anchor, bounds
 
     def changes(self) -> list[Change]:
         """Every row's :class:`~deltastore.diff.Change` (one read of the whole table)."""
