@@ -267,10 +267,29 @@ class FullState:
         return StagedBits(self)
 
     def apply(self, manifest: Manifest, updates: Mapping[str, Update]) -> None:
-        """Apply one delta version, checking every touched tensor's checksum first."""
+        """Apply one delta version, checking every touched tensor's checksum first.
+
+        A :class:`DecodedUpdates` batch of plain CPU tensors is checked and
+        written by one gather, one checksum pass and one scatter (cost follows
+        its elements, not its tensor count); anything else tensor by tensor.
+        """
+        batched = []
+        loose: Mapping[str, Update] = updates
+        if isinstance(updates, DecodedUpdates):
+            loose = dict(updates.loose)
+            for b in updates.batches:
+                names = [s.name for s in b.specs]
+                tensors = [self.bits[n] for n in names]
+                old = _gather_checked(tensors, b.positions, b.bounds) if all(map(plain_cpu, tensors)) else None
+                if not names or old is None:
+                    loose.update((u.spec.name, u) for u in b.updates())
+                    continue
+                sums = _checked_sums(manifest, names, self.checksums, b.positions, old, b.bits, b.bounds,
+                                     "applying the delta")
+                batched.append((names, tensors, b, sums))
         staged = []
         for rec in manifest.tensors:
-            u = updates.get(rec.name)
+            u = loose.get(rec.name)
             if u is None:
                 continue
             cur = self.bits[rec.name]
@@ -280,6 +299,9 @@ class FullState:
                 cs = updated_checksum(rec.name, self.checksums[rec.name], u.positions, cur[u.positions], u.bits)
             _expect(rec, cs, manifest.step, "applying the delta")
             staged.append((rec.name, u, cs))
+        for names, tensors, b, sums in batched:
+            segments.scatter(tensors, b.positions, b.bounds, b.bits)
+            self.checksums.update(zip(names, sums))
         for name, u, cs in staged:
             if u.positions is None:
                 self.bits[name].copy_(u.bits)  # in place: the bits may be a caller's buffer
@@ -416,6 +438,23 @@ def _gather_checked(tensors: list[torch.Tensor], positions: torch.Tensor, bounds
             or not positions.is_contiguous() or any(t.element_size() != width for t in tensors)):
         return None
     return segments.gather(tensors, positions, bounds)
+
+
+def _checked_sums(manifest: Manifest, names: list[str], checksums: Mapping[str, int], positions: torch.Tensor,
+                  old: torch.Tensor, new: torch.Tensor, bounds: np.ndarray, doing: str) -> list[int]:
+    """The checksums of ``names`` after their changes (tensor ``i``: ``old``/``new`` bits at ``positions``
+    ``bounds[i]:bounds[i + 1]``, from ``checksums[name]``), in one pass; :class:`ChecksumMismatchError`
+    naming the first tensor whose result is not ``manifest``'s."""
+    n = len(names)
+    keys = np.fromiter((_key(nm) for nm in names), dtype=np.uint64, count=n)
+    before = np.fromiter((checksums[nm] for nm in names), dtype=np.uint64, count=n)
+    after = before + segments.mix_delta(positions, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
+    want = np.fromiter(map(manifest.checksum_values.__getitem__, names), dtype=np.uint64, count=n)
+    off = np.flatnonzero(after != want)
+    if off.size:
+        k = int(off[0])
+        _expect(manifest.tensor_map()[names[k]], int(after[k]), manifest.step, doing)
+    return after.tolist()
 
 
 class StagedBits:
@@ -615,16 +654,8 @@ class SparseOverlay:
         old = self._recall(read, names, pos)
         if old is None:
             old = segments.gather([self._fast[n] for n in names], pos, bounds)
-        n = len(recs)
-        keys = np.fromiter((_key(nm) for nm in names), dtype=np.uint64, count=n)
-        before = np.fromiter((self.checksums[nm] for nm in names), dtype=np.uint64, count=n)
-        after = before + segments.mix_delta(pos, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
-        want = np.fromiter(map(manifest.checksum_values.__getitem__, names), dtype=np.uint64, count=n)
-        off = np.flatnonzero(after != want)
-        if off.size:
-            k = int(off[0])
-            _expect(recs[k], int(after[k]), manifest.step, "applying the delta to the target")
-        return (names, pos, new, old, bounds), after.tolist()
+        sums = _checked_sums(manifest, names, self.checksums, pos, old, new, bounds, "applying the delta to the target")
+        return (names, pos, new, old, bounds), sums
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)

@@ -222,3 +222,47 @@ def test_pull_and_publish_run_with_the_collector_paused_and_resume_it(memory_uri
         _follow(memory_uri, _states(2), codec)
     assert {kind for kind, _ in seen} == {"encode", "decode"}
     assert not any(enabled for _, enabled in seen) and gc.isenabled()
+
+
+def _full_state(sub, states, step):
+    from deltastore.apply import FullState
+
+    return FullState.from_bits(sub.manifest(step), {k: v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32)
+                                                    .reshape(-1).clone() for k, v in states[step].items()})
+
+
+def test_a_catch_up_from_an_anchor_writes_each_decoded_batch_by_one_scatter(memory_uri, monkeypatch):
+    """Host-side staging (an anchor, then deltas) costs a batch's elements, not a call per tensor."""
+    states = _states(n=4)
+    _publish(memory_uri, states, "ulp")
+    sizes = []
+    real = segments.scatter
+
+    def counting(tensors, positions, bounds, bits):
+        sizes.append(len(tensors))
+        return real(tensors, positions, bounds, bits)
+
+    monkeypatch.setattr(segments, "scatter", counting)
+    got = ds.Subscriber(memory_uri).pull(step=3)
+    assert got.path == "anchor" and got.versions_applied == [0, 1, 2, 3]
+    assert bits_equal(got.state, states[3])
+    assert sizes.count(5) == 3, sizes  # the five bf16 tensors of each delta: one call per delta
+
+
+def test_a_batch_that_fails_its_checksum_names_its_tensor_and_stages_nothing(memory_uri):
+    states = _states(n=2)
+    _publish(memory_uri, states, "ulp")
+    sub = ds.Subscriber(memory_uri)
+    state = _full_state(sub, states, 0)
+    before = {k: v.clone() for k, v in state.bits.items()}
+    m = sub.manifest(1)
+    updates, _ = sub.fetch_updates(m, "delta", state.old)
+    batch = next(b for b in updates.batches if len(b.specs) == 5)
+    batch.bits = batch.bits.clone()
+    batch.bits[int(batch.bounds[2])] ^= 1  # one element of the third tensor off
+    with pytest.raises(ds.errors.ChecksumMismatchError, match=batch.specs[2].name):
+        state.apply(m, updates)
+    assert all(torch.equal(state.bits[k], before[k]) for k in before)  # the other tensors untouched too
+    good, _ = sub.fetch_updates(m, "delta", state.old)
+    state.apply(m, good)
+    assert bits_equal(state.as_tensors(), states[1])

@@ -150,14 +150,16 @@ class UpdateBatch:
         """One :class:`Update` per tensor (all, or those at ``idxs``): views into the arrays, a few
         microseconds per tensor."""
         b = self.bounds.tolist()
-        out = []
-        for i in range(len(self.specs)) if idxs is None else idxs:
-            lo, hi = b[i], b[i + 1]
-            spec = self.specs[i]
-            out.append(Update(spec, self.bits[lo:hi], self.positions[lo:hi],
-                              self.old_bits[lo:hi] if self.old_bits is not None else None,
-                              self.old_tensors.get(spec.name)))
-        return out
+        return [self._update(i, b[i], b[i + 1]) for i in (range(len(self.specs)) if idxs is None else idxs)]
+
+    def update(self, i: int) -> Update:
+        """The :class:`Update` of tensor ``i`` alone (O(1): no pass over the bounds)."""
+        return self._update(i, int(self.bounds[i]), int(self.bounds[i + 1]))
+
+    def _update(self, i: int, lo: int, hi: int) -> Update:
+        spec = self.specs[i]
+        return Update(spec, self.bits[lo:hi], self.positions[lo:hi],
+                      self.old_bits[lo:hi] if self.old_bits is not None else None, self.old_tensors.get(spec.name))
 
     @classmethod
     def join(cls, updates: Sequence[Update]) -> UpdateBatch:

@@ -41,7 +41,7 @@ class DecodedUpdates(Mapping[str, Update]):
         if u is not None:
             return u
         k, i = self._index()[name]
-        return self.batches[k].updates([i])[0]
+        return self.batches[k].update(i)
 
     def __contains__(self, name: object) -> bool:
         return name in self.loose or name in self._index()
