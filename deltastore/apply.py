@@ -378,6 +378,33 @@ class _PendingMap(MutableMapping[str, _Pending]):
             out[n] = got[i]
         return out
 
+    def flat(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
+        """The staged changes of ``names`` back to back, in that order (a name without any: none), as
+        ``(positions, bits, original, bounds)`` for reading; None when they have none. Makes no
+        :class:`_Pending`; a view, no copy, when they lie back to back in one batch."""
+        pos, bits, orig = [], [], []
+        counts = np.zeros(len(names), dtype=np.int64)
+        for k, n in enumerate(names):
+            p = self._items.get(n)
+            if p is not None:
+                a, b, c = p.positions, p.bits, p.original
+            else:
+                got = self._lazy.get(n)
+                if got is None:
+                    continue
+                (_, bp, bb, bo, bd), i = got
+                lo, hi = int(bd[i]), int(bd[i + 1])
+                a, b, c = bp[lo:hi], bb[lo:hi], bo[lo:hi]
+            pos.append(a)
+            bits.append(b)
+            orig.append(c)
+            counts[k] = a.numel()
+        if not counts.any():
+            return None
+        bounds = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        return segments.joined(pos), segments.joined(bits), segments.joined(orig), bounds
+
     def __getitem__(self, name: str) -> _Pending:
         p = self._items.get(name)
         if p is not None:
@@ -440,6 +467,19 @@ def _gather_checked(tensors: list[torch.Tensor], positions: torch.Tensor, bounds
     return segments.gather(tensors, positions, bounds)
 
 
+def _starts(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Where each tensor starts when they are laid end to end (element offsets, int64)."""
+    starts = np.zeros(len(tensors), dtype=np.int64)
+    np.cumsum(segments.lengths(tensors)[:-1], out=starts[1:])
+    return starts
+
+
+def _keys(positions: torch.Tensor, bounds: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+    """``starts[i] + position`` for the positions of tensor ``i`` (``bounds[i]:bounds[i + 1]``): one sorted
+    key space over several tensors when each tensor's positions are sorted."""
+    return positions + torch.repeat_interleave(torch.from_numpy(starts), torch.from_numpy(np.diff(bounds)))
+
+
 def _checked_sums(manifest: Manifest, names: list[str], checksums: Mapping[str, int], positions: torch.Tensor,
                   old: torch.Tensor, new: torch.Tensor, bounds: np.ndarray, doing: str) -> list[int]:
     """The checksums of ``names`` after their changes (tensor ``i``: ``old``/``new`` bits at ``positions``
@@ -489,10 +529,11 @@ class SparseOverlay:
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
-        # first touches staged in one batch: (names, positions, bits, original, bounds), written by one
-        # scatter while every name in it is still untouched by a later delta (``_batched``)
+        # changes of plain CPU tensors staged as batches: (names, positions, bits, original, bounds); a batch
+        # is written by one scatter while it holds the staged changes of every name in it (``_batched``: name
+        # -> index of the batch that holds its changes)
         self.batches: list[_Batch] = []
-        self._batched: set[str] = set()
+        self._batched: dict[str, int] = {}
         # layout changes: tensors held whole on the host (final flat bits, written or inserted at the end)
         # and tensors to delete from the target
         self.whole: dict[str, torch.Tensor] = {}
@@ -505,7 +546,7 @@ class SparseOverlay:
     def hold(self, name: str, spec: TensorSpec, bits: torch.Tensor, checksum: int) -> None:
         """Keep ``name`` whole on the host from now on (verified flat ``bits``), not in the target."""
         self.pending.pop(name, None)
-        self._batched.discard(name)
+        self._batched.pop(name, None)
         self.dropped.discard(name)
         self.whole[name], self.whole_specs[name], self.checksums[name] = bits, spec, checksum
 
@@ -514,7 +555,7 @@ class SparseOverlay:
         for name in manifest.dropped_tensors:
             for d in (self.pending, self.whole, self.whole_specs, self.checksums):
                 d.pop(name, None)
-            self._batched.discard(name)
+            self._batched.pop(name, None)
             self.dropped.add(name)
         records = manifest.tensor_map()
         for name in manifest.new_tensors:
@@ -551,18 +592,33 @@ class SparseOverlay:
     def old_bits_many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
         """:meth:`old_bits` of many tensors at once (see :func:`deltastore.codecs.read_old_bits`).
 
-        Plain CPU tensors no staged delta touched yet are gathered in one
-        kernel pass, and the result is kept for :meth:`apply`.
+        Plain CPU tensors of the target are gathered in one kernel pass, their
+        staged changes laid over by one search (:meth:`_old_many`), and the
+        result is kept for :meth:`apply`.
         """
-        fast, pending, whole = self._fast, self.pending, self.whole
-        if names and all(n in fast and n not in pending and n not in whole for n in names):
-            tensors = [fast[n] for n in names]
-            width = tensors[0].element_size()
-            old = _gather_checked(tensors, positions, bounds)
+        if names and self._in_target(names):
+            old = self._old_many(names, positions, bounds)
             if old is not None:
-                self._read.setdefault(width, []).append((names, positions, old))
+                self._read.setdefault(old.element_size(), []).append((names, positions, old))
                 return old
         return read_old_bits(self.old_bits, names, positions, bounds)
+
+    def _old_many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor | None:
+        """Bits of plain CPU target tensors ``names`` at ``positions`` (laid out by ``bounds``) as of the deltas
+        staged so far, or None where :func:`_gather_checked` refuses the layout. O(elements), no call per
+        tensor: the staged changes are found by one search over keys ``offset of the tensor + position``."""
+        tensors = [self._fast[n] for n in names]
+        old = _gather_checked(tensors, positions, bounds)
+        staged = self.pending.flat(names) if old is not None else None
+        if staged is None:
+            return old
+        spos, sbits, _, sbounds = staged
+        starts = _starts(tensors)
+        skeys, keys = _keys(spos, sbounds, starts), _keys(positions, bounds, starts)
+        loc = torch.searchsorted(skeys, keys).clamp_(max=skeys.numel() - 1)
+        hit = skeys[loc] == keys
+        old[hit] = sbits[loc[hit]]
+        return old
 
     @property
     def old(self) -> OldBits:
@@ -573,6 +629,11 @@ class SparseOverlay:
         """Whether every one of ``names`` is a plain CPU tensor of the target that no staged delta touched."""
         fast, pending, whole = self._fast, self.pending, self.whole
         return all(n in fast and n not in pending and n not in whole for n in names)
+
+    def _in_target(self, names: list[str]) -> bool:
+        """Whether every one of ``names`` is a plain CPU tensor of the target (not held on the host)."""
+        fast, whole = self._fast, self.whole
+        return all(n in fast and n not in whole for n in names)
 
     @staticmethod
     def _recall(read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
@@ -596,18 +657,22 @@ class SparseOverlay:
         held = []
         read, self._read = self._read, {}
         records = manifest.tensor_map()
-        # first touches of plain CPU tensors, flat: (records, positions, new bits, bounds)
+        # changes of plain CPU tensors, flat: (records, positions, new bits, bounds); first touches in
+        # ``groups``, batches touching a tensor again in ``again`` (merged with what is staged)
         groups: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
+        again: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
         loose: Mapping[str, Update] = updates
         if isinstance(updates, DecodedUpdates):
             loose = dict(updates.loose)
             for b in updates.batches:
                 names = [s.name for s in b.specs]
-                if names and self._first_touch(names):
-                    groups.append(([records[n] for n in names], b.positions, b.bits, b.bounds))
+                if names and self._in_target(names):
+                    (groups if self._first_touch(names) else again).append(
+                        ([records[n] for n in names], b.positions, b.bits, b.bounds))
                 else:
                     loose.update((u.spec.name, u) for u in b.updates())
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
+        batch_again: dict[int, list[tuple[TensorRecord, Update]]] = {}
         for name, u in loose.items():  # in decoding order: a batch's arrays then often lie back to back
             rec = records[name]
             if rec.name in self.whole:  # held on the host since a layout change: updated there
@@ -617,19 +682,22 @@ class SparseOverlay:
                 _expect(rec, cs, manifest.step, "applying the delta")
                 held.append((rec.name, u, cs))
                 continue
-            if u.positions is not None and rec.name in self._fast and rec.name not in self.pending:
-                batch.setdefault(u.bits.element_size(), []).append((rec, u))
+            if u.positions is not None and rec.name in self._fast:
+                to = batch if rec.name not in self.pending else batch_again
+                to.setdefault(u.bits.element_size(), []).append((rec, u))
                 continue
             positions = u.positions if u.positions is not None else torch.arange(rec.numel)
             old = self.old_bits(rec.name, positions)
             cs = updated_checksum(rec.name, self.checksums[rec.name], positions, old, u.bits)
             _expect(rec, cs, manifest.step, "applying the delta to the target")
             staged.append((rec.name, positions, u.bits, old, cs))
-        for group in batch.values():
-            positions = segments.joined([u.positions for _, u in group])  # type: ignore[misc]
-            groups.append(([r for r, _ in group], positions, segments.joined([u.bits for _, u in group]),
-                           segments.bounds_of([u.count for _, u in group])))
-        firsts = [self._check_first_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
+        for into, joining in ((groups, batch), (again, batch_again)):
+            for group in joining.values():
+                positions = segments.joined([u.positions for _, u in group])  # type: ignore[misc]
+                into.append(([r for r, _ in group], positions, segments.joined([u.bits for _, u in group]),
+                             segments.bounds_of([u.count for _, u in group])))
+        firsts = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
+        seconds = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in again]
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
@@ -639,30 +707,68 @@ class SparseOverlay:
             else:
                 self.whole[name][u.positions] = u.bits
             self.checksums[name] = cs
-        for entry, sums in firsts:  # first touches: nothing to merge
+        # first touches are staged as they are; a batch touching tensors again is merged with what they hold
+        for entry, sums in firsts + [(self._merged(*entry), sums) for entry, sums in seconds]:
+            self._batched.update(dict.fromkeys(entry[0], len(self.batches)))
             self.batches.append(entry)
             self.pending.add_batch(entry)
             self.checksums.update(zip(entry[0], sums))
-            self._batched.update(entry[0])
 
-    def _check_first_touches(self, manifest: Manifest, recs: list[TensorRecord], pos: torch.Tensor,
-                             new: torch.Tensor, bounds: np.ndarray,
-                             read: list[tuple[list[str], torch.Tensor, torch.Tensor]]) -> tuple[_Batch, list[int]]:
-        """One gather (or the decoder's read) and one checksum pass over first touches; the staged batch
-        and the new checksums, or :class:`ChecksumMismatchError` naming the first tensor that is off."""
+    def _check_touches(self, manifest: Manifest, recs: list[TensorRecord], pos: torch.Tensor, new: torch.Tensor,
+                       bounds: np.ndarray, read: list[tuple[list[str], torch.Tensor, torch.Tensor]]
+                       ) -> tuple[_Batch, list[int]]:
+        """One read of the bits before this delta (the decoder's, or a gather with the staged changes laid
+        over) and one checksum pass over a batch of plain CPU target tensors; the batch of this delta's
+        changes (with those bits as ``original``) and the new checksums, or :class:`ChecksumMismatchError`
+        naming the first tensor that is off."""
         names = [r.name for r in recs]
         old = self._recall(read, names, pos)
         if old is None:
-            old = segments.gather([self._fast[n] for n in names], pos, bounds)
+            old = self._old_many(names, pos, bounds)
+        if old is None:
+            raise CorruptObjectError(f"version {manifest.step}: decoded positions do not fit their tensors")
         sums = _checked_sums(manifest, names, self.checksums, pos, old, new, bounds, "applying the delta to the target")
         return (names, pos, new, old, bounds), sums
+
+    def _merged(self, names: list[str], positions: torch.Tensor, bits: torch.Tensor, before: torch.Tensor,
+                bounds: np.ndarray) -> _Batch:
+        """The batch of the staged changes of ``names`` with one delta's (``bits`` at ``positions``,
+        ``before`` the bits there until now) laid over: per tensor the sorted union of positions, the
+        latest bits, and the target's own bits as ``original``. O(elements): the union is placed by two
+        searches over keys ``offset of the tensor + position``, no sort and no call per tensor."""
+        staged = self.pending.flat(names)
+        if staged is None:  # none of them touched yet: the bits before this delta are the target's own
+            return names, positions, bits, before, bounds
+        spos, sbits, sorig, sbounds = staged
+        starts = _starts([self._fast[n] for n in names])
+        skeys, keys = _keys(spos, sbounds, starts), _keys(positions, bounds, starts)
+        n_staged = skeys.numel()
+        loc = torch.searchsorted(skeys, keys)
+        hit = skeys[loc.clamp(max=n_staged - 1)] == keys
+        fresh = ~hit
+        fresh_keys = keys[fresh]
+        # where each key lands in the union: its index plus the count of the other side's keys before it
+        at_staged = torch.arange(n_staged) + torch.searchsorted(fresh_keys, skeys)
+        at_fresh = torch.arange(fresh_keys.numel()) + loc[fresh]
+        size = n_staged + fresh_keys.numel()
+        union = torch.empty(size, dtype=torch.int64)
+        union[at_staged], union[at_fresh] = skeys, fresh_keys
+        merged, original = torch.empty(size, dtype=bits.dtype), torch.empty(size, dtype=bits.dtype)
+        merged[at_staged], merged[at_fresh] = sbits, bits[fresh]
+        merged[at_staged[loc[hit]]] = bits[hit]  # the later delta wins
+        original[at_staged], original[at_fresh] = sorig, before[fresh]
+        counted = np.zeros(keys.numel() + 1, dtype=np.int64)
+        np.cumsum(fresh.numpy(), out=counted[1:])
+        union_bounds = sbounds + counted[bounds]
+        union -= torch.repeat_interleave(torch.from_numpy(starts), torch.from_numpy(np.diff(union_bounds)))
+        return names, union, merged, original, union_bounds
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)
         if p is None:  # first touch: the bits before this delta are the target's own
             self.pending[name] = _Pending(positions, bits, old)
             return
-        self._batched.discard(name)  # its batch entry is stale now: written from ``pending``
+        self._batched.pop(name, None)  # its batch entry is stale now: written from ``pending``
         union, inverse = torch.unique(torch.cat([p.positions, positions]), sorted=True, return_inverse=True)
         merged = torch.empty(union.numel(), dtype=bits.dtype)
         original = torch.empty(union.numel(), dtype=bits.dtype)
@@ -715,10 +821,10 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     done: set[str] = set()
     fast = overlay._fast
     batched = overlay._batched
-    for names, pos, bits, orig, bounds in overlay.batches:
-        # a batch is written as it is while none of its tensors was touched again and each is still the
-        # target's own (the same tensor object, or one over the same memory)
-        if batched.issuperset(names) and all(fast.get(n) is target.get(n) or n in fast and
+    for k, (names, pos, bits, orig, bounds) in enumerate(overlay.batches):
+        # a batch is written as it is while it holds the staged changes of each of its tensors and each is
+        # still the target's own (the same tensor object, or one over the same memory)
+        if all(batched.get(n) == k for n in names) and all(fast.get(n) is target.get(n) or n in fast and
                                               fast[n].data_ptr() == target[n].data_ptr() for n in names):
             direct.append(([fast[n] for n in names], pos, bounds, bits, orig))
             done.update(names)

@@ -266,3 +266,77 @@ def test_a_batch_that_fails_its_checksum_names_its_tensor_and_stages_nothing(mem
     good, _ = sub.fetch_updates(m, "delta", state.old)
     state.apply(m, good)
     assert bits_equal(state.as_tensors(), states[1])
+
+
+def _overlapping_states(n=5, seed=1):
+    """States whose steps change many of the same elements again (as dither does), and some new ones."""
+    g = torch.Generator().manual_seed(seed)
+    state = {f"l{i}.w": (torch.randn(40, 30, generator=g) * 0.02).bfloat16() for i in range(5)}
+    state["norm"] = torch.randn(30, generator=g)
+    hot = {k: torch.randperm(v.numel(), generator=g)[: v.numel() // 10] for k, v in state.items()}
+    out = [state]
+    for _ in range(n - 1):
+        state = {k: v.clone() for k, v in state.items()}
+        for k, v in state.items():
+            bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32).view(-1)
+            again = hot[k][torch.rand(hot[k].numel(), generator=g) < 0.6]
+            bits[torch.cat([again, torch.randperm(bits.numel(), generator=g)[:20]]).unique()] += 1
+        out.append(state)
+    return out
+
+
+@pytest.mark.parametrize("codec", ["ulp", "raw"])
+def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
+    """Several deltas pulled at once into a live target: a batch touching staged tensors again is merged
+    by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
+    from deltastore.apply import SparseOverlay
+
+    states = _overlapping_states()
+    _publish(memory_uri, states, codec)
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    merges, sizes = [], []
+    real_merge, real_scatter = SparseOverlay._merge, segments.scatter
+    monkeypatch.setattr(SparseOverlay, "_merge", lambda self, name, *a: (merges.append(name), real_merge(self, name, *a)))
+
+    def counting(tensors, positions, bounds, bits):
+        sizes.append(len(tensors))
+        return real_scatter(tensors, positions, bounds, bits)
+
+    monkeypatch.setattr(segments, "scatter", counting)
+    got = sub.pull(target, step=4, allow_anchor=False)
+    assert got.path == "delta" and got.versions_applied == [1, 2, 3, 4]
+    assert bits_equal(target, states[4])
+    assert set(merges) <= {"norm"}  # every sparse touch went through the batch merge (raw may store norm whole)
+    assert sorted(sizes)[-1] == 5 and sizes.count(5) == 1, sizes  # the bf16 batch: one write
+    for k in (k for k in states[0] if k != "norm"):  # written: the union of the elements any delta changed
+        ints = [s[k].view(torch.int16).reshape(-1) for s in states]
+        union = torch.zeros_like(ints[0], dtype=torch.bool)
+        for a, b in zip(ints, ints[1:]):
+            union |= a != b
+        assert got.written[k] == int(union.sum()), k
+
+
+def test_a_failed_write_of_merged_batches_restores_the_bits_before_the_pull(memory_uri, monkeypatch):
+    states = _overlapping_states()
+    _publish(memory_uri, states, "ulp")
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    real = segments.scatter
+    calls = []
+
+    def failing_second(tensors, positions, bounds, bits):
+        calls.append(len(tensors))
+        if len(calls) == 2:
+            raise OSError("injected: the second write fails")
+        return real(tensors, positions, bounds, bits)
+
+    monkeypatch.setattr(segments, "scatter", failing_second)
+    with pytest.raises(ds.errors.ApplyError):
+        sub.pull(target, step=4, allow_anchor=False)
+    assert bits_equal(target, states[0])  # the first batch's write undone from its merged originals
+    monkeypatch.setattr(segments, "scatter", real)
+    assert sub.pull(target, step=4, allow_anchor=False).path == "delta"
+    assert bits_equal(target, states[4])
