@@ -732,6 +732,10 @@ class Publisher:
             bytes_per_element=per_element)
 
     def _resume(self, latest: int) -> None:
+        with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
+            self._resume_held(latest)
+
+    def _resume_held(self, latest: int) -> None:
         from .subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
 
         sub = Subscriber(self.store)

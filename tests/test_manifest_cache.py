@@ -114,3 +114,25 @@ def test_one_pull_reads_each_manifest_of_a_long_path_once(tmp_path):
     assert len(versions) == 25 and set(versions.values()) == {1}, versions
     assert all(torch.equal(target[k].view(torch.int16), v.view(torch.int16)) for k, v in model.items())
     assert len(sub.store.manifest_cache) <= sub.store.manifest_cache.max_entries  # trimmed after the pull
+
+
+def test_a_resuming_publisher_reads_each_manifest_of_its_chain_once(tmp_path):
+    model = _model()
+    with ds.Publisher(str(tmp_path), anchor_every=1000) as pub:
+        for s in range(12):  # a chain longer than the cache keeps between operations
+            _step(model, s)
+            pub.publish(model, step=s)
+    store = ds.open_store(str(tmp_path))
+    reads: Counter[str] = Counter()
+    get = store.backend.get_bounded
+
+    def counting(key, limit):  # noqa: ANN001, ANN202
+        reads[key] += 1
+        return get(key, limit)
+
+    store.backend.get_bounded = counting  # type: ignore[method-assign]
+    with ds.Publisher(store, anchor_every=1000) as again:  # resumes: rebuilds the mirror, the chain, the drift
+        versions = {k: n for k, n in reads.items() if k.startswith("versions/")}
+        assert len(versions) == 12 and set(versions.values()) == {1}, versions
+        _step(model, 12)
+        assert again.publish(model, step=12).kind == "delta"
