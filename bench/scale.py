@@ -291,7 +291,7 @@ def case_publish(cfg, run, layout, store, *, mode="sync", codec="auto", with_ref
     return out
 
 
-def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True):
+def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, paths=True):
     """A follower: anchor pull(s) of step 0 into a dict target, then one delta pull per step, next to a dense copy."""
     src = build(cfg, run, layout)
     cur = src.state
@@ -312,6 +312,7 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True):
     target = tgt
     if check:
         assert bits_equal(target, cur), "anchor pull is not bit-exact"
+    behind = {k: v.clone() for k, v in target.items()} if paths else None  # a follower left at step 0
     steps = sub.versions()
     for t in steps[1:]:
         src.advance(keep=False)
@@ -324,9 +325,34 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True):
         if check:
             assert bits_equal(target, cur), f"pull of step {t} is not bit-exact"
         out["steps"].append(row)
+    if paths:
+        _multi_step(store, steps, behind, cur, out, check)
     sub.close()
     out["load"].append(os.getloadavg()[0])
     return out
+
+
+def _multi_step(store, steps, behind, cur, out, check):
+    """Multi-step paths, from the same store: a lagging follower (``behind``, at step 0) pulls every delta at
+    once; a fresh follower catches up from the anchor through every delta into a new dict."""
+    last = steps[-1]
+    sub_behind = ds.Subscriber(store)
+    sub_behind.pull(behind, step=0)  # tracked at step 0 (its bits are step 0's): the next pull is a delta path
+    res, w, c = timed(lambda: sub_behind.pull(behind, step=last, allow_anchor=False))
+    assert res.path == "delta", res.path  # (a differential, when the store has one, may shorten the path)
+    out["lagging"] = {"wall": w, "cpu": c, "deltas": len(steps) - 1, "applied": res.versions_applied}
+    if check:
+        assert bits_equal(behind, cur), "lagging pull is not bit-exact"
+    del behind
+    sub_behind.close()
+    fresh = ds.Subscriber(store)
+    res, w, c = timed(lambda: fresh.pull(step=last))
+    assert res.path == "anchor", res.path
+    out["catch_up"] = {"wall": w, "cpu": c, "deltas": len(steps) - 1, "applied": res.versions_applied}
+    if check:
+        assert bits_equal(res.state, cur), "catch-up pull is not bit-exact"
+    del res
+    fresh.close()
 
 
 def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
@@ -535,6 +561,7 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
             dens = extra["densities"].get(r, 0.0)
             target = 0.3 if dens < 0.01 else 1.0
             f.ratio(f"pull.{r}", f"follower pull() of one delta, dict target, {r}", steps, target)
+            extra.setdefault("paths", {})[r] = _paths(pull)
             a = pull["anchor"][0]
             extra["anchors"][f"pull.{r}"] = {"wall": a[0], "cpu": a[1], "bytes": a[2],
                                             "load_file_wall": pull["load_file"][0][0] if pull["load_file"] else None}
@@ -602,6 +629,7 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
         rows = [{"wall": a[0], "cpu": a[1], "ref_wall": s[0], "ref_cpu": s[1]} for a, s in
                 zip(ml["anchor"], ml["load_file"])]
         f.ratio("many_anchor_pull", "same layout: anchor pull vs safetensors load_file", rows, 1.5)
+        extra.setdefault("paths", {})[f"{ml['tensors']} tensors"] = _paths(ml)
     d = res.get("dense")
     if d:
         mbytes = d["model_bytes"]
@@ -639,6 +667,19 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
                 extra["throughput"][f"{codec}.{r}"] = row
     extra["projection"] = projection(cfg, res)
     return f, extra
+
+
+def _paths(pull: dict) -> dict:
+    """The multi-step pulls of one ``case_pull`` against the single steps they replace (same child, same store)."""
+    one = sum(s["wall"] for s in pull["steps"])  # every delta pulled on its own
+    anchor = pull["anchor"][-1][0]
+    lag, up = pull.get("lagging"), pull.get("catch_up")
+    out = {}
+    if lag:
+        out["lagging"] = {**lag, "vs_single_steps": lag["wall"] / one}
+    if up:
+        out["catch_up"] = {**up, "vs_single_steps": up["wall"] / (anchor + one)}
+    return out
 
 
 def projection(cfg, res) -> dict:
@@ -711,6 +752,14 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
                                                       if v.get("save_file_wall") else "")
                           + (f" (load_file {v['load_file_wall']:.2f} s)" if v.get("load_file_wall") else "")
                           for k, v in extra["anchors"].items()))
+    if extra.get("paths"):
+        print("\nMulti-step pulls (informational), each against the single-step pulls it replaces (anchor pull "
+              "+ each delta on its own, timed above): "
+              + "; ".join(f"{k}: lagging follower, {v['lagging']['deltas']} steps at once (applied "
+                          f"{v['lagging']['applied']}) {v['lagging']['wall']:.2f} s ({v['lagging']['vs_single_steps']:.2f}x), "
+                          f"fresh follower catching up from the anchor (applied {v['catch_up']['applied']}) "
+                          f"{v['catch_up']['wall']:.2f} s ({v['catch_up']['vs_single_steps']:.2f}x)"
+                          for k, v in extra["paths"].items() if v))
     if extra["throughput"]:
         print("\n## Model MB/s per core (model bytes / process CPU s of one call; wall MB/s in brackets)\n")
         print("| codec | run | publish MB/s/core | pull MB/s/core | stored B/changed el (objects + manifest, "
@@ -815,7 +864,8 @@ def main(argv=None) -> int:
                     res["codec_publish", codec, run] = run_case(f"publish {codec} {r}", case_publish, run, "model",
                                                                 d, codec=codec, with_ref=False, bound=False)
                     if res["codec_publish", codec, run]:
-                        res["codec_pull", codec, run] = run_case(f"pull {codec} {r}", case_pull, run, "model", d)
+                        res["codec_pull", codec, run] = run_case(f"pull {codec} {r}", case_pull, run, "model", d,
+                                                                                 paths=False)
                     shutil.rmtree(d, ignore_errors=True)
         if "memory" not in a.skip:
             res["runtime"] = run_case("runtime memory of a fresh process", case_runtime)
