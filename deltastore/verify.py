@@ -59,25 +59,31 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     report = VerifyReport()
     sub = Subscriber(store)
     say = progress or (lambda _msg: None)
-    manifests: dict[int, tuple[Manifest, str]] = {}
+    # One pass in step order. Only each readable version's digest is kept (a parent is checked against it), so
+    # memory holds one manifest and one replayed state, not every manifest of the store.
+    digests: dict[int, str] = {}
+    seen: set[str] = set()
+    # Replay: keep the state of the previous version when it is the parent; a version whose parent is not that
+    # state is judged as a reader would get it: the cheapest path from an anchor.
+    state: FullState | None = None
+    state_ref: tuple[int, str] | None = None
     for step in store.versions():
         try:
-            manifests[step] = store.manifest_with_digest(step)
-            report.versions.append(step)
-            if manifests[step][0].producer.get("commit") == "check-then-write":
-                report.notes.append((step, "committed with a check-then-write create (no atomic create on this "
-                                           "backend): a concurrent writer could have raced it"))
+            m, digest = store.manifest_with_digest(step)
         except DeltaStoreError as e:
             report.problems.append((step, f"manifest: {e}"))
-
-    seen: set[str] = set()
-    for step, (m, _) in manifests.items():
+            continue
+        digests[step] = digest
+        report.versions.append(step)
+        if m.producer.get("commit") == "check-then-write":
+            report.notes.append((step, "committed with a check-then-write create (no atomic create on this "
+                                       "backend): a concurrent writer could have raced it"))
         say(f"re-hashing the objects of version {step}")
         if m.parent is not None and m.kind == "delta":
-            parent = manifests.get(m.parent.step)
+            parent = digests.get(m.parent.step)
             if parent is None:
                 report.problems.append((step, f"parent version {m.parent.step} is missing"))
-            elif parent[1] != m.parent.digest:
+            elif parent != m.parent.digest:
                 report.problems.append((step, f"parent version {m.parent.step} has another digest"))
         for rec in m.objects:
             if rec.digest in seen:
@@ -87,36 +93,36 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
                 store.get_object(rec.digest, rec.size)
             except DeltaStoreError as e:
                 report.problems.append((step, str(e)))
-    report.objects = len(seen)
-
-    # Replay: walk versions in order, keeping the state of the previous one when it is the parent; a version
-    # whose parent is not that state is judged as a reader would get it: the cheapest path from an anchor.
-    state: FullState | None = None
-    state_ref: tuple[int, str] | None = None
-    for step, (m, digest) in manifests.items():
         say(f"replaying version {step}")
-        try:
-            if (state is not None and m.parent is not None and m.has_delta
-                    and state_ref == (m.parent.step, m.parent.digest)):
-                assert state_ref is not None
-                check_step(state.specs, m, base=state_ref[0])
-                sub.advance(state, m)
-                if m.kind == "anchor":  # the full objects must agree too
-                    FullState(m, sub.fetch_updates(m, "full", None)[0])
-            elif m.kind == "anchor":
-                state = FullState(m, sub.fetch_updates(m, "full", None)[0])
-            else:
-                state, state_ref = None, None
-                try:
-                    staged = sub.stage(step, layout_changes=True)
-                except VersionNotFoundError:
-                    report.problems.append((step, "delta is not reachable from a verified predecessor"))
-                    continue
-                assert isinstance(staged.state, FullState)
-                state = staged.state
-            state_ref = (step, digest)
-            report.replayed.append(step)
-        except DeltaStoreError as e:
-            report.problems.append((step, f"replay: {e}"))
-            state, state_ref = None, None
+        state, state_ref = _replay(sub, report, step, m, digest, state, state_ref)
+    report.objects = len(seen)
     return report
+
+
+def _replay(sub: Subscriber, report: VerifyReport, step: int, m: Manifest, digest: str, state: FullState | None,
+            state_ref: tuple[int, str] | None) -> tuple[FullState | None, tuple[int, str] | None]:
+    """Rebuild version ``step`` (from ``state`` when that is its parent) and check every checksum; the state
+    to carry to the next version. Problems go to ``report``."""
+    try:
+        if (state is not None and m.parent is not None and m.has_delta
+                and state_ref == (m.parent.step, m.parent.digest)):
+            check_step(state.specs, m, base=state_ref[0])
+            sub.advance(state, m)
+            if m.kind == "anchor":  # the full objects must agree too
+                FullState(m, sub.fetch_updates(m, "full", None)[0])
+        elif m.kind == "anchor":
+            state = FullState(m, sub.fetch_updates(m, "full", None)[0])
+        else:
+            state = None
+            try:
+                staged = sub.stage(step, layout_changes=True)
+            except VersionNotFoundError:
+                report.problems.append((step, "delta is not reachable from a verified predecessor"))
+                return None, None
+            assert isinstance(staged.state, FullState)
+            state = staged.state
+        report.replayed.append(step)
+        return state, (step, digest)
+    except DeltaStoreError as e:
+        report.problems.append((step, f"replay: {e}"))
+        return None, None

@@ -136,3 +136,35 @@ def test_a_resuming_publisher_reads_each_manifest_of_its_chain_once(tmp_path):
         assert len(versions) == 12 and set(versions.values()) == {1}, versions
         _step(model, 12)
         assert again.publish(model, step=12).kind == "delta"
+
+
+def test_verifying_a_store_keeps_a_bounded_number_of_manifests_alive(tmp_path):
+    import gc
+    import weakref
+
+    from deltastore.verify import verify_store
+
+    model = _model()
+    with ds.Publisher(str(tmp_path), anchor_every=5) as pub:
+        for s in range(16):
+            _step(model, s)
+            pub.publish(model, step=s)
+    store = ds.open_store(str(tmp_path))
+    made: list[weakref.ref] = []
+    parse = store.manifest_with_digest
+
+    def watching(step):  # noqa: ANN001, ANN202
+        got = parse(step)
+        made.append(weakref.ref(got[0]))
+        return got
+
+    store.manifest_with_digest = watching  # type: ignore[method-assign]
+    alive: list[int] = []
+
+    def progress(_msg: str) -> None:
+        gc.collect()
+        alive.append(len({id(m) for m in (r() for r in made) if m is not None}))
+
+    report = verify_store(store, progress=progress)
+    assert report.ok and report.replayed == list(range(16)), report.problems
+    assert max(alive) <= store.manifest_cache.max_entries + 2, alive  # not one per version of the store
