@@ -57,6 +57,7 @@ from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.stream import diff_stream
 from .publish.upload import Job, store_jobs
+from .pull.anchor import stream_anchor
 from .quantize import get_quantizer
 from .store import DeltaStore, open_store, version_key
 from .tensors import StateLike, bits_view, dtype_name, named_tensors
@@ -734,6 +735,7 @@ class Publisher:
     def _resume(self, latest: int) -> None:
         with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
             self._resume_held(latest)
+        release_memory()  # the decode's buffers go back to the system, as after a publish
 
     def _resume_held(self, latest: int) -> None:
         from .subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
@@ -763,11 +765,12 @@ class Publisher:
         self._anchor = self.store.ref(m.step)
         drift_elements = 0
         if self.policy.tracks_drift and since and not self._relaid_since_anchor:
-            anchor_state = sub.pull(step=m.step).state
+            # the anchor streamed tensor by tensor against the mirror: a few objects in memory, not the model
             mirror = self._mirror
-            changes = {n: find_changes(bits_view(anchor_state[n]), mirror.view(n)) for n in self._specs}
-            del anchor_state
-            proposed = self._drift.propose(changes)
+            changes: dict[str, Change] = {}
+            stream_anchor(self.store, m, workers=sub.max_workers, ahead=1, verify=sub.verify_anchors,
+                          sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
+            proposed = self._drift.propose({n: changes[n] for n in self._specs})
             self._drift.commit(proposed)
             drift_elements = DriftTracker.count(proposed)
         total = sum(s.numel for s in self._specs.values())

@@ -287,3 +287,33 @@ def test_an_anchor_pull_through_torch_ops_checks_every_checksum(monkeypatch):
     monkeypatch.setattr(DenseCodec, "decode", real)
     sub.pull(target, step=0)
     assert bits_equal({k: v.as_subclass(torch.Tensor) for k, v in target.items()}, states[0])
+
+
+def test_an_anchor_streamed_to_a_sink_hands_each_tensor_over_once_verified_and_keeps_none(tmp_path, monkeypatch):
+    """What a resuming publisher uses to measure its drift: the anchor passes through, object by object."""
+    from deltastore.pull import anchor as anchor_mod
+    from deltastore.pull.anchor import stream_anchor
+
+    state = _tensors(3)
+    uri = str(tmp_path / "s")
+    with ds.Publisher(uri, max_object_bytes=1 << 14) as pub:  # many objects, some tensors split over several
+        pub.publish(state, step=0)
+    store = ds.open_store(uri)
+    am = store.manifest(0)
+    assert len(am.full_objects) > 3
+    got: dict[str, torch.Tensor] = {}
+    verified: set[str] = set()
+    real_verify = anchor_mod._verify
+
+    def verifying(m, names, where):  # noqa: ANN001, ANN202
+        real_verify(m, names, where)
+        verified.update(names)
+
+    def sink(name: str, bits: torch.Tensor) -> None:
+        assert name not in got and name in verified  # once, and only after its checksum was compared
+        got[name] = bits.clone()
+
+    monkeypatch.setattr(anchor_mod, "_verify", verifying)
+    assert stream_anchor(store, am, workers=2, ahead=1, sink=sink) == {}
+    assert set(got) == set(state)
+    assert all(torch.equal(got[k], bits_view(v)) for k, v in state.items())

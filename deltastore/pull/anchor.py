@@ -12,7 +12,10 @@ no copy); any other is decoded, checked, then copied:
   an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
   caller can put the target back if anything fails later;
 * into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
-  whose layout changes later on the path): the decoded bits become the result.
+  whose layout changes later on the path): the decoded bits become the result,
+  or, with a ``sink``, are handed to it tensor by tensor once verified and not
+  kept (a reader that only compares, such as a resuming publisher measuring
+  its drift, then holds a few objects, not the model).
 
 Every tensor's full checksum is compared with the manifest once all its parts
 are in (read back from where they were written), in one kernel pass per
@@ -21,7 +24,7 @@ object for CPU tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -43,9 +46,12 @@ class WriteFailed(Exception):
 def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                   dests: Mapping[str, torch.Tensor] | None = None,
                   alias_dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
-                  verify: bool = True) -> dict[str, torch.Tensor]:
+                  verify: bool = True, sink: Callable[[str, torch.Tensor], None] | None = None
+                  ) -> dict[str, torch.Tensor]:
     """Write anchor ``am``'s tensors into ``dests`` (per tensor its flat bit view; ``alias_dests``: the
-    alias copies that receive the same bits); return the others as new flat bit tensors."""
+    alias copies that receive the same bits); return the others as new flat bit tensors, or, with ``sink``,
+    call ``sink(name, flat bits)`` for each of them once it is complete and verified (then the result is
+    empty). Raises what decoding raises, :class:`ChecksumMismatchError`, :class:`WriteFailed`."""
     alias_dests = alias_dests or {}
     index = object_index(am, "full")
     records = am.tensor_map()
@@ -108,6 +114,10 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
         del decoded, copies
         if verify and complete:
             _verify(am, complete, {n: dests[n] if dests is not None and n in dests else out[n] for n in complete})
+        if sink is not None:
+            for n in complete:
+                if n in out:
+                    sink(n, out.pop(n))
     missing = [n for n, got in received.items() if got != records[n].numel]
     if missing:
         raise ManifestError(f"anchor {am.step} does not hold every element of {missing[:5]}")
