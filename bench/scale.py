@@ -312,8 +312,10 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, 
     target = tgt
     if check:
         assert bits_equal(target, cur), "anchor pull is not bit-exact"
-    behind = {k: v.clone() for k, v in target.items()} if paths else None  # a follower left at step 0
     steps = sub.versions()
+    last = _lagging_step(store, steps) if paths else None
+    behind = {k: v.clone() for k, v in target.items()} if last is not None else None  # a follower left at step 0
+    expected = None
     for t in steps[1:]:
         src.advance(keep=False)
         row = {}
@@ -324,33 +326,50 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, 
         row["manifest_bytes"] = os.path.getsize(os.path.join(store, "versions", f"{t:012d}.json"))
         if check:
             assert bits_equal(target, cur), f"pull of step {t} is not bit-exact"
+        if t == last:
+            expected = {k: v.clone() for k, v in cur.items()}
         out["steps"].append(row)
-    if paths:
-        _multi_step(store, steps, behind, cur, out, check)
+    if last is not None:
+        _multi_step(store, last, behind, expected, out, check)
+        del behind, expected
     sub.close()
     out["load"].append(os.getloadavg()[0])
     return out
 
 
-def _multi_step(store, steps, behind, cur, out, check):
-    """Multi-step paths, from the same store: a lagging follower (``behind``, at step 0) pulls every delta at
-    once; a fresh follower catches up from the anchor through every delta into a new dict."""
-    last = steps[-1]
+def _lagging_step(store, steps):
+    """The latest step that a follower at step 0 and a fresh follower both reach through every delta before it
+    (a differential would skip them), or None."""
+    sub = ds.Subscriber(store)
+    held = sub.store.ref(steps[0])
+    for t in reversed(steps[2:]):
+        want = steps[1:steps.index(t) + 1]
+        lag, fresh = sub.plan(t, held), sub.plan(t)
+        if (lag.anchor is None and lag.differential is None and lag.deltas == want
+                and fresh.differential is None and fresh.deltas == want):
+            return t
+    return None
+
+
+def _multi_step(store, last, behind, expected, out, check):
+    """Multi-step paths to step ``last`` (``expected``: its bits), from the same store: a lagging follower
+    (``behind``, at step 0) pulls every delta up to it at once; a fresh follower catches up from the anchor
+    through them into a new dict."""
     sub_behind = ds.Subscriber(store)
     sub_behind.pull(behind, step=0)  # tracked at step 0 (its bits are step 0's): the next pull is a delta path
     res, w, c = timed(lambda: sub_behind.pull(behind, step=last, allow_anchor=False))
-    assert res.path == "delta", res.path  # (a differential, when the store has one, may shorten the path)
-    out["lagging"] = {"wall": w, "cpu": c, "deltas": len(steps) - 1, "applied": res.versions_applied}
+    assert res.path == "delta" and len(res.versions_applied) == last, (res.path, res.versions_applied)
+    out["lagging"] = {"wall": w, "cpu": c, "deltas": last, "to": last}
     if check:
-        assert bits_equal(behind, cur), "lagging pull is not bit-exact"
+        assert bits_equal(behind, expected), "lagging pull is not bit-exact"
     del behind
     sub_behind.close()
     fresh = ds.Subscriber(store)
     res, w, c = timed(lambda: fresh.pull(step=last))
-    assert res.path == "anchor", res.path
-    out["catch_up"] = {"wall": w, "cpu": c, "deltas": len(steps) - 1, "applied": res.versions_applied}
+    assert res.path == "anchor" and len(res.versions_applied) == last + 1, (res.path, res.versions_applied)
+    out["catch_up"] = {"wall": w, "cpu": c, "deltas": last, "to": last}
     if check:
-        assert bits_equal(res.state, cur), "catch-up pull is not bit-exact"
+        assert bits_equal(res.state, expected), "catch-up pull is not bit-exact"
     del res
     fresh.close()
 
@@ -671,9 +690,11 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
 
 def _paths(pull: dict) -> dict:
     """The multi-step pulls of one ``case_pull`` against the single steps they replace (same child, same store)."""
-    one = sum(s["wall"] for s in pull["steps"])  # every delta pulled on its own
-    anchor = pull["anchor"][-1][0]
     lag, up = pull.get("lagging"), pull.get("catch_up")
+    if not lag:
+        return {}
+    one = sum(s["wall"] for s in pull["steps"][:lag["to"]])  # each of those deltas pulled on its own
+    anchor = pull["anchor"][-1][0]
     out = {}
     if lag:
         out["lagging"] = {**lag, "vs_single_steps": lag["wall"] / one}
@@ -755,10 +776,10 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
     if extra.get("paths"):
         print("\nMulti-step pulls (informational), each against the single-step pulls it replaces (anchor pull "
               "+ each delta on its own, timed above): "
-              + "; ".join(f"{k}: lagging follower, {v['lagging']['deltas']} steps at once (applied "
-                          f"{v['lagging']['applied']}) {v['lagging']['wall']:.2f} s ({v['lagging']['vs_single_steps']:.2f}x), "
-                          f"fresh follower catching up from the anchor (applied {v['catch_up']['applied']}) "
-                          f"{v['catch_up']['wall']:.2f} s ({v['catch_up']['vs_single_steps']:.2f}x)"
+              + "; ".join(f"{k}: lagging follower, {v['lagging']['deltas']} deltas at once "
+                          f"{v['lagging']['wall']:.2f} s ({v['lagging']['vs_single_steps']:.2f}x), fresh follower "
+                          f"catching up from the anchor through them {v['catch_up']['wall']:.2f} s "
+                          f"({v['catch_up']['vs_single_steps']:.2f}x)"
                           for k, v in extra["paths"].items() if v))
     if extra["throughput"]:
         print("\n## Model MB/s per core (model bytes / process CPU s of one call; wall MB/s in brackets)\n")
