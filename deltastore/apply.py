@@ -380,30 +380,43 @@ class _PendingMap(MutableMapping[str, _Pending]):
 
     def flat(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
         """The staged changes of ``names`` back to back, in that order (a name without any: none), as
-        ``(positions, bits, original, bounds)`` for reading; None when they have none. Makes no
-        :class:`_Pending`; a view, no copy, when they lie back to back in one batch."""
-        pos, bits, orig = [], [], []
-        counts = np.zeros(len(names), dtype=np.int64)
-        for k, n in enumerate(names):
-            p = self._items.get(n)
-            if p is not None:
-                a, b, c = p.positions, p.bits, p.original
+        ``(positions, bits, original, bounds)``; None when they have none. One kernel copy per array
+        (:func:`segments.take_parts` over the batches and entries holding them), no call per name."""
+        sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = []
+        seen: dict[int, int] = {}  # id(batch) -> its index in sources
+        which = np.full(len(names), -1, dtype=np.int64)  # source of each name (-1: nothing staged)
+        local = np.zeros(len(names), dtype=np.int64)  # its segment in that source
+        for j, n in enumerate(names):
+            got = self._lazy.get(n)
+            if got is not None:
+                batch, local[j] = got
+                k = seen.get(id(batch))
+                if k is None:
+                    k = seen[id(batch)] = len(sources)
+                    sources.append(batch[1:])
             else:
-                got = self._lazy.get(n)
-                if got is None:
+                p = self._items.get(n)
+                if p is None:
                     continue
-                (_, bp, bb, bo, bd), i = got
-                lo, hi = int(bd[i]), int(bd[i + 1])
-                a, b, c = bp[lo:hi], bb[lo:hi], bo[lo:hi]
-            pos.append(a)
-            bits.append(b)
-            orig.append(c)
-            counts[k] = a.numel()
-        if not counts.any():
+                k = len(sources)
+                sources.append((p.positions, p.bits, p.original, np.array([0, p.positions.numel()], np.int64)))
+            which[j] = k
+        if not sources:
             return None
-        bounds = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum(counts, out=bounds[1:])
-        return segments.joined(pos), segments.joined(bits), segments.joined(orig), bounds
+        # one stream over every source: its elements back to back, its segments' bounds joined, then an empty one
+        sizes = np.fromiter((int(src[3][-1]) for src in sources), dtype=np.int64, count=len(sources))
+        starts = np.zeros(len(sources), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        total = int(sizes.sum())
+        first_segment = np.zeros(len(sources), dtype=np.int64)
+        np.cumsum([len(src[3]) - 1 for src in sources[:-1]], out=first_segment[1:])
+        bounds = np.concatenate([src[3][:-1] + at for src, at in zip(sources, starts)] + [np.array([total, total])])
+        idx = np.where(which >= 0, first_segment[which] + local, len(bounds) - 2)
+        out = [segments.take_parts([src[a] for src in sources], starts, bounds, idx) for a in range(3)]
+        got_bounds = out[0][1]
+        if not got_bounds[-1]:
+            return None
+        return out[0][0], out[1][0], out[2][0], got_bounds
 
     def __getitem__(self, name: str) -> _Pending:
         p = self._items.get(name)
@@ -613,6 +626,9 @@ class SparseOverlay:
         if staged is None:
             return old
         spos, sbits, _, sbounds = staged
+        if segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old):
+            return old
+        # a decoder read positions out of order: one search over keys ``tensor offset + position`` instead
         starts = _starts(tensors)
         skeys, keys = _keys(spos, sbounds, starts), _keys(positions, bounds, starts)
         loc = torch.searchsorted(skeys, keys).clamp_(max=skeys.numel() - 1)
@@ -732,36 +748,14 @@ class SparseOverlay:
 
     def _merged(self, names: list[str], positions: torch.Tensor, bits: torch.Tensor, before: torch.Tensor,
                 bounds: np.ndarray) -> _Batch:
-        """The batch of the staged changes of ``names`` with one delta's (``bits`` at ``positions``,
-        ``before`` the bits there until now) laid over: per tensor the sorted union of positions, the
-        latest bits, and the target's own bits as ``original``. O(elements): the union is placed by two
-        searches over keys ``offset of the tensor + position``, no sort and no call per tensor."""
+        """The batch of the staged changes of ``names`` with one delta's (``bits`` at ``positions``, strictly
+        increasing per tensor; ``before``: the bits there until now) laid over: per tensor the sorted union of
+        positions, the latest bits, and the target's own bits as ``original``. Linear in the elements
+        (:func:`segments.merge_staged`), no call per tensor."""
         staged = self.pending.flat(names)
         if staged is None:  # none of them touched yet: the bits before this delta are the target's own
             return names, positions, bits, before, bounds
-        spos, sbits, sorig, sbounds = staged
-        starts = _starts([self._fast[n] for n in names])
-        skeys, keys = _keys(spos, sbounds, starts), _keys(positions, bounds, starts)
-        n_staged = skeys.numel()
-        loc = torch.searchsorted(skeys, keys)
-        hit = skeys[loc.clamp(max=n_staged - 1)] == keys
-        fresh = ~hit
-        fresh_keys = keys[fresh]
-        # where each key lands in the union: its index plus the count of the other side's keys before it
-        at_staged = torch.arange(n_staged) + torch.searchsorted(fresh_keys, skeys)
-        at_fresh = torch.arange(fresh_keys.numel()) + loc[fresh]
-        size = n_staged + fresh_keys.numel()
-        union = torch.empty(size, dtype=torch.int64)
-        union[at_staged], union[at_fresh] = skeys, fresh_keys
-        merged, original = torch.empty(size, dtype=bits.dtype), torch.empty(size, dtype=bits.dtype)
-        merged[at_staged], merged[at_fresh] = sbits, bits[fresh]
-        merged[at_staged[loc[hit]]] = bits[hit]  # the later delta wins
-        original[at_staged], original[at_fresh] = sorig, before[fresh]
-        counted = np.zeros(keys.numel() + 1, dtype=np.int64)
-        np.cumsum(fresh.numpy(), out=counted[1:])
-        union_bounds = sbounds + counted[bounds]
-        union -= torch.repeat_interleave(torch.from_numpy(starts), torch.from_numpy(np.diff(union_bounds)))
-        return names, union, merged, original, union_bounds
+        return (names, *segments.merge_staged(staged, positions, bits, before, bounds))
 
     def _merge(self, name: str, positions: torch.Tensor, bits: torch.Tensor, old: torch.Tensor) -> None:
         p = self.pending.get(name)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .kernels import diff as _k
+from .kernels import merge as _m
 from .kernels.parallel import chunked, threads
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -377,6 +378,44 @@ def check_positions(positions: torch.Tensor, bounds: np.ndarray, numels: np.ndar
     runs = _k.segment_runs(bounds, threads())
     bad = [b for b in _parallel(runs, lambda s0, s1: int(_k.check_segments(pos, bounds, numels, s0, s1))) if b >= 0]
     return min(bad) if bad else -1
+
+
+def merge_staged(staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray], positions: torch.Tensor,
+                 bits: torch.Tensor, before: torch.Tensor, bounds: np.ndarray
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+    """Lay one delta (``bits`` at ``positions``, ``before``: the bits it replaces) over ``staged`` changes
+    (positions, final bits, original bits, bounds), segment by segment: per segment the sorted union of
+    positions, the delta's bits where it has the position else the staged ones, the staged originals where
+    staged else ``before``; and the union's bounds. Positions must be strictly increasing per segment on both
+    sides (the caller's contract). Two linear passes (:mod:`deltastore.kernels.merge`), on every kernel thread."""
+    spos, sbits, sorig, sbounds = staged
+    sbounds, bounds = np.ascontiguousarray(sbounds, np.int64), np.ascontiguousarray(bounds, np.int64)
+    sp, pos = spos.contiguous().numpy(), positions.contiguous().numpy()
+    n = bounds.size - 1
+    counts = np.zeros(n, np.int64)
+    runs = _k.segment_runs(sbounds + bounds, threads())
+    _parallel(runs, lambda s0, s1: _m.union_counts(sp, sbounds, pos, bounds, s0, s1, counts))
+    ubounds = _bounds_of(counts)
+    size = int(ubounds[-1])
+    sb, so, nb, bf = (unsigned(t.contiguous()) for t in (sbits, sorig, bits, before))
+    upos, ubits, uorig = np.empty(size, np.int64), np.empty(size, sb.dtype), np.empty(size, sb.dtype)
+    _parallel(runs, lambda s0, s1: _m.merge_segments(sp, sb, so, sbounds, pos, nb, bf, bounds, ubounds, s0, s1,
+                                                     upos, ubits, uorig))
+    return torch.from_numpy(upos), to_bits(ubits), to_bits(uorig), ubounds
+
+
+def overlay_staged(staged: tuple[torch.Tensor, torch.Tensor, np.ndarray], positions: torch.Tensor,
+                   bounds: np.ndarray, old: torch.Tensor) -> bool:
+    """Write the staged bits into ``old`` (bits at ``positions``, laid out by ``bounds``) where a segment's
+    position is staged (``staged``: positions, bits, bounds). False, with ``old`` partly done, when some
+    segment's ``positions`` are not strictly increasing: the caller then searches another way."""
+    spos, sbits, sbounds = staged
+    sbounds, bounds = np.ascontiguousarray(sbounds, np.int64), np.ascontiguousarray(bounds, np.int64)
+    sp, pos, sb, out = spos.contiguous().numpy(), positions.contiguous().numpy(), unsigned(sbits.contiguous()), \
+        unsigned(old)
+    runs = _k.segment_runs(sbounds + bounds, threads())
+    return all(b < 0 for b in _parallel(runs, lambda s0, s1: int(_m.overlay_segments(sp, sb, sbounds, pos, bounds,
+                                                                                    s0, s1, out))))
 
 
 bounds_of = _bounds_of

@@ -327,3 +327,54 @@ def test_gap_positions_refuse_bad_streams():
         _common.decode_positions(B.uvarint_encode(np.array([3, 2**64 - 2], np.uint64)), [2], [10], "t")
     with pytest.raises(CorruptObjectError, match="trailing bytes"):
         _common.decode_positions(ok + b"\x00", [2], [10], "t")
+
+
+# -- laying a delta over staged changes (kernels/merge.py through segments.merge_staged / overlay_staged) -------
+def _segments(rng, sizes, numel=500):
+    pos = [np.sort(rng.choice(numel, k, replace=False)).astype(np.int64) for k in sizes]
+    return pos, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_merge_staged_is_the_per_segment_union_the_delta_winning(monkeypatch, threads):
+    from deltastore import segments
+    from deltastore.kernels import diff
+
+    monkeypatch.setenv("DELTASTORE_THREADS", str(threads))
+    real_runs = diff.segment_runs  # runs of a few segments each, so several threads share the work
+    monkeypatch.setattr(diff, "segment_runs", lambda bounds, pieces, min_chunk=1: real_runs(bounds, pieces, 1))
+    rng = np.random.default_rng(threads)
+    n = 40
+    s_sizes, d_sizes = rng.integers(0, 60, n), rng.integers(0, 60, n)
+    s_sizes[3] = d_sizes[5] = s_sizes[7] = d_sizes[7] = 0  # empty on either side, or both
+    spos, sb = _segments(rng, s_sizes)
+    dpos, db = _segments(rng, d_sizes)
+    sbits = [rng.integers(0, 2**16, k).astype(np.uint16) for k in s_sizes]
+    sorig = [rng.integers(0, 2**16, k).astype(np.uint16) for k in s_sizes]
+    dbits = [rng.integers(0, 2**16, k).astype(np.uint16) for k in d_sizes]
+    before = [rng.integers(0, 2**16, k).astype(np.uint16) for k in d_sizes]
+    t = lambda xs, dt=torch.int16: torch.from_numpy(np.concatenate(xs).view(np.int16 if dt == torch.int16 else np.int64))
+    got = segments.merge_staged((t(spos, torch.int64), t(sbits), t(sorig), sb), t(dpos, torch.int64), t(dbits),
+                                t(before), db)
+    want_pos, want_bits, want_orig, counts = [], [], [], []
+    for s in range(n):
+        table = {int(p): (int(b), int(o)) for p, b, o in zip(spos[s], sbits[s], sorig[s])}
+        for p, b, o in zip(dpos[s], dbits[s], before[s]):
+            table[int(p)] = (int(b), table[int(p)][1] if int(p) in table else int(o))
+        keys = sorted(table)
+        want_pos += keys
+        want_bits += [table[k][0] for k in keys]
+        want_orig += [table[k][1] for k in keys]
+        counts.append(len(keys))
+    assert got[0].tolist() == want_pos
+    assert got[1].numpy().view(np.uint16).tolist() == want_bits
+    assert got[2].numpy().view(np.uint16).tolist() == want_orig
+    assert got[3].tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
+
+    old = torch.from_numpy(np.concatenate(before).view(np.int16)).clone()
+    assert segments.overlay_staged((t(spos, torch.int64), t(sbits), sb), t(dpos, torch.int64), db, old)
+    staged_at = [dict(zip(spos[s].tolist(), sbits[s].tolist())) for s in range(n)]
+    want = [staged_at[s].get(int(p), int(o)) for s in range(n) for p, o in zip(dpos[s], before[s])]
+    assert old.numpy().view(np.uint16).tolist() == want
+    backwards = t([p[::-1].copy() for p in dpos], torch.int64)
+    assert not segments.overlay_staged((t(spos, torch.int64), t(sbits), sb), backwards, db, old.clone())
