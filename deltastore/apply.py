@@ -360,9 +360,13 @@ class _PendingMap(MutableMapping[str, _Pending]):
     def __init__(self) -> None:
         self._items: dict[str, _Pending] = {}
         self._lazy: dict[str, tuple[_Batch, int]] = {}
+        # :meth:`flat` results until the staged changes next change: a batch touching tensors again is read
+        # for its decoder and then merged, with nothing staged in between
+        self._flats: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None] = {}
 
     def add_batch(self, batch: _Batch) -> None:
         names = batch[0]
+        self._flats.clear()
         for n in names:
             self._items.pop(n, None)
         self._lazy.update(zip(names, ((batch, i) for i in range(len(names)))))
@@ -381,7 +385,14 @@ class _PendingMap(MutableMapping[str, _Pending]):
     def flat(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
         """The staged changes of ``names`` back to back, in that order (a name without any: none), as
         ``(positions, bits, original, bounds)``; None when they have none. One kernel copy per array
-        (:func:`segments.take_parts` over the batches and entries holding them), no call per name."""
+        (:func:`segments.take_parts` over the batches and entries holding them), no call per name; the same
+        ``names`` again before anything is staged: the same arrays (the caller only reads them)."""
+        key = tuple(names)
+        if key not in self._flats:
+            self._flats[key] = self._flat(names)
+        return self._flats[key]
+
+    def _flat(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray] | None:
         sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = []
         seen: dict[int, int] = {}  # id(batch) -> its index in sources
         which = np.full(len(names), -1, dtype=np.int64)  # source of each name (-1: nothing staged)
@@ -404,12 +415,9 @@ class _PendingMap(MutableMapping[str, _Pending]):
         if not sources:
             return None
         # one stream over every source: its elements back to back, its segments' bounds joined, then an empty one
-        sizes = np.fromiter((int(src[3][-1]) for src in sources), dtype=np.int64, count=len(sources))
-        starts = np.zeros(len(sources), dtype=np.int64)
-        np.cumsum(sizes[:-1], out=starts[1:])
-        total = int(sizes.sum())
-        first_segment = np.zeros(len(sources), dtype=np.int64)
-        np.cumsum([len(src[3]) - 1 for src in sources[:-1]], out=first_segment[1:])
+        ends = segments.bounds_of([int(src[3][-1]) for src in sources])
+        starts, total = ends[:-1], int(ends[-1])
+        first_segment = segments.bounds_of([len(src[3]) - 1 for src in sources])[:-1]
         bounds = np.concatenate([src[3][:-1] + at for src, at in zip(sources, starts)] + [np.array([total, total])])
         idx = np.where(which >= 0, first_segment[which] + local, len(bounds) - 2)
         out = [segments.take_parts([src[a] for src in sources], starts, bounds, idx) for a in range(3)]
@@ -428,10 +436,12 @@ class _PendingMap(MutableMapping[str, _Pending]):
         return p
 
     def __setitem__(self, name: str, value: _Pending) -> None:
+        self._flats.clear()
         self._lazy.pop(name, None)
         self._items[name] = value
 
     def __delitem__(self, name: str) -> None:
+        self._flats.clear()
         if self._lazy.pop(name, None) is None:
             del self._items[name]
 
@@ -478,13 +488,6 @@ def _gather_checked(tensors: list[torch.Tensor], positions: torch.Tensor, bounds
             or not positions.is_contiguous() or any(t.element_size() != width for t in tensors)):
         return None
     return segments.gather(tensors, positions, bounds)
-
-
-def _starts(tensors: list[torch.Tensor]) -> np.ndarray:
-    """Where each tensor starts when they are laid end to end (element offsets, int64)."""
-    starts = np.zeros(len(tensors), dtype=np.int64)
-    np.cumsum(segments.lengths(tensors)[:-1], out=starts[1:])
-    return starts
 
 
 def _keys(positions: torch.Tensor, bounds: np.ndarray, starts: np.ndarray) -> torch.Tensor:
@@ -609,7 +612,7 @@ class SparseOverlay:
         staged changes laid over by one search (:meth:`_old_many`), and the
         result is kept for :meth:`apply`.
         """
-        if names and self._in_target(names):
+        if names and self._touch(names) is not None:
             old = self._old_many(names, positions, bounds)
             if old is not None:
                 self._read.setdefault(old.element_size(), []).append((names, positions, old))
@@ -629,7 +632,7 @@ class SparseOverlay:
         if segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old):
             return old
         # a decoder read positions out of order: one search over keys ``tensor offset + position`` instead
-        starts = _starts(tensors)
+        starts = segments.bounds_of(segments.lengths(tensors))[:-1]  # where each tensor starts, end to end
         skeys, keys = _keys(spos, sbounds, starts), _keys(positions, bounds, starts)
         loc = torch.searchsorted(skeys, keys).clamp_(max=skeys.numel() - 1)
         hit = skeys[loc] == keys
@@ -641,15 +644,16 @@ class SparseOverlay:
         """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
         return StagedBits(self)
 
-    def _first_touch(self, names: list[str]) -> bool:
-        """Whether every one of ``names`` is a plain CPU tensor of the target that no staged delta touched."""
+    def _touch(self, names: list[str]) -> bool | None:
+        """None unless every one of ``names`` is a plain CPU tensor of the target (not held on the host);
+        else whether none of them is touched by a staged delta yet (a first touch)."""
         fast, pending, whole = self._fast, self.pending, self.whole
-        return all(n in fast and n not in pending and n not in whole for n in names)
-
-    def _in_target(self, names: list[str]) -> bool:
-        """Whether every one of ``names`` is a plain CPU tensor of the target (not held on the host)."""
-        fast, whole = self._fast, self.whole
-        return all(n in fast and n not in whole for n in names)
+        first = True
+        for n in names:
+            if n not in fast or n in whole:
+                return None
+            first = first and n not in pending
+        return first
 
     @staticmethod
     def _recall(read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
@@ -682,9 +686,9 @@ class SparseOverlay:
             loose = dict(updates.loose)
             for b in updates.batches:
                 names = [s.name for s in b.specs]
-                if names and self._in_target(names):
-                    (groups if self._first_touch(names) else again).append(
-                        ([records[n] for n in names], b.positions, b.bits, b.bounds))
+                touch = self._touch(names) if names else None
+                if touch is not None:
+                    (groups if touch else again).append(([records[n] for n in names], b.positions, b.bits, b.bounds))
                 else:
                     loose.update((u.spec.name, u) for u in b.updates())
         batch: dict[int, list[tuple[TensorRecord, Update]]] = {}
@@ -714,6 +718,8 @@ class SparseOverlay:
                              segments.bounds_of([u.count for _, u in group])))
         firsts = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
         seconds = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in again]
+        # merged before anything is staged: the staged changes their decoders read are then reused
+        merged = [(self._merged(*entry), sums) for entry, sums in seconds]
         for name, positions, bits, old, cs in staged:
             self._merge(name, positions, bits, old)
             self.checksums[name] = cs
@@ -724,7 +730,7 @@ class SparseOverlay:
                 self.whole[name][u.positions] = u.bits
             self.checksums[name] = cs
         # first touches are staged as they are; a batch touching tensors again is merged with what they hold
-        for entry, sums in firsts + [(self._merged(*entry), sums) for entry, sums in seconds]:
+        for entry, sums in firsts + merged:
             self._batched.update(dict.fromkeys(entry[0], len(self.batches)))
             self.batches.append(entry)
             self.pending.add_batch(entry)

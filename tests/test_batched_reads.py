@@ -289,7 +289,7 @@ def _overlapping_states(n=5, seed=1):
 def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
     """Several deltas pulled at once into a live target: a batch touching staged tensors again is merged
     by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
-    from deltastore.apply import SparseOverlay
+    from deltastore.apply import SparseOverlay, _PendingMap
 
     states = _overlapping_states()
     _publish(memory_uri, states, codec)
@@ -305,9 +305,18 @@ def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_u
         return real_scatter(tensors, positions, bounds, bits)
 
     monkeypatch.setattr(segments, "scatter", counting)
+    events = []  # the staged changes gathered per batch, and each batch staged
+    real_flat, real_add = _PendingMap._flat, _PendingMap.add_batch
+    monkeypatch.setattr(_PendingMap, "_flat", lambda self, names: (events.append(tuple(names)),
+                                                                   real_flat(self, names))[1])
+    monkeypatch.setattr(_PendingMap, "add_batch", lambda self, b: (events.append("staged"), real_add(self, b))[1])
     got = sub.pull(target, step=4, allow_anchor=False)
     assert got.path == "delta" and got.versions_applied == [1, 2, 3, 4]
     assert bits_equal(target, states[4])
+    between = [[]]
+    for e in events:
+        between.append([]) if e == "staged" else between[-1].append(e)
+    assert any(between) and all(len(b) == len(set(b)) for b in between), events  # read once, reused to merge
     assert set(merges) <= {"norm"}  # every sparse touch went through the batch merge (raw may store norm whole)
     assert sorted(sizes)[-1] == 5 and sizes.count(5) == 1, sizes  # the bf16 batch: one write
     for k in (k for k in states[0] if k != "norm"):  # written: the union of the elements any delta changed
