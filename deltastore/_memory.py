@@ -1,32 +1,78 @@
-"""Give freed heap memory back to the operating system after a big operation.
+"""Keep the process's resident memory close to what it really holds (glibc only).
 
-glibc keeps freed blocks of worker threads' arenas mapped (they are reused,
-but count as resident memory of the process). After a version is published or
-pulled, the temporaries of encoding and decoding are gone; ``malloc_trim``
-returns those pages, so the process's resident size reflects what it really
-holds (the mirror, the target) instead of its high-water mark. A no-op where
-glibc is not the allocator.
+glibc serves a large ``malloc`` by ``mmap`` (given back at ``free``) only
+above its *mmap threshold*, and it raises that threshold to the size of every
+large block freed, up to 32 MiB. After a few publishes or pulls, the
+temporaries of encoding and decoding (megabytes each) then come from the heaps
+of worker threads' arenas, and what is freed at the top of those heaps stays
+mapped: ``malloc_trim`` does not shrink them. Measured on a 1 GB bf16 model
+(``docs/benchmarks.md``), that kept 0.25–0.3× the model resident after a few
+dither steps, on top of the mirror.
+
+:func:`pin_allocator` fixes the threshold at :data:`MMAP_THRESHOLD` (which
+also stops the sliding), once per process, when the first publisher or
+subscriber is made, unless the application chose for itself: one of
+glibc's threshold variables (``MALLOC_MMAP_THRESHOLD_`` and kin) or a
+``glibc.malloc`` entry of ``GLIBC_TUNABLES`` in the environment, or
+``DELTASTORE_PIN_MALLOC=0``. The setting is process-wide; blocks above 1 MiB
+then cost an ``mmap`` each (no slower in ``bench/scale.py``: the page faults
+of fresh memory are paid either way).
+:func:`release_memory` returns free pages after each big operation. Both are
+no-ops where glibc is not the allocator.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import threading
 
-_trim = None
+#: glibc's mmap threshold as pinned by :func:`pin_allocator`, in bytes
+MMAP_THRESHOLD = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+_TUNING_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+_libc: ctypes.CDLL | None = None
 _looked = False
+_pinned: bool | None = None
+_lock = threading.Lock()
 
 
-def release_memory() -> None:
-    """``malloc_trim(0)`` on glibc; nothing elsewhere. Costs about a millisecond per GB of free heap."""
-    global _trim, _looked
+def _glibc() -> ctypes.CDLL | None:
+    global _libc, _looked
     if not _looked:
         _looked = True
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _trim = libc.malloc_trim
-            _trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            _libc = libc
         except (OSError, AttributeError):
-            _trim = None
-    if _trim is not None:
-        _trim(0)
+            _libc = None
+    return _libc
+
+
+def pin_allocator() -> bool:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` once per process (see the module docstring).
+
+    Returns whether it is pinned now by this module; False when the
+    environment opted out or chose its own malloc tuning, or glibc is not
+    there. Never raises.
+    """
+    global _pinned
+    with _lock:
+        if _pinned is None:
+            tunables = os.environ.get("GLIBC_TUNABLES", "")
+            chosen = os.environ.get("DELTASTORE_PIN_MALLOC", "1") == "0" or "glibc.malloc." in tunables or \
+                any(v in os.environ for v in _TUNING_VARIABLES)
+            libc = None if chosen else _glibc()
+            _pinned = bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
+        return _pinned
+
+
+def release_memory() -> None:
+    """``malloc_trim(0)`` on glibc; nothing elsewhere. Costs about a millisecond per GB of free heap."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

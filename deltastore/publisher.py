@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ._gc import paused
-from ._memory import release_memory
+from ._memory import pin_allocator, release_memory
 from . import progress as _progress
 from ._version import __version__
 from .adapters import peft_adapter, record_config
@@ -171,6 +171,7 @@ class Publisher:
                  background: bool = False, max_pending: int = 2,
                  mirror_device: str | torch.device | None = None, quantize: Any = None,
                  adapter_only: bool = False):
+        pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.codec = get_codec(codec)
         self.anchor_codec = get_codec(anchor_codec)

@@ -20,7 +20,7 @@ import torch
 
 from . import progress as _progress, segments, tracking
 from ._gc import paused
-from ._memory import release_memory
+from ._memory import pin_allocator, release_memory
 from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum
@@ -141,6 +141,7 @@ class Subscriber:
     def __init__(self, uri: Any, *, storage_options: dict[str, Any] | None = None, verify_anchors: bool = True,
                  max_lag: int | None = None, max_workers: int = 4, journal_dir: str | None = None,
                  journal_memory: int = DEFAULT_MEMORY_BYTES):
+        pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
         self.verify_anchors = verify_anchors
         if max_lag is not None and (not isinstance(max_lag, int) or max_lag < 0):
