@@ -20,6 +20,7 @@ version.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,15 +63,32 @@ def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict
     Raises :class:`TargetMismatchError` naming the first offending tensor.
     Other extra target tensors are allowed and left alone.
     """
-    records = manifest.tensor_map()
-    for rec in manifest.tensors:
-        _check_tensor(target.get(rec.name), rec, rec.name, manifest.step)
+    if not _layout_holds(target, manifest):
+        for rec in manifest.tensors:  # names the first tensor that is off
+            _check_tensor(target.get(rec.name), rec, rec.name, manifest.step)
     copies: dict[str, list[str]] = {}
+    records = manifest.tensor_map() if manifest.aliases else {}
     for alias, primary in manifest.aliases.items():
         if alias in target:
             _check_tensor(target[alias], records[primary], alias, manifest.step)
             copies.setdefault(primary, []).append(alias)
     return copies
+
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+
+
+def _layout_holds(target: Mapping[str, torch.Tensor], manifest: Manifest) -> bool:
+    """Whether every tensor of ``manifest`` is in ``target`` with its dtype and shape, contiguous: one
+    C-level pass per property (no call per tensor); False also for anything :func:`_check_tensor` would
+    have to look at one by one."""
+    names, dtypes, shapes = manifest.layout_columns
+    try:
+        ts = list(map(target.__getitem__, names))
+        return (list(map(_DTYPE, ts)) == dtypes and list(map(_SHAPE, ts)) == shapes
+                and all(map(torch.Tensor.is_contiguous, ts)))
+    except (KeyError, AttributeError, TypeError):
+        return False
 
 
 def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: int) -> None:

@@ -36,7 +36,8 @@ from .codecs import TensorSpec
 from .diff import Change
 from .drift import DriftTracker
 from .errors import DeltaStoreError, StepOrderError, TargetMismatchError, VersionExistsError
-from .manifest import MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import (COLUMNS_FORMAT_VERSION, MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef,
+                       check_tensor_name)
 from .publish.mirror import Diff, Mirror
 from .publish.upload import Job, store_jobs
 from .publisher import Publisher, VersionInfo
@@ -264,7 +265,8 @@ class ShardedPublisher:
         manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
                             parent=e._last if same_layout else None, tensors=tuple(records), objects=tuple(objects),
                             created=time.time(), producer={**e._producer(), "ranks": self.world},
-                            metadata=e.metadata, differential=e._anchor if with_diff else None, files=e._files)
+                            metadata=e.metadata, differential=e._anchor if with_diff else None, files=e._files,
+                            format_version=COLUMNS_FORMAT_VERSION)
         data, digest = e.store.commit(manifest)
         e._checksums = checksums
         e._last = VersionRef(step, digest)

@@ -51,7 +51,7 @@ from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
 from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
 from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import (FORMAT_VERSION, LAYOUT_FORMAT_VERSION, MAX_STEP, Manifest, Part, TensorRecord, VersionRef,
+from .manifest import (COLUMNS_FORMAT_VERSION, MAX_STEP, Manifest, Part, TensorRecord, VersionRef,
                        check_tensor_name, sha256_digest)
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
@@ -465,7 +465,7 @@ class Publisher:
                                 metadata=self.metadata, aliases=aliases,
                                 differential=self._anchor if with_diff else None, files=self._files,
                                 new_tensors=new, dropped_tensors=dropped,
-                                format_version=LAYOUT_FORMAT_VERSION if c.layout is not None else FORMAT_VERSION,
+                                format_version=COLUMNS_FORMAT_VERSION,
                                 quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
             data, digest, notes = self._commit(manifest)
         except BaseException:

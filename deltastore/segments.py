@@ -40,11 +40,11 @@ def like(width: int) -> np.ndarray:
 
 
 def pointers(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    return np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
 
 
 def lengths(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+    return np.fromiter(map(torch.Tensor.numel, tensors), dtype=np.int64, count=len(tensors))
 
 
 def unsigned(t: torch.Tensor) -> np.ndarray:

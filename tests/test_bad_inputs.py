@@ -359,6 +359,9 @@ def test_hostile_manifest_fields(published, field, value, says):
     def edit(doc):
         if "." in field:
             head, key = field.split(".")
+            if head == "tensors" and isinstance(doc[head], dict):  # format 1.2: the first entry of a column
+                doc[head][key][0] = value
+                return
             entry = doc[head][0] if isinstance(doc[head], list) else doc[head]
             entry[key] = value
         else:

@@ -209,7 +209,7 @@ def test_tensor_larger_than_an_object_is_stored_in_slices(memory_uri):
     parts = m.tensor_map()["big"].full
     assert len(parts) == 4 and [p.offset for p in parts] == [0, 8000, 16000, 24000]
     assert len(m.full_objects) >= 4
-    assert json.loads(m.to_json())["tensors"][0]["full"][1] == {"object": parts[1].object, "offset": 8000,
+    assert json.loads(m.to_json())["tensors"]["full"][0][1] == {"object": parts[1].object, "offset": 8000,
                                                                  "numel": 8000}
     nxt = big.clone()
     nxt.view(torch.int16).reshape(-1)[::2] += 1  # half the elements: stored whole, in slices, in the delta

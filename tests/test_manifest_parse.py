@@ -115,3 +115,85 @@ def test_the_one_pass_role_rules_agree_with_the_record_by_record_check(case):
                                                                     differential is not None, new_names)
     with pytest.raises(AssertionError if ok else ManifestError):
         M._check_roles(recs, kind, parent, differential, new_names)
+
+
+# -- the 1.2 tensor columns -------------------------------------------------------------------
+def _doc(rows: list, version: str = "1.0") -> dict:
+    """A delta manifest's document with ``rows`` as its tensors (row form) and three objects."""
+    objects = tuple(M.ObjectRecord("sha256:" + f"{i}" * 64, 10, {"id": "raw"}) for i in range(N_OBJECTS))
+    m = M.Manifest(step=1, kind="delta", parent=M.VersionRef(0, "sha256:" + "0" * 64), tensors=(),
+                   objects=objects, created=1.0, format_version=version)
+    return dict(m.to_dict(), tensors=rows)
+
+
+def _as_columns(doc: dict) -> dict:
+    rows = doc["tensors"]
+    return dict(doc, format_version=M.COLUMNS_FORMAT_VERSION,
+                tensors={k: [r[k] for r in rows] for k in M.TENSOR_FIELDS})
+
+
+def _parsed(doc: dict):
+    try:
+        return M._parse(doc)
+    except ManifestError as e:
+        return f"ManifestError: {e}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(records(), min_size=0, max_size=3), st.integers(0, 120), st.randoms(use_true_random=False))
+def test_a_columnar_section_parses_to_what_its_rows_parse_to(odd, plain, rnd):
+    """The same records as rows (1.0) and as columns (1.2): the same tensors, or the same error naming
+    the same record (a record lacking a field has no column form and is left out)."""
+    valid = [dict(_VALID, name=f"layer.{i}.w", shape=[i % 7 + 1, 3], changed=i % 3, delta=i % N_OBJECTS)
+             for i in range(plain)]
+    rows = valid + [t for t in odd if isinstance(t, dict) and set(t) == set(M.TENSOR_FIELDS)]
+    rnd.shuffle(rows)
+    as_rows, as_columns = _parsed(_doc(rows)), _parsed(_as_columns(_doc(rows)))
+    if isinstance(as_rows, str):
+        assert as_columns == as_rows
+    else:
+        assert not isinstance(as_columns, str), as_columns
+        assert as_columns.tensors == as_rows.tensors and as_columns.format_version == M.COLUMNS_FORMAT_VERSION
+
+
+def test_a_columnar_manifest_round_trips_and_is_smaller_than_its_rows():
+    rows = [dict(_VALID, name=f"model.layers.{i}.mlp.experts.{i % 64}.w", delta=i % N_OBJECTS) for i in range(300)]
+    m = M._parse(_as_columns(_doc(rows)))
+    data = m.to_json()
+    assert M.Manifest.from_json(data) == m and isinstance(M.json.loads(data)["tensors"], dict)
+    as_rows = M._parse(_doc(rows))
+    assert as_rows.tensors == m.tensors and isinstance(M.json.loads(as_rows.to_json())["tensors"], list)
+    assert len(data) < 0.75 * len(as_rows.to_json())
+
+
+def test_an_empty_columnar_section_is_an_empty_version():
+    m = M.Manifest(step=0, kind="anchor", parent=None, tensors=(), objects=(), created=1.0,
+                   format_version=M.COLUMNS_FORMAT_VERSION)
+    assert M.Manifest.from_json(m.to_json()).tensors == ()
+
+
+_ROWS = [dict(_VALID, name=f"t{i}", delta=i % N_OBJECTS) for i in range(70)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("diff_changed"), r"tensor columns are \["),
+    (lambda c: c.update(extra=[0] * 70), r"tensor columns are \["),
+    (lambda c: c.update(shape="4,8"), "tensor column 'shape' is not a list"),
+    (lambda c: c["checksum"].pop(), "tensor column 'checksum' has 69 entries, 'name' has 70"),
+    (lambda c: c["name"].append("t70"), "tensor column 'dtype' has 70 entries, 'name' has 71"),
+    (lambda c: c["name"].__setitem__(5, "t4"), "tensor 't4' listed twice"),
+    (lambda c: c["changed"].__setitem__(9, 33), r"tensors\[9\] field .changed. = 33 outside"),
+    (lambda c: c["delta"].__setitem__(3, 7), r"tensors\[3\] delta.*out of range"),
+])
+def test_a_bad_column_is_named(change, message):
+    doc = _as_columns(_doc(_ROWS))
+    change(doc["tensors"])
+    with pytest.raises(ManifestError, match=message):
+        M._parse(doc)
+
+
+def test_each_form_is_read_only_under_its_own_version():
+    with pytest.raises(ManifestError, match="tensors"):  # columns in a 1.0 manifest
+        M._parse(dict(_as_columns(_doc(_ROWS)), format_version="1.0"))
+    with pytest.raises(ManifestError, match="tensors"):  # rows in a 1.2 one
+        M._parse(_doc(_ROWS, version=M.COLUMNS_FORMAT_VERSION) | {"tensors": _ROWS})
