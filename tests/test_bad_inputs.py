@@ -193,7 +193,7 @@ def test_target_changed_behind_our_back_is_detected(published):
     _expect(sub, target, tampered, ChecksumMismatchError, step=4)
 
 
-@pytest.mark.parametrize("mutate", ["shape", "dtype", "missing", "noncontiguous"])
+@pytest.mark.parametrize("mutate", ["shape", "dtype", "missing", "noncontiguous", "strided"])
 def test_target_with_wrong_layout(published, mutate):
     uri, states, sub, _ = published
     target = {k: v.clone() for k, v in states[3].items()}
@@ -203,6 +203,9 @@ def test_target_with_wrong_layout(published, mutate):
         target["a"] = target["a"].half()
     elif mutate == "missing":
         del target["b"]
+    elif mutate == "strided":  # its own shape and values, laid out column-major
+        target["a"] = target["a"].t().contiguous().t()
+        assert target["a"].shape == states[3]["a"].shape and not target["a"].is_contiguous()
     else:
         target["a"] = target["a"].t()
     before = {k: v.clone() for k, v in target.items()}
