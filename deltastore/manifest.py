@@ -1,4 +1,4 @@
-"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.0).
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.2; 1.0 and 1.1 are read too).
 
 A manifest is the only thing a reader trusts: it names every object of a
 version by digest, the codec that decodes each, and every tensor's dtype,
@@ -31,12 +31,9 @@ if TYPE_CHECKING:
 
 FORMAT = "deltastore.manifest"
 FORMAT_VERSION = "1.0"
-#: the minor version that adds layout changes (``new_tensors``, ``dropped_tensors``); a manifest that uses
-#: none is written as :data:`FORMAT_VERSION`, so its bytes are what a 1.0 writer produced
-LAYOUT_FORMAT_VERSION = "1.1"
 #: the minor version whose ``tensors`` section is columns (``{field: [value per tensor]}``) instead of one
-#: object per tensor: what publishers write (half the bytes and a quarter of the JSON parse of rows at
-#: 16,384 tensors); it may use the 1.1 fields too
+#: object per tensor (1.0; 1.1 added the layout-change fields): what publishers write (at 16,384 tensors
+#: about half the bytes and a quarter of the JSON parse of rows); ``docs/format.md`` has the versions
 COLUMNS_FORMAT_VERSION = "1.2"
 #: the fields of a tensor record, in the order of :class:`TensorRecord`
 TENSOR_FIELDS = ("name", "dtype", "shape", "changed", "checksum", "delta", "full", "diff", "diff_changed")
