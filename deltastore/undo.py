@@ -20,6 +20,7 @@ journal however many parts are written into it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import tempfile
@@ -31,12 +32,40 @@ import numpy as np
 import torch
 
 from .apply import plain_cpu
-from .segments import is_zero, lengths, unsigned, zero_flags
+from .segments import is_zero, lengths, pointers, zero_flags
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
 #: buffers handed to one ``writev`` call (the system's IOV_MAX; 16, the POSIX floor, where it is not known)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def _libc_writev() -> ctypes._CFuncPtr | None:
+    try:
+        f = ctypes.CDLL(None, use_errno=True).writev
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_ssize_t
+    return f
+
+
+_WRITEV = _libc_writev()
+
+
+def _writev(fd: int, iov: np.ndarray) -> int:
+    """``writev(fd, iov)`` for rows ``(address, length)`` of a C-contiguous uint64 array: bytes written
+    (possibly fewer than asked); ``OSError`` with the system's errno. Where libc has no ``writev``,
+    one ``os.write`` of the first buffer."""
+    while True:
+        if _WRITEV is None:
+            addr, size = int(iov[0, 0]), int(iov[0, 1])
+            return os.write(fd, (ctypes.c_char * size).from_address(addr))
+        n = _WRITEV(fd, iov.ctypes.data, len(iov))
+        if n >= 0:
+            return int(n)
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise OSError(err, f"undo journal: {os.strerror(err)}")
 
 
 class UndoJournal:
@@ -68,8 +97,8 @@ class UndoJournal:
             self._entries.append((flat, "copy", (flat.to("cpu", copy=True), 0)))
             self._in_memory += nbytes
             return
-        host = flat if flat.is_cpu else flat.cpu()
-        self._write([unsigned(host)])
+        host = (flat if flat.is_cpu else flat.cpu()).contiguous()
+        self._write(pointers([host]), np.array([nbytes], np.int64))
         self._entries.append((flat, "file", (self._offset - nbytes, nbytes)))
 
     def save_many(self, flats: Sequence[torch.Tensor]) -> None:
@@ -115,29 +144,32 @@ class UndoJournal:
         if n_mem < len(flats):  # the rest straight from the tensors to the file: no staging copy
             rest, base = flats[n_mem:], int(ends[n_mem - 1]) if n_mem else 0
             at = self._offset
-            self._write([unsigned(f) for f in rest])
+            self._write(pointers(rest), sizes[n_mem:] * width)  # by address: no object per tensor
             offsets = ((ends[n_mem:] - sizes[n_mem:] - base) * width + at).tolist()
             self._entries.extend(zip(rest, repeat("file"), zip(offsets, (sizes[n_mem:] * width).tolist())))
 
-    def _write(self, arrays: Sequence[np.ndarray]) -> None:
-        """Append the arrays' bytes to the file: one ``writev`` per ``_IOV_MAX`` arrays, short writes resumed."""
+    def _write(self, addresses: np.ndarray, nbytes: np.ndarray) -> None:
+        """Append the bytes at ``addresses`` (``nbytes`` each, memory the caller keeps alive) to the file:
+        one ``writev`` per ``_IOV_MAX`` buffers, short writes resumed where the kernel stopped."""
         if self._file is None:
             self._file = tempfile.TemporaryFile(dir=self.directory, prefix="deltastore-undo-", buffering=0)
         fd = self._file.fileno()
-        views = [memoryview(a).cast("B") for a in arrays]
+        iov = np.empty((len(addresses), 2), np.uint64)
+        iov[:, 0], iov[:, 1] = addresses, nbytes
+        iov = iov[iov[:, 1] > 0]
         i = 0
-        while i < len(views):
-            chunk = views[i:i + _IOV_MAX]
-            n = os.writev(fd, chunk) if hasattr(os, "writev") else os.write(fd, chunk[0])
+        while i < len(iov):
+            chunk = iov[i:i + _IOV_MAX]
+            n = _writev(fd, chunk)
             if n <= 0:
                 raise OSError(errno.EIO, "undo journal: a write to its temporary file made no progress")
             self._offset += n
-            k = 0
-            while k < len(chunk) and n >= chunk[k].nbytes:  # the views written whole
-                n -= chunk[k].nbytes
-                k += 1
-            if k < len(chunk):
-                views[i + k] = chunk[k][n:]  # resume inside a view the kernel cut short
+            ends = np.cumsum(chunk[:, 1])
+            k = int(np.searchsorted(ends, n, side="right"))  # the buffers written whole
+            if k < len(chunk):  # resume inside the buffer the kernel cut short
+                done = n - (int(ends[k - 1]) if k else 0)
+                chunk[k, 0] += np.uint64(done)
+                chunk[k, 1] -= np.uint64(done)
             i += k
 
     def _read(self, offset: int, into: memoryview) -> None:

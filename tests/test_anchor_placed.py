@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import numpy as np
 import torch
 
 import deltastore as ds
@@ -213,22 +214,20 @@ def test_undo_journal_save_many_writes_through_short_writes_exactly(tmp_path, mo
     """Tensors written to the file a few buffers per ``writev``, the kernel cutting every write short
     (as it may, e.g. near a full disk), a memory budget that ends inside the list: every tensor comes
     back bit for bit."""
-    real = undo_mod.os.writev
+    real = undo_mod._writev
     calls = []
 
-    def short_writev(fd, buffers):  # noqa: ANN001, ANN202
-        calls.append(len(buffers))
-        budget, cut = 700, []
-        for b in buffers:
-            take = memoryview(b)[:budget]
-            cut.append(take)
-            budget -= take.nbytes
-            if not budget:
-                break
-        return real(fd, cut)
+    def short_writev(fd, iov):  # noqa: ANN001, ANN202
+        calls.append(len(iov))
+        cut = iov.copy()  # at most 700 bytes, as a kernel may cut a write
+        budget = 700
+        for row in cut:
+            row[1] = min(int(row[1]), budget)
+            budget -= int(row[1])
+        return real(fd, np.ascontiguousarray(cut[cut[:, 1] > 0]))
 
     monkeypatch.setattr(undo_mod, "_IOV_MAX", 3)
-    monkeypatch.setattr(undo_mod.os, "writev", short_writev)
+    monkeypatch.setattr(undo_mod, "_writev", short_writev)
     g = torch.Generator().manual_seed(14)
     sizes = [3, 100, 600, 1, 511, 512, 2000, 7, 40, 900, 13]
     ts = [torch.randint(1, 999, (n,), generator=g, dtype=torch.int16) for n in sizes]
@@ -317,3 +316,20 @@ def test_an_anchor_streamed_to_a_sink_hands_each_tensor_over_once_verified_and_k
     assert stream_anchor(store, am, workers=2, ahead=1, sink=sink) == {}
     assert set(got) == set(state)
     assert all(torch.equal(got[k], bits_view(v)) for k, v in state.items())
+
+
+def test_undo_journal_writev_reports_the_systems_error(tmp_path):
+    """The by-address ``writev`` raises ``OSError`` with the system's errno (a full disk is ENOSPC, a
+    descriptor not open for writing EBADF), never a silent short count."""
+    import errno
+
+    path = tmp_path / "ro"
+    path.write_bytes(b"x")
+    buf = np.arange(16, dtype=np.uint8)
+    iov = np.array([[buf.ctypes.data, buf.nbytes]], np.uint64)
+    with open(path, "rb") as f, pytest.raises(OSError) as e:
+        undo_mod._writev(f.fileno(), iov)
+    assert e.value.errno == errno.EBADF
+    with open(tmp_path / "w", "wb", buffering=0) as f:
+        assert undo_mod._writev(f.fileno(), iov) == 16
+    assert (tmp_path / "w").read_bytes() == buf.tobytes()
