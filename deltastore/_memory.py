@@ -39,18 +39,24 @@ _pinned: bool | None = None
 _lock = threading.Lock()
 
 
-def _glibc() -> ctypes.CDLL | None:
+def c_library() -> ctypes.CDLL | None:
+    """The C library, loaded once (``errno`` kept for :func:`ctypes.get_errno`); None where it cannot be."""
     global _libc, _looked
     if not _looked:
         _looked = True
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            _libc = libc
-        except (OSError, AttributeError):
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:
             _libc = None
     return _libc
+
+
+def _glibc(name: str, *argtypes: type) -> ctypes._CFuncPtr | None:
+    """glibc's function ``name`` with its argument types, or None where the C library lacks it."""
+    f = getattr(c_library(), name, None)
+    if f is not None:
+        f.argtypes = list(argtypes)
+    return f
 
 
 def pin_allocator() -> bool:
@@ -66,13 +72,13 @@ def pin_allocator() -> bool:
             tunables = os.environ.get("GLIBC_TUNABLES", "")
             chosen = os.environ.get("DELTASTORE_PIN_MALLOC", "1") == "0" or "glibc.malloc." in tunables or \
                 any(v in os.environ for v in _TUNING_VARIABLES)
-            libc = None if chosen else _glibc()
-            _pinned = bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
+            mallopt = None if chosen else _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+            _pinned = bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
         return _pinned
 
 
 def release_memory() -> None:
     """``malloc_trim(0)`` on glibc; nothing elsewhere. Costs about a millisecond per GB of free heap."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    trim = _glibc("malloc_trim", ctypes.c_size_t)
+    if trim is not None:
+        trim(0)

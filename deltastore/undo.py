@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import tempfile
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from typing import IO
 import numpy as np
 import torch
 
+from ._memory import c_library
 from .apply import plain_cpu
 from .segments import is_zero, lengths, pointers, zero_flags
 
@@ -40,27 +42,24 @@ DEFAULT_MEMORY_BYTES = 32 << 20
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
 
+@functools.cache
 def _libc_writev() -> ctypes._CFuncPtr | None:
-    try:
-        f = ctypes.CDLL(None, use_errno=True).writev
-    except (OSError, AttributeError):
-        return None
-    f.argtypes, f.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_ssize_t
+    f = getattr(c_library(), "writev", None)
+    if f is not None:
+        f.argtypes, f.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_ssize_t
     return f
-
-
-_WRITEV = _libc_writev()
 
 
 def _writev(fd: int, iov: np.ndarray) -> int:
     """``writev(fd, iov)`` for rows ``(address, length)`` of a C-contiguous uint64 array: bytes written
     (possibly fewer than asked); ``OSError`` with the system's errno. Where libc has no ``writev``,
     one ``os.write`` of the first buffer."""
+    writev = _libc_writev()
     while True:
-        if _WRITEV is None:
+        if writev is None:
             addr, size = int(iov[0, 0]), int(iov[0, 1])
             return os.write(fd, (ctypes.c_char * size).from_address(addr))
-        n = _WRITEV(fd, iov.ctypes.data, len(iov))
+        n = writev(fd, iov.ctypes.data, len(iov))
         if n >= 0:
             return int(n)
         err = ctypes.get_errno()
