@@ -68,6 +68,9 @@ def _rank_main(rank, world, port, uri, mode, kwargs):
             info = pub.publish(shards, step=step)
             assert info.step == step
         pub.close()
+        # Every rank reaches the end before any tears down: rank 0 hosts the TCPStore, and a rank still
+        # inside gloo when it leaves was seen to abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -95,7 +95,7 @@ class _RecordingQueue:
 def test_async_grpo_trainer_syncs_through_the_store_into_vllm(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "tests" / "test_vllm"))
     from engine_check import build_model
-    from test_vllm.test_engine import vllm_python
+    from test_vllm.test_engine import vllm_env, vllm_python
 
     import datasets
     import torch
@@ -153,7 +153,7 @@ def test_async_grpo_trainer_syncs_through_the_store_into_vllm(tmp_path, monkeypa
                           temperature=1.0, heartbeat_stale_after_s=300,
                           max_staleness=0)  # TRL drops older samples: after a sync it trains on the new version
     log = tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = vllm_env(VLLM_SERVER_DEV_MODE="1")
     cmd = [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
            "--host", "127.0.0.1", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "128",
            "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(32 << 20),

@@ -32,10 +32,17 @@ def vllm_python() -> str:
     return py
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a vLLM process: this checkout importable, and AMX state granted
+    (``amx_permission/sitecustomize.py`` says why)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE / "amx_permission")]),
+                VLLM_CPU_KVCACHE_SPACE="1", **extra)
+
+
 def run_check(script: str, work: Path) -> dict:
     """Run a check script in the vLLM virtualenv, in its own session (killed afterwards)."""
     py = vllm_python()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    env = vllm_env()
     proc = subprocess.Popen([py, str(HERE / script), str(work)], cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
