@@ -114,6 +114,22 @@ def test_flat_changes_split_across_buffers_are_exact():
         assert int(fc.sums[i]) == _sum_delta(f"t{i}", ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+def test_scatter_writes_exactly_the_positions_given(dtype):
+    # segments around the kernel's prefetch distance (32 items ahead), one without changes
+    g = torch.Generator().manual_seed(11)
+    sizes, counts = (5, 40, 33, 64, 100_000, 7), (0, 31, 33, 32, 4_000, 7)
+    ts = [_random(dtype, n, g) for n in sizes]
+    pos = [torch.randperm(n, generator=g)[:k].sort().values for n, k in zip(sizes, counts)]
+    bounds = segments.bounds_of(counts)
+    vals = torch.randint(-2**15, 2**15, (sum(counts),), generator=g).to(dtype)
+    want = [t.clone() for t in ts]
+    for w, p, a, b in zip(want, pos, bounds[:-1], bounds[1:]):
+        w[p] = vals[a:b]
+    segments.scatter(ts, segments.cat(pos), bounds, vals)
+    assert all(torch.equal(t, w) for t, w in zip(ts, want))
+
+
 def test_segment_helpers_match_torch():
     g = torch.Generator().manual_seed(5)
     ts = [_random(torch.int32, n, g) for n in (1, 10, 1000, 300_000)]
