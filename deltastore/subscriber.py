@@ -33,6 +33,7 @@ from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
 from .pull.decoded import DecodedUpdates
 from .pull.objects import decode_object, decode_sparse_object, object_index
+from .pull.planner import Plan, plan_path
 from .store import DeltaStore, open_store
 from .tensors import bits_view, named_tensors
 from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
@@ -97,28 +98,6 @@ class Staged:
         return "anchor" if isinstance(self.state, FullState) else "delta"
 
 
-@dataclass
-class Plan:
-    """What a pull fetches, in order.
-
-    anchor: step whose full objects start the path (None: start from the target's own version).
-    differential: step whose differential (its anchor -> itself) is applied next, or None.
-    deltas: steps whose deltas follow, ascending.
-    nbytes: object bytes the path downloads.
-    """
-
-    anchor: int | None
-    deltas: list[int]
-    nbytes: int
-    differential: int | None = None
-
-    @property
-    def steps(self) -> list[int]:
-        """Every step whose objects the plan reads."""
-        head = [s for s in (self.anchor, self.differential) if s is not None]
-        return head + self.deltas
-
-
 class Subscriber:
     """Pull versions from a store into targets.
 
@@ -179,76 +158,11 @@ class Subscriber:
     # -- planning ------------------------------------------------------------------
     def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True,
              avoid: frozenset[str] = frozenset()) -> Plan:
-        """The cheapest path (in object bytes) from ``current`` to ``step``.
-
-        Walking parents down from ``step``, the candidates are: the delta chain
-        from ``current``; every anchor met, followed by its deltas; and every
-        differential met (its anchor's full objects, or ``current`` when it is
-        that anchor, then the differential, then the deltas above it).
-        With ``allow_anchor=False`` only paths that start at ``current`` count;
-        paths that read an object whose digest is in ``avoid`` do not count.
-        Raises :class:`VersionNotFoundError` when no path exists (for example
-        a broken chain with no anchor below the step).
-        """
+        """The cheapest path (in object bytes) from ``current`` to ``step``: :func:`~deltastore.pull.planner.plan_path`
+        over this store's manifests (its contract, candidates and errors)."""
         _check_step_arg(step)
-        best: Plan | None = None
-
-        def offer(candidate: Plan) -> None:
-            nonlocal best
-            if candidate.anchor is not None and not allow_anchor:
-                return
-            if best is None or candidate.nbytes < best.nbytes:
-                best = candidate
-
-        chain: list[int] = []  # steps above the walk position, newest first
-        delta_bytes = 0
-        m, digest = self.store.manifest_with_digest(step)
-        while True:
-            if current is not None and m.step == current.step and digest == current.digest:
-                if best is None or delta_bytes <= best.nbytes:
-                    best = Plan(None, chain[::-1], delta_bytes)
-                break
-            if m.kind == "anchor" and not _uses(m, m.full_objects, avoid):
-                offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
-            if m.differential is not None and not _uses(m, m.diff_objects, avoid):
-                self._offer_differential(m, chain, delta_bytes, current, offer, avoid)
-            if not m.has_delta or m.parent is None or _uses(m, m.step_objects, avoid):
-                break  # every start further down would have to replay this version's delta
-            if current is None and m.kind == "anchor":
-                break  # without a current version only anchors start a path; deeper ones cost more
-            if current is not None and m.parent.step < current.step and best is not None:
-                break
-            delta_bytes += m.object_bytes(m.step_objects)
-            if best is not None and delta_bytes >= best.nbytes:
-                break
-            chain.append(m.step)
-            parent = m.parent
-            try:
-                m, digest = self.store.manifest_with_digest(parent.step)
-            except VersionNotFoundError:
-                break
-            if digest != parent.digest:
-                break  # the parent step was rewritten by another writer: this chain ends here
-        if best is None:
-            raise VersionNotFoundError(f"no anchor and no delta chain reaches version {step} in {self.store.uri}")
-        return best
-
-    def _offer_differential(self, m: Manifest, chain: list[int], delta_bytes: int, current: VersionRef | None,
-                            offer: Any, avoid: frozenset[str]) -> None:
-        base = m.differential
-        assert base is not None
-        diff_bytes = m.object_bytes(m.diff_objects)
-        if current is not None and current == base:
-            offer(Plan(None, chain[::-1], diff_bytes + delta_bytes, differential=m.step))
-        try:
-            bm, bdigest = self.store.manifest_with_digest(base.step)
-        except VersionNotFoundError:
-            return
-        if m.changes_layout or bm.layout_key != m.layout_key:
-            return  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
-        if bdigest == base.digest and bm.kind == "anchor" and not _uses(bm, bm.full_objects, avoid):
-            offer(Plan(base.step, chain[::-1], bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes,
-                       differential=m.step))
+        return plan_path(self.store.manifest_with_digest, step, current, allow_anchor=allow_anchor, avoid=avoid,
+                         where=self.store.uri)
 
     # -- pulling -------------------------------------------------------------------
     @paused
@@ -761,10 +675,6 @@ def _kept(am: Manifest, lay: PathLayout, tensors: Mapping[str, torch.Tensor] | N
             continue
         out.add(r.name)
     return out
-
-
-def _uses(m: Manifest, indices: set[int], avoid: frozenset[str]) -> bool:
-    return bool(avoid) and any(m.objects[i].digest in avoid for i in indices)
 
 
 def _describe(ref: VersionRef | None) -> str:
