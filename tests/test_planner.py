@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 import pytest
 
@@ -159,3 +160,77 @@ def test_a_missing_step_is_typed_and_a_broken_chain_has_no_path():
         plan_path(c.read, 2)
     with pytest.raises(VersionNotFoundError):  # the follower's own version must be readable to be joined
         plan_path(c.read, 2, held)
+
+
+def test_a_follower_one_behind_a_differential_version_reads_no_anchor_manifest():
+    c = _linear(5, anchor_bytes=1000, delta_bytes=100)
+    c.add(5, delta=100, diff=(0, 150))
+    c.reads.clear()
+    assert plan_path(c.read, 5, c.ref(4)) == Plan(None, [5], 100)
+    assert c.reads == [5, 4]  # the differential (150 and more) cannot beat the delta (100): anchor 0 unread
+    c.reads.clear()
+    assert plan_path(c.read, 5) == Plan(0, [], 1150, differential=5)
+    assert 0 in c.reads
+
+
+def _random_chain(rng: random.Random) -> Chain:
+    c = Chain()
+    anchors = [0]
+    c.add(0, full=rng.choice((0, 300, 500, 1000)))  # 0: an empty model's anchor: ties with its bound
+    for s in range(1, rng.randint(2, 9)):
+        kind = rng.random()
+        size = rng.choice((0, 50, 100, 150, 300))
+        if kind < 0.2:
+            c.add(s, full=rng.choice((0, 300, 500, 1000)), delta=size if rng.random() < 0.7 else None)
+            anchors.append(s)
+        elif kind < 0.5:
+            c.add(s, delta=size, diff=(rng.choice(anchors), rng.choice((0, 100, 150, 250, 400))))
+        else:
+            c.add(s, delta=size)
+    return c
+
+
+def test_reading_differential_anchors_lazily_plans_what_reading_them_eagerly_plans(monkeypatch):
+    """The walk decides on bounds until a differential could matter; every plan must equal the plan of the
+    walk that reads each differential's anchor manifest as soon as it meets it, and read no more."""
+    from deltastore.pull import planner
+
+    def eager(self, lower, resolve):  # noqa: ANN001, ANN202 - the reference: resolve at once
+        if self.allow_anchor:
+            self.offer(resolve())
+
+    rng = random.Random(20261203)
+    lazy_reads = eager_reads = 0
+    for _ in range(600):
+        c = _random_chain(rng)
+        steps = sorted(c.versions)
+        if rng.random() < 0.2:  # a version rewritten by another writer, or collected
+            s = rng.choice(steps)
+            if rng.random() < 0.5:
+                c.versions[s] = (c.versions[s][0], _sha(f"rewritten {s}"))
+            else:
+                del c.versions[s]
+        live = sorted(c.versions)
+        if not live:
+            continue
+        step = rng.choice(live)
+        current = rng.choice([None, *[c.ref(s) for s in live if s <= step]])
+        objects = [o.digest for m, _ in c.versions.values() for o in m.objects]
+        avoid = frozenset(rng.sample(objects, k=min(len(objects), rng.choice((0, 0, 1, 2)))))
+        kw = dict(allow_anchor=rng.random() < 0.8, avoid=avoid)
+        got = []
+        for mode in ("lazy", "eager"):
+            with monkeypatch.context() as mp:
+                if mode == "eager":
+                    mp.setattr(planner._Offers, "defer", eager)
+                c.reads.clear()
+                try:
+                    got.append(plan_path(c.read, step, current, **kw))
+                except VersionNotFoundError:
+                    got.append(None)
+                if mode == "lazy":
+                    lazy_reads += len(c.reads)
+                else:
+                    eager_reads += len(c.reads)
+        assert got[0] == got[1], (step, current, kw, {s: m for s, (m, _) in c.versions.items()})
+    assert lazy_reads < eager_reads  # the laziness is real on these chains

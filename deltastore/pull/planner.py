@@ -56,39 +56,33 @@ def plan_path(read: ManifestReader, step: int, current: VersionRef | None = None
     With ``allow_anchor=False`` only paths that start at ``current`` count;
     paths that read an object whose digest is in ``avoid`` do not count. A
     parent whose manifest digest differs from the one its child records (the
-    step was rewritten by another writer) ends the walk there. Raises
+    step was rewritten by another writer) ends the walk there. A
+    differential's anchor manifest is read only when that path could win (a
+    follower one step behind reads two manifests). Raises
     :class:`VersionNotFoundError` when no path exists (for example a broken
     chain with no anchor below the step), naming ``where``.
     """
-    best: Plan | None = None
-
-    def offer(candidate: Plan) -> None:
-        nonlocal best
-        if candidate.anchor is not None and not allow_anchor:
-            return
-        if best is None or candidate.nbytes < best.nbytes:
-            best = candidate
-
+    offers = _Offers(allow_anchor)
     chain: list[int] = []  # steps above the walk position, newest first
     delta_bytes = 0
     m, digest = read(step)
     while True:
         if current is not None and m.step == current.step and digest == current.digest:
-            if best is None or delta_bytes <= best.nbytes:
-                best = Plan(None, chain[::-1], delta_bytes)
+            if not offers.any_below(delta_bytes):
+                return Plan(None, chain[::-1], delta_bytes)
             break
         if m.kind == "anchor" and not _uses(m, m.full_objects, avoid):
-            offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
+            offers.offer(Plan(m.step, chain[::-1], m.object_bytes(m.full_objects) + delta_bytes))
         if m.differential is not None and not _uses(m, m.diff_objects, avoid):
-            _offer_differential(read, m, chain, delta_bytes, current, offer, avoid)
+            _offer_differential(read, m, chain, delta_bytes, current, offers, avoid)
         if not m.has_delta or m.parent is None or _uses(m, m.step_objects, avoid):
             break  # every start further down would have to replay this version's delta
         if current is None and m.kind == "anchor":
             break  # without a current version only anchors start a path; deeper ones cost more
-        if current is not None and m.parent.step < current.step and best is not None:
+        if current is not None and m.parent.step < current.step and offers.any_below(None):
             break
         delta_bytes += m.object_bytes(m.step_objects)
-        if best is not None and delta_bytes >= best.nbytes:
+        if offers.any_below(delta_bytes, inclusive=True):
             break
         chain.append(m.step)
         parent = m.parent
@@ -98,27 +92,87 @@ def plan_path(read: ManifestReader, step: int, current: VersionRef | None = None
             break
         if digest != parent.digest:
             break  # the parent step was rewritten by another writer: this chain ends here
+    best = offers.best()
     if best is None:
         raise VersionNotFoundError(f"no anchor and no delta chain reaches version {step} in {where}")
     return best
 
 
+@dataclass
+class _Deferred:
+    """A candidate known by a lower bound of its bytes until ``resolve`` (which reads a manifest) says."""
+
+    lower: int
+    resolve: Callable[[], Plan | None]
+
+
+class _Offers:
+    """Candidates in the order the walk meets them; the first of the cheapest wins. Deferred ones are
+    resolved only when a decision depends on them, so every decision is the one the resolved list gives."""
+
+    def __init__(self, allow_anchor: bool) -> None:
+        self.allow_anchor = allow_anchor
+        self.entries: list[Plan | _Deferred] = []
+
+    def offer(self, plan: Plan | None) -> None:
+        if plan is not None and (plan.anchor is None or self.allow_anchor):
+            self.entries.append(plan)
+
+    def defer(self, lower: int, resolve: Callable[[], Plan | None]) -> None:
+        if self.allow_anchor:  # (only paths from an anchor are deferred)
+            self.entries.append(_Deferred(lower, resolve))
+
+    def _resolve(self, bound: int | None, inclusive: bool) -> list[Plan]:
+        """Resolve every deferred candidate whose bound is below ``bound`` (or at it, ``inclusive``;
+        None: all of them); the resolved candidates, in order."""
+        kept: list[Plan | _Deferred] = []
+        for e in self.entries:
+            if isinstance(e, _Deferred) and (bound is None or e.lower < bound or (inclusive and e.lower == bound)):
+                got = e.resolve()
+                if got is not None and (got.anchor is None or self.allow_anchor):
+                    kept.append(got)
+            else:
+                kept.append(e)
+        self.entries = kept
+        return [e for e in kept if isinstance(e, Plan)]
+
+    def any_below(self, nbytes: int | None, inclusive: bool = False) -> bool:
+        """Whether a candidate costs less than ``nbytes`` (or as much, ``inclusive``; None: any candidate)."""
+        plans = self._resolve(nbytes, inclusive)
+        return any(nbytes is None or p.nbytes < nbytes or (inclusive and p.nbytes == nbytes) for p in plans)
+
+    def best(self) -> Plan | None:
+        """The first of the cheapest candidates (deferred ones resolved where they could be it)."""
+        plans = [e for e in self.entries if isinstance(e, Plan)]
+        plans = self._resolve(min(p.nbytes for p in plans) if plans else None, True)
+        best: Plan | None = None
+        for p in plans:
+            if best is None or p.nbytes < best.nbytes:
+                best = p
+        return best
+
+
 def _offer_differential(read: ManifestReader, m: Manifest, chain: list[int], delta_bytes: int,
-                        current: VersionRef | None, offer: Callable[[Plan], None], avoid: frozenset[str]) -> None:
+                        current: VersionRef | None, offers: _Offers, avoid: frozenset[str]) -> None:
     base = m.differential
     assert base is not None
     diff_bytes = m.object_bytes(m.diff_objects)
+    deltas = chain[::-1]
     if current is not None and current == base:
-        offer(Plan(None, chain[::-1], diff_bytes + delta_bytes, differential=m.step))
-    try:
-        bm, bdigest = read(base.step)
-    except VersionNotFoundError:
-        return
-    if m.changes_layout or bm.layout_key != m.layout_key:
-        return  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
-    if bdigest == base.digest and bm.kind == "anchor" and not _uses(bm, bm.full_objects, avoid):
-        offer(Plan(base.step, chain[::-1], bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes,
-                   differential=m.step))
+        offers.offer(Plan(None, deltas, diff_bytes + delta_bytes, differential=m.step))
+
+    def through_anchor() -> Plan | None:
+        try:
+            bm, bdigest = read(base.step)
+        except VersionNotFoundError:
+            return None
+        if m.changes_layout or bm.layout_key != m.layout_key:
+            return None  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
+        if bdigest != base.digest or bm.kind != "anchor" or _uses(bm, bm.full_objects, avoid):
+            return None
+        return Plan(base.step, deltas, bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes, differential=m.step)
+
+    offers.defer(diff_bytes + delta_bytes, through_anchor)
 
 
 def _uses(m: Manifest, indices: set[int], avoid: frozenset[str]) -> bool:
