@@ -76,3 +76,14 @@ def test_scale_quick_reports_every_figure(tmp_path):
             for model in ("7B", "70B"):
                 p = doc["projection"][f"{what}.{r}.{model}"]
                 assert _finite(p["cpu_s"]) and p["cpu_s"] > 0 and _finite(p["wall_s_16_cores"]), (what, r, model)
+
+
+def test_kernels_bench_runs_and_checks_its_bits():
+    _trace_module()
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "kernels.py", "--size", "0.02", "--repeat", "1"], cwd=ROOT / "bench",
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "changed elements" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == list(RUNS)
+    assert all(r.rstrip().endswith("| exact |") for r in rows), rows
