@@ -158,8 +158,15 @@ class Subscriber:
     # -- planning ------------------------------------------------------------------
     def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True,
              avoid: frozenset[str] = frozenset()) -> Plan:
-        """The cheapest path (in object bytes) from ``current`` to ``step``: :func:`~deltastore.pull.planner.plan_path`
-        over this store's manifests (its contract, candidates and errors)."""
+        """The cheapest path (in object bytes) from ``current`` to ``step``, from this store's manifests.
+
+        Candidates and tie rule: :func:`deltastore.pull.planner.plan_path`.
+        With ``allow_anchor=False`` only paths that start at ``current`` count;
+        paths that read an object whose digest is in ``avoid`` do not count.
+        Raises :class:`VersionNotFoundError` when no path exists (for example
+        a broken chain with no anchor below the step) and
+        :class:`InvalidStepError` when ``step`` is not an integer.
+        """
         _check_step_arg(step)
         return plan_path(self.store.manifest_with_digest, step, current, allow_anchor=allow_anchor, avoid=avoid,
                          where=self.store.uri)

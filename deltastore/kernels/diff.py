@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from llvmlite import ir
 from numba.extending import intrinsic
 
 from .checksum import mix_sum_dense, mix_sum_sparse
@@ -175,8 +175,8 @@ def scatter_items(like, ptr, lens, pos, bounds, s0, s1, vals):
         end = bounds[s + 1]
         for i in range(bounds[s], end):
             # Sparse positions defeat the hardware prefetcher, and each store waits for its line:
-            # asking for the line _SCATTER_AHEAD items ahead cuts the pass by a quarter to a third
-            # (bench/kernels.py); a gather gains nothing from it (its loads already overlap).
+            # asking for the line _SCATTER_AHEAD items ahead cuts a real dither step's write by a
+            # fifth (bench/kernels.py); a gather gains nothing from it (its loads already overlap).
             if i + _SCATTER_AHEAD < end:
                 _prefetch_for_write(ptr[s] + pos[i + _SCATTER_AHEAD] * width)
             a[pos[i]] = vals[i]
