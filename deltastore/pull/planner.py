@@ -119,7 +119,8 @@ class _Offers:
             self.entries.append(plan)
 
     def defer(self, lower: int, resolve: Callable[[], Plan | None]) -> None:
-        if self.allow_anchor:  # (only paths from an anchor are deferred)
+        """A candidate through an anchor (none without ``allow_anchor``), priced when a decision needs it."""
+        if self.allow_anchor:
             self.entries.append(_Deferred(lower, resolve))
 
     def _resolve(self, bound: int | None, inclusive: bool) -> list[Plan]:
@@ -129,7 +130,7 @@ class _Offers:
         for e in self.entries:
             if isinstance(e, _Deferred) and (bound is None or e.lower < bound or (inclusive and e.lower == bound)):
                 got = e.resolve()
-                if got is not None and (got.anchor is None or self.allow_anchor):
+                if got is not None:
                     kept.append(got)
             else:
                 kept.append(e)
@@ -160,14 +161,16 @@ def _offer_differential(read: ManifestReader, m: Manifest, chain: list[int], del
     deltas = chain[::-1]
     if current is not None and current == base:
         offers.offer(Plan(None, deltas, diff_bytes + delta_bytes, differential=m.step))
+    if m.changes_layout:
+        return  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
 
     def through_anchor() -> Plan | None:
         try:
             bm, bdigest = read(base.step)
         except VersionNotFoundError:
             return None
-        if m.changes_layout or bm.layout_key != m.layout_key:
-            return None  # a differential keeps its anchor's layout; a store that says otherwise is not planned through
+        if bm.layout_key != m.layout_key:
+            return None  # (as above)
         if bdigest != base.digest or bm.kind != "anchor" or _uses(bm, bm.full_objects, avoid):
             return None
         return Plan(base.step, deltas, bm.object_bytes(bm.full_objects) + diff_bytes + delta_bytes, differential=m.step)
