@@ -20,7 +20,6 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 from numba import njit
 

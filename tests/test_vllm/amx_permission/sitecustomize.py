@@ -6,9 +6,10 @@ a process AMX state only after ``arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)``; without it the first tile instruction is SIGILL. vLLM
 0.32's ``vllm serve`` workers never request it, so the first completion
 kills the worker. (The in-process engine of ``engine_check.py`` ran on the
-same host without it; I have not traced what asks for it there.) The test harness puts this directory on
-``PYTHONPATH`` of the vLLM processes it starts; on hosts without AMX the
-call fails harmlessly. Nothing here is part of deltastore.
+same host without it; what asks for it there was not traced.) The test
+harness puts this directory on ``PYTHONPATH`` of the vLLM processes it
+starts; on hosts without AMX the call fails harmlessly. Nothing here is part
+of deltastore.
 """
 
 import ctypes
