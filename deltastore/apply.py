@@ -30,13 +30,13 @@ import torch
 
 from . import segments
 from .checksum import full_checksum, tensor_key, updated_checksum
-from .codecs import OldBits, TensorSpec, Update, read_old_bits
+from .codecs import InPlace, OldBits, TensorSpec, Update, read_old_bits
 from .pull.decoded import DecodedUpdates
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
 from .layout import describe, layout_diff
 from .manifest import Manifest, TensorRecord
-from .tensors import bits_view
+from .tensors import bits_dtype, bits_view
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -545,6 +545,10 @@ class StagedBits:
     def many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
         return self.state.old_bits_many(names, positions, bounds)
 
+    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
+        offer = getattr(self.state, "in_place", None)
+        return offer(names, positions, bounds) if offer is not None else None
+
 
 class SparseOverlay:
     """Net effect of a run of deltas on a live target, without touching it.
@@ -556,10 +560,20 @@ class SparseOverlay:
     tensor a delta touches first are gathered, and the checksums checked, in
     one kernel pass per element width instead of a call per tensor (the
     kernels read and write them by address: no view per tensor is made).
+
+    With ``write_through`` (for a path of one delta, whose changes are each
+    staged once), a decoder may write a first touch of such tensors straight
+    into the target as it decodes (:meth:`in_place`): the overlay is then no
+    longer free of writes, and the caller must call :meth:`undo_in_place` if
+    the version fails before it is written whole.
     """
 
-    def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None):
+    def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None,
+                 write_through: bool = False):
         self.reader = reader
+        self.write_through = write_through
+        # in-place writes made by decoders, oldest first: (tensors, positions, bounds, their InPlace)
+        self._in_place: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, InPlace]] = []
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
@@ -661,6 +675,44 @@ class SparseOverlay:
     def old(self) -> OldBits:
         """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
         return StagedBits(self)
+
+    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
+        """Target tensors ``names`` for a decoder to update in place (:func:`deltastore.codecs.write_in_place`):
+        only with ``write_through``, and only when each is a plain CPU tensor of the target that no staged
+        delta touched yet, all of one element width; else None. The bits the decoder finds are kept for
+        :meth:`apply` (as a read, see :meth:`old_bits_many`) and for :meth:`undo_in_place`."""
+        if not self.write_through or not names or self._touch(names) is not True or positions.dtype != torch.int64:
+            return None
+        tensors = [self._fast[n] for n in names]
+        width = tensors[0].element_size()
+        if any(t.element_size() != width for t in tensors):
+            return None
+        old = torch.empty(positions.numel(), dtype=bits_dtype(tensors[0].dtype))
+        target = InPlace(segments.pointers(tensors), segments.lengths(tensors), old.numpy(),
+                         np.zeros(len(tensors), np.bool_))
+        self._in_place.append((tensors, positions, bounds, target))  # before any write: undoable from now on
+        self._read.setdefault(width, []).append((names, positions, old))
+        return target
+
+    def wrote_in_place(self, positions: torch.Tensor) -> bool:
+        """Whether a decoder wrote the changes at ``positions`` (that very tensor) into the target whole."""
+        return any(p is positions and bool(t.done.all()) for _, p, _, t in self._in_place)
+
+    def undo_in_place(self) -> int:
+        """Put back what decoders wrote in place (newest first: the bits they found, at the positions of
+        every tensor they finished); returns how many writes refused. Afterwards nothing is left to undo."""
+        failed = 0
+        with torch.no_grad():
+            for tensors, positions, bounds, target in reversed(self._in_place):
+                try:
+                    counts = np.diff(bounds) * target.done
+                    keep = torch.from_numpy(np.repeat(target.done, np.diff(bounds)))
+                    segments.scatter(tensors, positions[keep], segments.bounds_of(counts.tolist()),
+                                     torch.from_numpy(target.old)[keep])
+                except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
+                    failed += 1
+        self._in_place.clear()
+        return failed
 
     def _touch(self, names: list[str]) -> bool | None:
         """None unless every one of ``names`` is a plain CPU tensor of the target (not held on the host);
@@ -870,8 +922,10 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
                                segments.cat(ol)))
             for tl, pos, bounds, bits, orig in direct:
-                undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
-                segments.scatter(tl, pos, bounds, bits)
+                if not overlay.wrote_in_place(pos):  # (else in the target already; the caller undoes it)
+                    undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds,
+                                                                                                  orig))
+                    segments.scatter(tl, pos, bounds, bits)
                 torch.autograd.graph.increment_version(tl)
             if overlay.whole or drop:
                 _write_layout(target, overlay, copies, owner, drop or [], undo)

@@ -401,15 +401,26 @@ class Subscriber:
             assert current is not None
             self._prefetch(plan)
             held = {r.name: tensors[r.name] for r in lay.start_manifest.tensors}  # contiguous (check_target)
-            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held)
-            fetched = self._apply_steps(plan, overlay)
-            written = overlay.pending.counts()
-            written.update((n, b.numel()) for n, b in overlay.whole.items())
+            # one delta that keeps the layout: each change is staged once, so decoders may write it as they
+            # decode it (one pass over the target instead of a read and a write), undone if the version fails
+            through = len(plan.deltas) == 1 and plan.differential is None and not lay.changes and not copies
+            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held,
+                                    write_through=through)
             tracking.set_version(target, None)  # unknown while writing
             try:
+                fetched = self._apply_steps(plan, overlay)
+                written = overlay.pending.counts()
+                written.update((n, b.numel()) for n, b in overlay.whole.items())
                 write_sparse(tensors, overlay, copies, owner=target, drop=drop)
-            except BaseException as e:  # an interrupt too: undone by write_sparse, then re-raised
-                tracking.set_version(target, current if restored_after(e) else None)
+            except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised
+                refused = overlay.undo_in_place()
+                tracking.set_version(target, current if restored_after(e) and not refused else None)
+                if refused:
+                    err = ApplyError(f"pulling version {step} failed ({e!r}) and {refused} in-place write(s) "
+                                     "refused the restore; the target's version is unknown: pull again (from an "
+                                     "anchor) to repair it")
+                    err.restored = False
+                    raise err from e
                 raise
             path = "delta"
         tracking.set_version(target, ref)

@@ -295,12 +295,13 @@ def test_interrupted_write_with_successful_restore_keeps_the_version(published):
 
 def test_interrupted_write_of_plain_cpu_tensors_is_undone(published, monkeypatch):
     """Plain CPU tensors are written by the library's batched scatter, not through torch: a failure right after
-    it landed must be undone too."""
+    it landed must be undone too. (A path of two deltas: a single one is written in place as it is decoded,
+    next test.)"""
     import deltastore.apply as apply_mod
 
     uri, states, sub, _ = published
     target = sub.pull(step=0).state
-    sub.pull(target, step=3)
+    sub.pull(target, step=2)
     real = apply_mod.segments.scatter
     calls = []
 
@@ -314,10 +315,48 @@ def test_interrupted_write_of_plain_cpu_tensors_is_undone(published, monkeypatch
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
     assert len(calls) >= 2  # the write, then its undo
-    assert e.value.restored is True and sub.version_of(target).step == 3
-    assert bits_equal(target, states[3])
+    assert e.value.restored is True and sub.version_of(target).step == 2
+    assert bits_equal(target, states[2])
     monkeypatch.undo()
     assert sub.pull(target, step=4).path == "delta" and bits_equal(target, states[4])
+
+
+@pytest.mark.parametrize("failure", ["decoder", "checksum", "interrupt"])
+def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, failure):
+    """One delta behind, the decoder writes each change into the target as it decodes it. Whatever fails
+    after that write (the decoder itself, the checksum check after it, an interrupt), the target is put
+    back bit for bit and keeps its version."""
+    from deltastore import apply as apply_mod
+    from deltastore.kernels import bitstream
+
+    uri, states, sub, target = published
+    real = bitstream.apply_steps_at
+    landed = []
+
+    def write_then_fail(*args):
+        got = real(*args)
+        landed.append(bool(args[-1].all()))  # every tensor written
+        if failure == "decoder":
+            raise RuntimeError("injected failure after the in-place write")
+        if failure == "interrupt":
+            raise KeyboardInterrupt
+        return got
+
+    monkeypatch.setattr(bitstream, "apply_steps_at", write_then_fail)
+    if failure == "checksum":
+        monkeypatch.setattr(apply_mod, "_checked_sums", lambda manifest, names, *a: _raise_mismatch(names))
+    expected = {"decoder": CorruptObjectError, "checksum": ChecksumMismatchError, "interrupt": KeyboardInterrupt}
+    with pytest.raises(expected[failure]):
+        sub.pull(target, step=4, allow_anchor=False)
+    assert landed and all(landed)  # the write had landed before the failure
+    assert sub.version_of(target).step == 3
+    assert bits_equal(target, states[3])
+    monkeypatch.undo()
+    assert sub.pull(target, step=4, allow_anchor=False).path == "delta" and bits_equal(target, states[4])
+
+
+def _raise_mismatch(names):
+    raise ChecksumMismatchError(f"injected: tensor {names[0]!r} is off")
 
 
 def test_hostile_object_header(published):

@@ -13,6 +13,7 @@ import torch
 import deltastore as ds
 import deltastore.codecs.raw  # noqa: F401  (ds.codecs.raw below)
 from deltastore import _gc, segments
+from deltastore.kernels import bitstream
 from deltastore.codecs import read_old_bits
 from deltastore.registry import codecs as codec_registry
 
@@ -95,24 +96,49 @@ def test_read_old_bits_asks_a_plain_receiver_per_tensor_and_a_batched_one_once()
         read_old_bits(lambda n, p: held[n][:1], ["a"], pos[:3], np.array([0, 3]))
 
 
-def test_a_ulp_pull_reads_each_old_bit_once(memory_uri, monkeypatch):
+def _counting(monkeypatch):
+    """Elements read by ``segments.gather``, written by ``segments.scatter`` and stepped in place, per call."""
+    seen = {"gather": [], "scatter": [], "in_place": []}
+    for mod, name, key in ((segments, "gather", "gather"), (segments, "scatter", "scatter"),
+                           (bitstream, "apply_steps_at", "in_place")):
+        real = getattr(mod, name)
+
+        def counting(*args, _real=real, _key=key):
+            seen[_key].append(args[2].size if _key == "in_place" else args[1].numel())
+            return _real(*args)
+
+        monkeypatch.setattr(mod, name, counting)
+    return seen
+
+
+def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_uri, monkeypatch):
     states = _states()
-    gathers = []
-    real = segments.gather
-
-    def counting(tensors, positions, bounds):
-        gathers.append(positions.numel())
-        return real(tensors, positions, bounds)
-
     _publish(memory_uri, states, "ulp")
     sub = ds.Subscriber(memory_uri)
     target = {k: v.clone() for k, v in states[0].items()}
     sub.pull(target, step=0)
-    monkeypatch.setattr(segments, "gather", counting)
+    seen = _counting(monkeypatch)
     sub.pull(target, step=1, allow_anchor=False)
     assert bits_equal(target, states[1])
-    changed = sub.manifest(1).changed
-    assert sum(gathers) == changed, (gathers, changed)  # the decoder's read, reused by the overlay
+    # the decoder read, stepped and wrote every change where it lies: no gather before, no scatter after
+    assert seen["gather"] == [] and seen["scatter"] == [], seen
+    assert sum(seen["in_place"]) == sub.manifest(1).changed, seen
+
+
+def test_a_ulp_pull_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypatch):
+    states = _states()
+    _publish(memory_uri, states, "ulp")
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    seen = _counting(monkeypatch)
+    sub.pull(target, step=2, allow_anchor=False)
+    assert bits_equal(target, states[2])
+    # staged across two deltas, nothing is written before the end: each delta's old bits are read once
+    # (the decoder's read, reused by the overlay), and the net changes written once
+    assert seen["in_place"] == [], seen
+    assert sum(seen["gather"]) == sub.manifest(1).changed + sub.manifest(2).changed, seen
+    assert seen["scatter"], seen
 
 
 def test_a_codec_reading_other_positions_than_it_returns_does_not_fool_the_overlay(memory_uri):

@@ -278,6 +278,85 @@ def test_ulp_steps_out_of_range_are_reported():
     assert bad == 0
 
 
+def _in_place_case(dtype, nplanes, seed, n_tensors=40):
+    """Tensors, sorted positions in each, and step planes whose results stay in range."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 20000, n_tensors)
+    lo, hi = (60, 190) if dtype == np.uint8 else (100, 16000)  # positive patterns, far from the range's ends
+    arrays = [rng.integers(lo, hi, int(n)).astype(dtype) for n in lens]
+    pos = [np.sort(rng.choice(int(n), int(rng.integers(0, min(n, 9000))), replace=False)) for n in lens]
+    bounds = np.concatenate([[0], np.cumsum([p.size for p in pos])]).astype(np.int64)
+    planes = np.zeros((nplanes, int(bounds[-1])), np.uint8)
+    planes[0] = rng.integers(0, 40, planes.shape[1])  # steps of +-20 at most
+    return arrays, np.concatenate(pos).astype(np.int64), bounds, planes
+
+
+def _addresses(arrays):
+    return np.array([a.ctypes.data for a in arrays], np.int64), np.array([a.size for a in arrays], np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype,is_float,nplanes", [(np.int16, True, 1), (np.int16, False, 2), (np.uint8, False, 1),
+                                                    (np.int32, True, 3), (np.int64, True, 8)])
+def test_ulp_steps_in_place_match_gather_step_scatter(monkeypatch, threads, dtype, is_float, nplanes):
+    monkeypatch.setenv("DELTASTORE_THREADS", str(threads))
+    arrays, positions, bounds, planes = _in_place_case(dtype, nplanes, seed=nplanes)
+    before = [a.copy() for a in arrays]
+    want_old = np.concatenate([a[positions[bounds[i]:bounds[i + 1]]] for i, a in enumerate(arrays)])
+    want_new, want_bad = K.apply_steps(want_old, planes, is_float)
+    assert want_bad == -1
+    old, done = np.empty(positions.size, dtype), np.zeros(len(arrays), np.bool_)
+    new, bad = K.apply_steps_at(*_addresses(arrays), positions, bounds, planes, is_float, old, done)
+    assert bad == -1 and done.all()
+    assert np.array_equal(old, want_old) and np.array_equal(new, want_new)
+    for i, (a, b) in enumerate(zip(arrays, before)):
+        b[positions[bounds[i]:bounds[i + 1]]] = want_new[bounds[i]:bounds[i + 1]]
+        assert np.array_equal(a, b), i
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("fault", ["past the end", "negative", "repeated", "value out of range"])
+def test_ulp_steps_in_place_write_a_tensor_whole_or_not_at_all(monkeypatch, threads, fault):
+    monkeypatch.setenv("DELTASTORE_THREADS", str(threads))
+    arrays, positions, bounds, planes = _in_place_case(np.int16, 1, seed=7)
+    before = [a.copy() for a in arrays]
+    counts = np.diff(bounds)
+    bad_t = int(np.flatnonzero(counts > 5)[len(np.flatnonzero(counts > 5)) // 2])
+    j = int(bounds[bad_t]) + 3  # a few items into that tensor: those are written, then must be put back
+    if fault == "past the end":
+        positions[j] = arrays[bad_t].size
+    elif fault == "negative":
+        positions[j] = -1
+    elif fault == "repeated":
+        positions[j] = positions[j - 1]
+    else:
+        arrays[bad_t][positions[j]] = 0x7FFF  # the largest positive pattern: any step up leaves the range
+        before[bad_t][positions[j]] = 0x7FFF
+        planes[0, j] = 1  # zigzag(+1) - 1
+    old, done = np.empty(positions.size, np.int16), np.zeros(len(arrays), np.bool_)
+    _, bad = K.apply_steps_at(*_addresses(arrays), positions, bounds, planes, True, old, done)
+    assert bad == j and not done[bad_t]
+    assert np.array_equal(arrays[bad_t], before[bad_t])  # the failing tensor is as it was
+    for i in np.flatnonzero(done):  # putting the found bits back at the done tensors undoes everything
+        arrays[i][positions[bounds[i]:bounds[i + 1]]] = old[bounds[i]:bounds[i + 1]]
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
+def test_ulp_steps_in_place_refuse_arrays_that_do_not_fit_before_writing():
+    arrays, positions, bounds, planes = _in_place_case(np.int16, 1, seed=3, n_tensors=4)
+    before = [a.copy() for a in arrays]
+    ptr, lens = _addresses(arrays)
+    old, done = np.empty(positions.size, np.int16), np.zeros(len(arrays), np.bool_)
+    longer = bounds.copy()
+    longer[-1] += 1
+    for args in [(ptr, lens, positions, longer, planes), (ptr, lens, positions, bounds[:-1], planes),
+                 (ptr, lens, positions, bounds, planes[:, 1:]), (ptr, lens[:-1], positions, bounds, planes),
+                 (ptr, lens, positions.astype(np.int32), bounds, planes)]:
+        with pytest.raises(ValueError, match="do not fit"):
+            K.apply_steps_at(*args, True, old, done)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before)) and not done.any()
+
+
 def test_parallel_each_raises_only_after_every_piece_finished(monkeypatch):
     import threading
     import time

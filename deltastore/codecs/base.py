@@ -18,7 +18,11 @@ differences) or ``"old_tensor"`` (the receiver's whole current tensor, for
 codecs that model *where* changes happen from the current values; the
 decoder calls ``old(name, None)``). A decoder that needs the old bits of
 many tensors asks for them in one call, :func:`read_old_bits` (a receiver
-that offers ``old.many`` answers with one pass over all of them). An encoder of an ``"old_tensor"`` codec
+that offers ``old.many`` answers with one pass over all of them); one whose
+new values follow from the old ones element by element may instead take the
+target tensors themselves, :func:`write_in_place`, and read, compute and write
+each element in one pass (the receiver then undoes the writes if the version
+fails later). An encoder of an ``"old_tensor"`` codec
 reads the sender's copy of the previous bits from ``Update.old_tensor``. A sender with the sparse
 updates of many tensors as flat arrays hands them over as one :class:`UpdateBatch`
 (:meth:`Codec.encode_batch`: the same bytes as :meth:`Codec.encode`; the default splits the batch), and a
@@ -76,6 +80,40 @@ def read_old_bits(old: OldBits, names: Sequence[str], positions: torch.Tensor, b
         raise ValueError(f"the receiver gave {out.numel()} old values for {positions.numel()} positions")
     return out
 
+
+
+@dataclass
+class InPlace:
+    """Target tensors a decoder updates where they lie (:func:`write_in_place`).
+
+    Tensor ``i`` is ``lengths[i]`` elements of ``old``'s dtype (the bits view of its element width) at
+    address ``pointers[i]``, memory the receiver keeps alive. ``old`` (one element per position) is for
+    the bits found at each position before the write, and ``done[i]`` (bool, all False at first) is to
+    be set once every position of tensor ``i`` is written; the receiver undoes the writes by putting
+    ``old`` back at the positions of the tensors marked done.
+    """
+
+    pointers: np.ndarray
+    lengths: np.ndarray
+    old: np.ndarray
+    done: np.ndarray
+
+
+def write_in_place(old: OldBits, names: Sequence[str], positions: torch.Tensor, bounds: np.ndarray
+                   ) -> InPlace | None:
+    """The target tensors ``names`` for a decoder to update in place, where the receiver allows it.
+
+    ``positions``/``bounds`` as for :func:`read_old_bits` (the decoder's own, already decoded). A
+    receiver with an ``in_place(names, positions, bounds)`` method may answer (the Subscriber's does
+    for a pull one delta behind, into plain CPU tensors); every other answers None, and the decoder
+    reads the old bits with :func:`read_old_bits` instead. A decoder that takes an :class:`InPlace`
+    must, for each tensor, write its new bits at exactly its positions and record the bits it found
+    in ``InPlace.old``, the whole tensor or none of it (then ``done``), never touch anything outside
+    the tensors (positions checked as it goes), and return the same batches as without it: the
+    receiver checks them as usual and undoes the writes if anything fails.
+    """
+    get = getattr(old, "in_place", None)
+    return get(list(names), positions, bounds) if get is not None else None
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -30,7 +30,7 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
                       unpack_frames, zstd_compress, zstd_decompress)
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits
+from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits, write_in_place
 
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
@@ -184,12 +184,20 @@ class UlpCodec(ZstdLevel, Codec):
                 pos, steps = positions[torch.from_numpy(where)], planes[:, where]
                 b = np.zeros(len(idxs) + 1, np.int64)
                 np.cumsum(np.diff(bounds)[idxs], out=b[1:])
-            try:
-                before = np_bits(read_old_bits(old, [specs[i].name for i in idxs], pos, b))
-            except ValueError as e:
-                raise CorruptObjectError(f"ulp: {e}") from e
-            bits, bad = K.apply_steps(before, steps, f)
-            if bad >= 0:
-                raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
+            names = [specs[i].name for i in idxs]
+            target = write_in_place(old, names, pos, b)
+            if target is not None:  # read, step and write each element in one pass (see write_in_place)
+                bits, bad = K.apply_steps_at(target.pointers, target.lengths, pos.numpy(), b, steps, f, target.old,
+                                             target.done)
+                if bad >= 0:
+                    raise CorruptObjectError("ulp: a decoded position or value is out of range for its tensor")
+            else:
+                try:
+                    before = np_bits(read_old_bits(old, names, pos, b))
+                except ValueError as e:
+                    raise CorruptObjectError(f"ulp: {e}") from e
+                bits, bad = K.apply_steps(before, steps, f)
+                if bad >= 0:
+                    raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
             out.append(UpdateBatch([specs[i] for i in idxs], pos, b, to_torch_bits(bits, specs[idxs[0]])))
         return out

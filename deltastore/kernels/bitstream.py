@@ -16,8 +16,8 @@ import numba
 import numpy as np
 from numba import njit
 
-from .diff import _voidptr  # address -> pointer, for arrays read where they are
-from .parallel import chunked
+from .diff import _at, _prefetch_for_write, _voidptr, segment_runs  # address -> array, for data where it lies
+from .parallel import chunked, each, threads
 
 _U64 = np.uint64
 
@@ -484,3 +484,89 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
 
     found = [b for b in chunked(old.size, run, 1 << 18) if b >= 0]
     return out, int(found[0]) if found else -1
+
+
+_STEP_AHEAD = 32  # items: the cache line of the position this far ahead is fetched for writing
+
+
+@njit(nogil=True, cache=True)
+def _apply_steps_at(like, ptr, lens, pos, bounds, s0, s1, planes, fmag, lo, hi, old_out, new_out,
+                    done):  # pragma: no cover - compiled
+    # :func:`_apply_steps` read from and written back into the tensors themselves, one pass per segment:
+    # segment s is lens[s] elements of like's dtype at address ptr[s], its positions pos[bounds[s]:bounds[s+1]].
+    # A bad item (a position outside its tensor or not above the one before, or a value out of range) ends
+    # the run: the segment's items written so far are put back first, so a segment is written whole
+    # (done[s] = True) or not at all. Returns that item's index, or -1.
+    npl = planes.shape[0]
+    width = like.itemsize
+    for s in range(s0, s1):
+        n = lens[s]
+        a = _at(ptr[s], n, like)
+        start, end = bounds[s], bounds[s + 1]
+        prev = np.int64(-1)
+        for i in range(start, end):
+            if i + _STEP_AHEAD < end:  # never faults, even for a position that turns out bad
+                _prefetch_for_write(ptr[s] + pos[i + _STEP_AHEAD] * width)
+            p = pos[i]
+            bad = p <= prev or p >= n
+            if not bad:
+                if npl == 1:
+                    z = np.int64(planes[0, i])
+                elif npl == 2:
+                    z = np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
+                else:
+                    u = np.uint64(0)
+                    for j in range(npl):
+                        u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
+                    z = np.int64(u)
+                x = a[p]
+                o = _applied(z, np.int64(x), fmag)
+                bad = o < lo or o > hi
+            if bad:
+                for k in range(i - 1, start - 1, -1):
+                    a[pos[k]] = old_out[k]
+                return i
+            old_out[i] = x
+            y = _ordered(o, fmag)
+            new_out[i] = y
+            a[p] = y
+            prev = p
+        done[s] = True
+    return -1
+
+
+def apply_steps_at(pointers: np.ndarray, lengths: np.ndarray, positions: np.ndarray, bounds: np.ndarray,
+                   planes: np.ndarray, is_float: bool, old: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, int]:
+    """:func:`apply_steps` with the old bits read from the tensors and the new bits written back, in one pass.
+
+    Tensor ``s``: ``lengths[s]`` elements of ``old``'s dtype at address ``pointers[s]`` (memory the caller
+    keeps alive and owns), its positions ``positions[bounds[s]:bounds[s + 1]]``. ``old`` (as many elements
+    as ``positions``) receives the bits found at each position; ``done[s]`` (bool) is set once tensor ``s``
+    is written, and a tensor is written whole or not at all, so putting ``old`` back at the positions of
+    the ``done`` tensors undoes every write. Returns ``(new bits, bad)``: ``bad`` is the first item whose
+    position lies outside its tensor or is not above the one before, or whose new value leaves the dtype's
+    range (a corrupt object), or -1. Nothing is read or written outside the tensors; arrays that do not fit
+    together raise ``ValueError`` before anything is touched.
+    """
+    n, k = positions.size, pointers.size
+    if (positions.dtype != np.int64 or bounds.dtype != np.int64 or bounds.shape != (k + 1,) or lengths.shape != (k,)
+            or old.shape != (n,) or done.shape != (k,) or done.dtype != np.bool_ or planes.ndim != 2
+            or planes.shape[1] != n or planes.dtype != np.uint8 or int(bounds[0]) != 0 or int(bounds[-1]) != n
+            or bool((np.diff(bounds) < 0).any())):
+        raise ValueError("apply_steps_at: positions, bounds, planes and buffers do not fit together")
+    positions, planes = np.ascontiguousarray(positions), np.ascontiguousarray(planes)
+    width = old.dtype.itemsize * 8
+    if old.dtype == np.uint8:
+        lo, hi = np.int64(0), np.int64(255)
+    elif width < 64:
+        lo, hi = np.int64(-(1 << (width - 1))), np.int64((1 << (width - 1)) - 1)
+    else:
+        lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
+    fmag = np.int64((1 << (width - 1)) - 1) if is_float and old.dtype != np.uint8 else np.int64(0)
+    new = np.empty(n, old.dtype)
+    like = old[:0]
+    runs = segment_runs(bounds, threads())
+    found = [b for b in each(len(runs), lambda k: int(_apply_steps_at(
+        like, pointers, lengths, positions, bounds, runs[k][0], runs[k][1], planes, fmag, lo, hi, old, new, done)))
+        if b >= 0]
+    return new, min(found) if found else -1

@@ -27,7 +27,8 @@ import torch
 
 from .. import segments
 from ..apply import check_update
-from ..codecs import Codec, OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits
+from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits,
+                      write_in_place)
 from ..codecs.base import decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
@@ -82,10 +83,14 @@ def stream_objects(store: DeltaStore, manifest: Manifest, indices: Sequence[int]
 
 
 class PartReader:
-    """An :data:`OldBits` seen from inside parts: positions relative to each part's offset."""
+    """An :data:`OldBits` seen from inside parts: positions relative to each part's offset.
 
-    def __init__(self, old: OldBits, parts: dict[str, Part]):
-        self.old, self.parts = old, parts
+    ``whole``: the names whose part is their whole tensor; only those are offered for writing in place
+    (:func:`~deltastore.codecs.write_in_place`).
+    """
+
+    def __init__(self, old: OldBits, parts: dict[str, Part], whole: frozenset[str] = frozenset()):
+        self.old, self.parts, self.whole = old, parts, whole
         self.shifted = any(p.offset for p in parts.values())
 
     def __call__(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
@@ -100,6 +105,9 @@ class PartReader:
             offsets = np.fromiter((self.parts[n].offset for n in names), dtype=np.int64, count=len(names))
             positions = positions + torch.from_numpy(np.repeat(offsets, np.diff(bounds)))
         return read_old_bits(self.old, names, positions, bounds)
+
+    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
+        return write_in_place(self.old, names, positions, bounds) if self.whole.issuperset(names) else None
 
 
 @contextmanager
@@ -188,9 +196,10 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     records = {t.name: (t, p) for t, p in pairs}
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    specs = [t.spec if p.offset == 0 and p.numel == t.numel else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,))
-             for t, p in pairs]
-    reader = PartReader(old, {t.name: p for t, p in pairs}) if old is not None else None
+    whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
+    specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
+    reader = PartReader(old, {t.name: p for t, p in pairs}, frozenset(
+        t.name for (t, _), w in zip(pairs, whole) if w)) if old is not None else None
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
     if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
