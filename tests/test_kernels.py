@@ -378,8 +378,15 @@ def test_parallel_each_raises_only_after_every_piece_finished(monkeypatch):
     assert sorted(finished) == [0, 1]  # the others had finished before the error surfaced
 
 
+@pytest.fixture(params=["plain", "mixed"])
+def gap_reader(request, monkeypatch):
+    """Each of the two gap-stream readers, forced whatever the stream's bytes per position."""
+    monkeypatch.setattr(K, "MIXED_BYTES_PER_POSITION", 1e9 if request.param == "plain" else -1.0)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_gap_positions_match_the_numpy_formulation(seed):
+def test_gap_positions_match_the_numpy_formulation(seed, gap_reader):
     rng = np.random.default_rng(seed)
     numels = rng.integers(1, 5000, size=7)
     numels[2] = 1 << 40  # a huge tensor: gaps beyond 32 bits
@@ -394,7 +401,7 @@ def test_gap_positions_match_the_numpy_formulation(seed):
     assert all(np.array_equal(flat[a:b], s) for a, b, s in zip(bounds[:-1], bounds[1:], segs))
 
 
-def test_gap_positions_refuse_bad_streams():
+def test_gap_positions_refuse_bad_streams(gap_reader):
     ok = _common.encode_positions([np.array([3, 9])])
     with pytest.raises(CorruptObjectError, match="fewer than"):
         _common.decode_positions(ok[:-1], [2], [10], "t")
@@ -406,6 +413,31 @@ def test_gap_positions_refuse_bad_streams():
         _common.decode_positions(B.uvarint_encode(np.array([3, 2**64 - 2], np.uint64)), [2], [10], "t")
     with pytest.raises(CorruptObjectError, match="trailing bytes"):
         _common.decode_positions(ok + b"\x00", [2], [10], "t")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_two_gap_readers_agree_on_any_stream(seed):
+    """Valid streams of every gap size, then the same streams cut, corrupted and overrun: both readers give
+    the same positions, status, segment and bytes used."""
+    rng = np.random.default_rng(seed)
+    spans = [1 << 7, 1 << 14, 1 << 21, 1 << 40]
+    numels = rng.choice(spans, size=9) + rng.integers(0, 100, size=9)
+    segs = [np.unique(rng.integers(0, int(n), size=int(rng.integers(0, 200)))) for n in numels]
+    stream = np.frombuffer(_common.encode_positions(segs), np.uint8)
+    counts = np.array([s.size for s in segs], np.int64)
+    variants = [stream, stream[:-1], stream[: stream.size // 2], np.concatenate([stream, [0x80] * 12])]
+    for _ in range(20):
+        v = stream.copy()
+        v[rng.integers(0, max(1, v.size), size=3)] = rng.integers(0, 256, size=3)
+        variants.append(v)
+    for v in variants:
+        for lims in (numels, numels // 2 + 1):
+            a, b = np.empty(int(counts.sum()), np.int64), np.empty(int(counts.sum()), np.int64)
+            ra = K._gap_positions(v, counts, lims.astype(np.int64), a)
+            rb = K._gap_positions_mixed(v, counts, lims.astype(np.int64), b)
+            assert ra == rb
+            done = int(counts[: ra[1]].sum()) if ra[0] else a.size  # positions complete before the failure
+            assert np.array_equal(a[:done], b[:done])
 
 
 # -- laying a delta over staged changes (kernels/merge.py through segments.merge_staged / overlay_staged) -------

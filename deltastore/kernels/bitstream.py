@@ -371,6 +371,58 @@ def _gap_positions(b: np.ndarray, counts: np.ndarray, numels: np.ndarray, out: n
     return 0, -1, i
 
 
+@njit(nogil=True, cache=True)
+def _gap_positions_mixed(b: np.ndarray, counts: np.ndarray, numels: np.ndarray,
+                         out: np.ndarray) -> tuple[int, int, int]:  # pragma: no cover - compiled
+    # :func:`_gap_positions` for streams where one- and two-byte values mix (sparse changes: gaps around
+    # 128): a value of one or two bytes is read without a branch on which (that branch would be
+    # mispredicted for most values), anything longer by the general loop. Same results, statuses included.
+    i = 0
+    k = 0
+    n = b.size
+    for s in range(counts.size):
+        lim = np.int64(numels[s])
+        p = np.int64(-1)
+        for c in range(counts[s]):
+            x = np.int64(-1)
+            if i + 1 < n:
+                b0 = np.int64(b[i])
+                b1 = np.int64(b[i + 1])
+                more = b0 >> 7  # 1 when a second byte follows
+                if (more & (b1 >> 7)) == 0:
+                    x = (b0 & 0x7F) | ((b1 << 7) * more)
+                    i += 1 + more
+            if x < 0:  # three bytes or more, or the stream's last byte
+                xu = np.uint64(0)
+                j = 0
+                while True:
+                    if i >= n:
+                        return 1, s, i
+                    if j >= 10:
+                        return 2, s, i
+                    byte = np.uint64(b[i])
+                    i += 1
+                    xu |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+                    j += 1
+                    if byte < np.uint64(0x80):
+                        break
+                if xu >= np.uint64(lim):  # checked before the add: no wrap-around
+                    return 3, s, i
+                x = np.int64(xu)
+            p = p + x + 1
+            if p >= lim:
+                return 3, s, i
+            out[k] = p
+            k += 1
+    return 0, -1, i
+
+
+#: stream bytes per position above which :func:`gap_positions` uses the branch-free reader (a real cold
+#: step, ~1.7 bytes a position: 3.4 -> 2.2 ms for 0.85 M positions; a dense one, ~1.06: the plain loop,
+#: whose one-byte branch is then predicted, stays faster, 4.7 vs 6.6 ms for 2.6 M)
+MIXED_BYTES_PER_POSITION = 1.25
+
+
 def gap_positions(data: bytes | np.ndarray, counts: np.ndarray, numels: np.ndarray) -> tuple[np.ndarray, int, int, int]:
     """Decode a LEB128 gap stream of sorted positions for consecutive segments in one pass.
 
@@ -382,7 +434,8 @@ def gap_positions(data: bytes | np.ndarray, counts: np.ndarray, numels: np.ndarr
     b = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     out = np.empty(int(counts.sum()), np.int64)
-    status, seg, used = _gap_positions(b, counts, np.ascontiguousarray(numels, dtype=np.int64), out)
+    decode = _gap_positions_mixed if b.size > MIXED_BYTES_PER_POSITION * out.size else _gap_positions
+    status, seg, used = decode(b, counts, np.ascontiguousarray(numels, dtype=np.int64), out)
     return out, int(status), int(seg), int(used)
 
 
