@@ -549,6 +549,10 @@ class StagedBits:
         offer = getattr(self.state, "in_place", None)
         return offer(names, positions, bounds) if offer is not None else None
 
+    def wrote_in_place(self, positions: torch.Tensor, bounds: np.ndarray, names: list[str]) -> bool:
+        wrote = getattr(self.state, "wrote_in_place", None)
+        return wrote is not None and wrote(positions, bounds, names)
+
 
 class SparseOverlay:
     """Net effect of a run of deltas on a live target, without touching it.
@@ -572,8 +576,8 @@ class SparseOverlay:
                  write_through: bool = False):
         self.reader = reader
         self.write_through = write_through
-        # in-place writes made by decoders, oldest first: (tensors, positions, bounds, their InPlace)
-        self._in_place: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, InPlace]] = []
+        # in-place writes made by decoders, oldest first: (names, tensors, positions, bounds, their InPlace)
+        self._in_place: list[tuple[list[str], list[torch.Tensor], torch.Tensor, np.ndarray, InPlace]] = []
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = {n: t for n, t in tensors.items() if plain_cpu(t)} if tensors is not None else {}
@@ -690,20 +694,23 @@ class SparseOverlay:
         old = torch.empty(positions.numel(), dtype=bits_dtype(tensors[0].dtype))
         target = InPlace(segments.pointers(tensors), segments.lengths(tensors), old.numpy(),
                          np.zeros(len(tensors), np.bool_))
-        self._in_place.append((tensors, positions, bounds, target))  # before any write: undoable from now on
+        self._in_place.append((names, tensors, positions, bounds, target))  # before any write: undoable now
         self._read.setdefault(width, []).append((names, positions, old))
         return target
 
-    def wrote_in_place(self, positions: torch.Tensor) -> bool:
-        """Whether a decoder wrote the changes at ``positions`` (that very tensor) into the target whole."""
-        return any(p is positions and bool(t.done.all()) for _, p, _, t in self._in_place)
+    def wrote_in_place(self, positions: torch.Tensor, bounds: np.ndarray, names: list[str] | None = None) -> bool:
+        """Whether a decoder wrote the changes at ``positions`` (that very tensor, laid out by ``bounds``, of
+        tensors ``names`` when given) into the target whole; their positions were then checked as they were
+        written (strictly increasing inside each tensor)."""
+        return any(p is positions and np.array_equal(b, bounds) and (names is None or ns == names)
+                   and bool(t.done.all()) for ns, _, p, b, t in self._in_place)
 
     def undo_in_place(self) -> int:
         """Put back what decoders wrote in place (newest first: the bits they found, at the positions of
         every tensor they finished); returns how many writes refused. Afterwards nothing is left to undo."""
         failed = 0
         with torch.no_grad():
-            for tensors, positions, bounds, target in reversed(self._in_place):
+            for _, tensors, positions, bounds, target in reversed(self._in_place):
                 try:
                     counts = np.diff(bounds) * target.done
                     keep = torch.from_numpy(np.repeat(target.done, np.diff(bounds)))
@@ -922,7 +929,7 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
                                segments.cat(ol)))
             for tl, pos, bounds, bits, orig in direct:
-                if not overlay.wrote_in_place(pos):  # (else in the target already; the caller undoes it)
+                if not overlay.wrote_in_place(pos, bounds):  # (else in the target already; the caller undoes it)
                     undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds,
                                                                                                   orig))
                     segments.scatter(tl, pos, bounds, bits)

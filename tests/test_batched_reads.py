@@ -98,13 +98,13 @@ def test_read_old_bits_asks_a_plain_receiver_per_tensor_and_a_batched_one_once()
 
 def _counting(monkeypatch):
     """Elements read by ``segments.gather``, written by ``segments.scatter`` and stepped in place, per call."""
-    seen = {"gather": [], "scatter": [], "in_place": []}
+    seen = {"gather": [], "scatter": [], "in_place": [], "check": []}
     for mod, name, key in ((segments, "gather", "gather"), (segments, "scatter", "scatter"),
-                           (bitstream, "apply_steps_at", "in_place")):
+                           (bitstream, "apply_steps_at", "in_place"), (segments, "check_positions", "check")):
         real = getattr(mod, name)
 
         def counting(*args, _real=real, _key=key):
-            seen[_key].append(args[2].size if _key == "in_place" else args[1].numel())
+            seen[_key].append(args[2].size if _key == "in_place" else args[0 if _key == "check" else 1].numel())
             return _real(*args)
 
         monkeypatch.setattr(mod, name, counting)
@@ -123,6 +123,8 @@ def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_ur
     # the decoder read, stepped and wrote every change where it lies: no gather before, no scatter after
     assert seen["gather"] == [] and seen["scatter"] == [], seen
     assert sum(seen["in_place"]) == sub.manifest(1).changed, seen
+    # ... checking each position as it wrote it: the separate pass over the positions is not made again
+    assert sum(seen["check"]) == 0, seen
 
 
 def test_a_ulp_pull_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypatch):
@@ -139,6 +141,7 @@ def test_a_ulp_pull_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypa
     assert seen["in_place"] == [], seen
     assert sum(seen["gather"]) == sub.manifest(1).changed + sub.manifest(2).changed, seen
     assert seen["scatter"], seen
+    assert sum(seen["check"]) == sub.manifest(1).changed + sub.manifest(2).changed, seen
 
 
 def test_a_codec_reading_other_positions_than_it_returns_does_not_fool_the_overlay(memory_uri):
