@@ -17,6 +17,7 @@ import json
 import math
 import operator
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -477,9 +478,12 @@ def _parse(doc: Any) -> Manifest:
     new_names = set(new_tensors)
     n_objects = len(objects)
     tensors: list[TensorRecord] | None = None
+    layout: _Layout | None = None
     if columnar(version):  # checked as columns; anything they refuse is named row by row below
         columns = _tensor_columns(_get(doc, "tensors", dict))
-        tensors = _plain_columns(columns, n_objects)
+        got = _plain_columns(columns, n_objects)
+        if got is not None:
+            tensors, layout = got
         listed = [dict(zip(TENSOR_FIELDS, row)) for row in zip(*columns)] if tensors is None else []
     else:
         listed = _get(doc, "tensors", list)
@@ -517,10 +521,13 @@ def _parse(doc: Any) -> Manifest:
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
-    return Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
-                    created=float(created), producer=producer, metadata=metadata, aliases=aliases,
-                    differential=differential, files=files, format_version=version, new_tensors=new_tensors,
-                    dropped_tensors=dropped, quantization=quantization)
+    m = Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
+                 created=float(created), producer=producer, metadata=metadata, aliases=aliases,
+                 differential=differential, files=files, format_version=version, new_tensors=new_tensors,
+                 dropped_tensors=dropped, quantization=quantization)
+    if layout is not None:  # the cached properties, shared by every manifest of this layout
+        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns)
+    return m
 
 
 def _roles_hold(tensors: list[TensorRecord], kind: str, has_parent: bool, has_differential: bool,
@@ -652,49 +659,138 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     except KeyError:
         return [_plain_record(t, n_objects) for t in ts]
     got = _plain_columns(columns, n_objects)
-    return [_plain_record(t, n_objects) for t in ts] if got is None else got  # type: ignore[return-value]
+    return [_plain_record(t, n_objects) for t in ts] if got is None else got[0]  # type: ignore[return-value]
 
 
-def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int) -> list[TensorRecord] | None:
+def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int) -> tuple[list[TensorRecord], _Layout] | None:
     """The records of tensor ``columns`` (:data:`TENSOR_FIELDS` order, equal lengths) when every entry is
-    what :func:`_plain_record` accepts, checked a column at a time; None otherwise."""
+    what :func:`_plain_record` accepts, checked a column at a time, and their layout; None otherwise."""
     names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = columns
     n = len(names)
     if not n:
-        return []
-    if not (set(map(type, names)) == set(map(type, checksums)) == set(map(type, dtypes)) == {str}
-            and set(map(type, shapes)) == {list} and set(dtypes) <= DTYPES.keys()):
+        return [], _Layout.of([], [], [], [])
+    layout = _known_layout(names, dtypes, shapes)
+    if layout is None:
+        layout = _checked_layout(names, dtypes, shapes)
+        if layout is None:
+            return None
+    numels = layout.numels
+    if set(map(type, checksums)) != {str}:
         return None
-    joined, sums = "\n".join(names) + "\n", "\n".join(checksums) + "\n"
+    sums = "\n".join(checksums) + "\n"
     # one line per entry (a newline inside a value would split it), every line valid
-    if (".." in joined or joined.count("\n") != n or sums.count("\n") != n or _NAME_LINES.fullmatch(joined) is None
-            or _CHECKSUM_LINES.fullmatch(sums) is None or max(map(len, shapes)) > MAX_DIMS):
+    if sums.count("\n") != n or _CHECKSUM_LINES.fullmatch(sums) is None:
         return None
-    dims = list(itertools.chain.from_iterable(shapes))
-    if dims and not (set(map(type, dims)) == {int} and min(dims) >= 0 and max(dims) <= MAX_NUMEL):
-        return None
-    numels = list(map(math.prod, shapes))
     roles = (delta, full, diff)
-    if (max(numels) > MAX_NUMEL or set(map(type, changed)) != {int} or set(map(type, diff_changed)) != {int}
+    if (set(map(type, changed)) != {int} or set(map(type, diff_changed)) != {int}
             or min(changed) < 0 or min(diff_changed) < 0 or not all(map(operator.le, changed, numels))
             or not all(map(operator.le, diff_changed, numels))
             or not all(set(map(type, r)) <= {int, type(None)} and _indices_below(r, n_objects) for r in roles)):
         return None
     parts = []
     for r in roles:  # Parts are immutable values: one per (object, numel), shared
+        if len(set(r)) == 1 and r[0] is None:
+            parts.append(itertools.repeat(()))
+            continue
         keys = list(zip(r, numels))
         table = {k: ((Part(k[0], 0, k[1]),) if k[0] is not None else ()) for k in set(keys)}
         parts.append(list(map(table.__getitem__, keys)))
     new, put = TensorRecord.__new__, object.__setattr__
     out: list[TensorRecord] = []
-    for name, dtype, shape, c, cs, d, f, df, dc, numel in zip(names, dtypes, shapes, changed, checksums, *parts,
-                                                              diff_changed, numels):
+    for name, dtype, shape, c, cs, d, f, df, dc, numel, spec in zip(layout.names, layout.dtypes, layout.shapes, changed,
+                                                                    checksums, *parts, diff_changed, numels,
+                                                                    layout.specs):
         rec = new(TensorRecord)
         # a frozen dataclass's __init__ is one object.__setattr__ per field: one __dict__ instead, same fields
-        put(rec, "__dict__", {"name": name, "dtype": dtype, "shape": tuple(shape), "changed": c, "checksum": cs,
-                              "delta": d, "full": f, "diff": df, "diff_changed": dc, "_numel": numel})
+        put(rec, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "changed": c, "checksum": cs,
+                              "delta": d, "full": f, "diff": df, "diff_changed": dc, "_numel": numel, "_spec": spec})
         out.append(rec)
-    return out
+    return out, layout
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The checked layout columns of a parsed manifest (names, dtype names, shapes as parsed) and what
+    follows from them (shape tuples, element counts, specs, the manifest's layout key and columns): made
+    once per layout and shared by the records of every later manifest with the same columns."""
+
+    columns_in: tuple[list[str], list[str], list[list[int]]]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    numels: list[int]
+    specs: list[TensorSpec]
+
+    @classmethod
+    def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> _Layout:
+        tuples = list(map(tuple, shapes))
+        specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
+        # the columns as checked, copied: the parsed document is the caller's
+        return cls((list(names), list(dtypes), [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
+
+    @functools.cached_property
+    def key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        return tuple(zip(self.names, self.dtypes, self.shapes))
+
+    @functools.cached_property
+    def columns(self) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+        return self.names, [s.dtype for s in self.specs], self.shapes
+
+
+def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> TensorSpec:
+    """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, as :meth:`TensorRecord.spec`."""
+    got = TensorSpec.__new__(TensorSpec)
+    object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "_numel": numel})
+    return got
+
+
+#: the layouts of the manifests parsed last (a reader follows one model, a process few), by tensor count and
+#: first and last name; a hit needs the very same columns
+_LAYOUTS: dict[tuple[int, str, str], _Layout] = {}
+_MAX_LAYOUTS = 4
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _Layout | None:
+    """The layout already checked for exactly these columns, or None."""
+    first, last = names[0], names[-1]
+    if type(first) is not str or type(last) is not str:
+        return None
+    got = _LAYOUTS.get((len(names), first, last))
+    if got is None:
+        return None
+    seen_names, seen_dtypes, seen_shapes = got.columns_in
+    # equal lists of strings are the same strings; equal shapes could still hold 2.0 or True for 2 or 1; the
+    # dtypes are looked up again (the table of dtypes this reader knows decides, not the one it knew then)
+    if (names == seen_names and dtypes == seen_dtypes and shapes == seen_shapes
+            and set(map(type, itertools.chain.from_iterable(shapes))) <= {int} and set(dtypes) <= DTYPES.keys()):
+        return got
+    return None
+
+
+def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _Layout | None:
+    """The layout of these columns when every entry is what :func:`_plain_record` accepts (kept for
+    :func:`_known_layout`), else None."""
+    n = len(names)
+    if not (set(map(type, names)) == set(map(type, dtypes)) == {str} and set(map(type, shapes)) == {list}
+            and set(dtypes) <= DTYPES.keys()):
+        return None
+    joined = "\n".join(names) + "\n"
+    if (".." in joined or joined.count("\n") != n or _NAME_LINES.fullmatch(joined) is None
+            or max(map(len, shapes)) > MAX_DIMS):
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    if dims and not (set(map(type, dims)) == {int} and min(dims) >= 0 and max(dims) <= MAX_NUMEL):
+        return None
+    numels = list(map(math.prod, shapes))
+    if max(numels) > MAX_NUMEL:
+        return None
+    layout = _Layout.of(names, dtypes, shapes, numels)
+    with _LAYOUTS_LOCK:  # manifests are parsed on several threads
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[(n, names[0], names[-1])] = layout
+    return layout
 
 
 def _indices_below(values: Sequence[int | None], n: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
@@ -70,6 +71,9 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
     if isinstance(state, torch.nn.Module):
         items: Iterable[tuple[str, Any]] = state.state_dict(keep_vars=True).items()
     elif isinstance(state, Mapping):
+        plain = _distinct_tensors(state)
+        if plain is not None:
+            return plain
         items = state.items()
     else:
         items = state
@@ -105,6 +109,18 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
                 aliases[name] = kept_name
             continue
         keyed[alias] = name
+    return out
+
+
+def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | None:
+    """``state`` as a dict when every key is a string and every value a tensor at an address of its own
+    (then none can alias another), by a few C-level passes instead of a loop over the tensors; else None,
+    and :func:`named_tensors` looks at each entry."""
+    out = dict(state)
+    values = list(out.values())
+    if (set(map(type, out)) - {str} or not all(map(isinstance, values, itertools.repeat(torch.Tensor)))
+            or len(set(map(torch.Tensor.data_ptr, values))) != len(values)):
+        return None
     return out
 
 

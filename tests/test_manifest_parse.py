@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -197,3 +199,66 @@ def test_each_form_is_read_only_under_its_own_version():
         M._parse(dict(_as_columns(_doc(_ROWS)), format_version="1.0"))
     with pytest.raises(ManifestError, match="tensors"):  # rows in a 1.2 one
         M._parse(_doc(_ROWS, version=M.COLUMNS_FORMAT_VERSION) | {"tensors": _ROWS})
+
+
+# -- a layout seen before (manifest._LAYOUTS) ---------------------------------------------------------
+_LAYOUT_ROWS = [dict(_VALID, name=f"layer.{i}.w", shape=[i % 3 + 1, 4], changed=i % 3, delta=i % N_OBJECTS)
+                for i in range(40)]
+
+
+def _lookalike_shapes(shape):
+    """Shapes equal to ``shape`` under ``==`` that the check must still refuse (floats, booleans)."""
+    out = [[float(d) for d in shape]]
+    if 1 in shape:
+        out.append([True if d == 1 else d for d in shape])
+    return st.sampled_from(out)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_a_layout_seen_before_changes_nothing_the_parse_decides(data):
+    """A manifest parsed right after one of the same layout gives exactly what it gives parsed first: the
+    same records and layout key, or the same error. Mutations keep most of the layout so that the known
+    layout's columns are compared, and include shapes that only look equal (2.0 for 2, True for 1)."""
+    rows = [dict(r) for r in _LAYOUT_ROWS]
+    for _ in range(data.draw(st.integers(0, 2))):
+        i = data.draw(st.integers(0, len(rows) - 1))
+        field = data.draw(st.sampled_from(sorted(_FIELDS)))
+        value = data.draw(_lookalike_shapes(rows[i]["shape"]) if field == "shape" and data.draw(st.booleans())
+                          else _FIELDS[field])
+        rows[i] = dict(rows[i], **{field: value})
+    doc = _as_columns(_doc(rows))
+    M._LAYOUTS.clear()
+    first = _parsed(doc)
+    M._LAYOUTS.clear()
+    M._parse(_as_columns(_doc(_LAYOUT_ROWS)))  # the layout is known now
+    again = _parsed(doc)
+    if isinstance(first, str):
+        assert again == first
+    else:
+        assert not isinstance(again, str), again
+        assert again.tensors == first.tensors and again.layout_key == first.layout_key
+        assert again.layout_columns == first.layout_columns
+        assert [t.spec for t in again.tensors] == [t.spec for t in first.tensors]
+
+
+def test_manifests_of_one_layout_share_what_follows_from_it():
+    a = M._parse(_as_columns(_doc(_LAYOUT_ROWS)))
+    rows = [dict(r, changed=0, checksum="fedcba9876543210") for r in _LAYOUT_ROWS]
+    b = M._parse(_as_columns(_doc(rows)))
+    assert b.layout_key is a.layout_key and b.layout_columns is a.layout_columns
+    assert all(x.spec is y.spec and x.shape is y.shape for x, y in zip(a.tensors, b.tensors))
+    assert [t.checksum for t in b.tensors] == ["fedcba9876543210"] * len(rows)  # the content is b's own
+
+
+@pytest.mark.parametrize("field, index, value, message", [("name", 5, "a/b", "invalid tensor name"),
+                                                      ("shape", 1, [2**60, 4], "invalid shape")])
+def test_a_known_layout_is_compared_with_its_own_copy_of_the_columns(field, index, value, message):
+    M._LAYOUTS.clear()
+    doc = copy.deepcopy(_as_columns(_doc(_LAYOUT_ROWS)))
+    M._parse(doc)
+    doc["tensors"][field][index] = value  # the caller changes its document afterwards ...
+    other = copy.deepcopy(_as_columns(_doc(_LAYOUT_ROWS)))
+    other["tensors"][field][index] = value  # ... and a later manifest holding the same is still refused
+    with pytest.raises(ManifestError, match=message):
+        M._parse(other)

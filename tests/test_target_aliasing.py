@@ -82,3 +82,22 @@ def test_named_tensors_drops_exact_aliases_only_and_stays_linear_at_one_address(
     assert {"w", "flat", "t", "bits", "head", "other", "empty.7"} <= set(out) and "tied" not in out
     assert aliases.get("head") is None and "view.10" in out and "view.21" not in out
     assert list(out) == [k for k in state if k in out]  # the state's order
+
+
+def test_named_tensors_of_distinct_tensors_is_the_mapping_itself_in_order():
+    """The common target (a mapping of tensors at addresses of their own) is taken by a few whole-mapping
+    passes: the same entries in the same order, nothing dropped; anything else still gets the entry-by-entry
+    checks and their errors."""
+    from deltastore.errors import TargetMismatchError
+    from deltastore.tensors import named_tensors
+
+    state = {f"layer.{i}": torch.full((3,), float(i)) for i in reversed(range(50))}
+    aliases: dict[str, str] = {}
+    out = named_tensors(state, aliases)
+    assert list(out.items()) == list(state.items()) and aliases == {} and out is not state
+    with pytest.raises(TargetMismatchError, match="not a tensor"):
+        named_tensors({**state, "x": [1.0]})
+    with pytest.raises(TargetMismatchError, match="names must be strings"):
+        named_tensors({**state, 3: torch.zeros(1)})
+    w = state["layer.0"]
+    assert named_tensors({**state, "tied": w}, aliases) == state and aliases == {"tied": "layer.0"}
