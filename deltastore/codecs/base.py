@@ -32,7 +32,9 @@ what :meth:`Codec.decode` returns). The library calls both through :func:`encode
 class that defines the per-tensor one (a subclass that overrides ``decode`` alone is never bypassed).
 The library validates every decoded update against the manifest
 (names, counts, position order and range, dtype) before anything is applied,
-so a codec only has to encode and decode.
+so a codec only has to encode and decode (a decoder that writes in place,
+:func:`write_in_place`, checks positions as it writes; the rest is checked
+after, and the writes are undone if anything is off).
 """
 
 from __future__ import annotations
