@@ -132,14 +132,8 @@ class TensorRecord:
     @property
     def spec(self) -> TensorSpec:
         got = self.__dict__.get("_spec")
-        if got is None:
-            # made once per tensor of every parsed manifest: one __dict__, not a frozen dataclass's
-            # per-field object.__setattr__ (the same fields as TensorSpec(name, dtype, shape)), with
-            # the element count it would compute later
-            got = TensorSpec.__new__(TensorSpec)
-            object.__setattr__(got, "__dict__", {"name": self.name, "dtype": DTYPES[self.dtype],
-                                                 "shape": self.shape, "_numel": self.numel})
-            self.__dict__["_spec"] = got
+        if got is None:  # (a parsed manifest's records come with theirs, from the layout)
+            got = self.__dict__["_spec"] = _spec(self.name, DTYPES[self.dtype], self.shape, self.numel)
         return got
 
     @property
@@ -723,10 +717,10 @@ class _Layout:
 
     @classmethod
     def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> _Layout:
+        names, dtypes = list(names), list(dtypes)  # copies of the columns as checked: the document is the caller's
         tuples = list(map(tuple, shapes))
         specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
-        # the columns as checked, copied: the parsed document is the caller's
-        return cls((list(names), list(dtypes), [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
+        return cls((names, dtypes, [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
 
     @functools.cached_property
     def key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -738,7 +732,8 @@ class _Layout:
 
 
 def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> TensorSpec:
-    """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, as :meth:`TensorRecord.spec`."""
+    """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, not a frozen dataclass's
+    per-field ``object.__setattr__`` (made per tensor of every layout)."""
     got = TensorSpec.__new__(TensorSpec)
     object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "_numel": numel})
     return got

@@ -83,7 +83,6 @@ def read_old_bits(old: OldBits, names: Sequence[str], positions: torch.Tensor, b
     return out
 
 
-
 @dataclass
 class InPlace:
     """Target tensors a decoder updates where they lie (:func:`write_in_place`).
@@ -116,6 +115,7 @@ def write_in_place(old: OldBits, names: Sequence[str], positions: torch.Tensor, 
     """
     get = getattr(old, "in_place", None)
     return get(list(names), positions, bounds) if get is not None else None
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -489,27 +489,41 @@ def _applied(z: np.int64, x: np.int64, fmag: np.int64) -> np.int64:  # pragma: n
     return _ordered(x, fmag) + (np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1)))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _plane_step(planes: np.ndarray, npl: int, i: int) -> np.int64:  # pragma: no cover - compiled
+    # planes[j, i]: byte j of (zigzag(step) - 1) of element i; one and two planes (most steps) read directly
+    if npl == 1:
+        return np.int64(planes[0, i])
+    if npl == 2:
+        return np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
+    u = np.uint64(0)
+    for j in range(npl):
+        u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
+    return np.int64(u)
+
+
 @njit(nogil=True, cache=True)
 def _apply_steps(old: np.ndarray, planes: np.ndarray, fmag: np.int64, lo: np.int64, hi: np.int64,
                  out: np.ndarray) -> int:  # pragma: no cover - compiled
-    # planes[j, i]: byte j of (zigzag(step) - 1) of element i; returns the first element whose
-    # result leaves the dtype's range, or -1. One and two planes (most steps) have loops of their own.
+    # returns the first element whose result leaves the dtype's range, or -1
     npl = planes.shape[0]
     for i in range(old.size):
-        if npl == 1:
-            z = np.int64(planes[0, i])
-        elif npl == 2:
-            z = np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
-        else:
-            u = np.uint64(0)
-            for j in range(npl):
-                u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
-            z = np.int64(u)
-        o = _applied(z, np.int64(old[i]), fmag)
+        o = _applied(_plane_step(planes, npl, i), np.int64(old[i]), fmag)
         if o < lo or o > hi:
             return i
         out[i] = _ordered(o, fmag)  # back to raw bits
     return -1
+
+
+def _step_range(dtype: np.dtype, is_float: bool) -> tuple[np.int64, np.int64, np.int64]:
+    """``(fmag, lo, hi)`` for the step kernels: the magnitude mask of a float's ordered image (0 for
+    integers and 8-bit patterns) and the range a stepped value must stay in."""
+    width = dtype.itemsize * 8
+    if dtype == np.uint8:  # 8-bit dtypes are unsigned patterns 0..255
+        return np.int64(0), np.int64(0), np.int64(255)
+    lo, hi = (np.int64(-(1 << (width - 1))), np.int64((1 << (width - 1)) - 1)) if width < 64 else \
+        (np.int64(-(1 << 63)), np.int64((1 << 63) - 1))
+    return (np.int64((1 << (width - 1)) - 1) if is_float else np.int64(0)), lo, hi
 
 
 def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np.ndarray, int]:
@@ -519,17 +533,9 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
     Returns ``(bits, bad)``: ``bad`` is the index of the first element whose new value
     leaves the dtype's range (a corrupt object), or -1.
     """
-    width = old.dtype.itemsize * 8
-    mag = np.int64((1 << (width - 1)) - 1)
-    if old.dtype == np.uint8:  # 8-bit dtypes are unsigned patterns 0..255
-        lo, hi = np.int64(0), np.int64(255)
-    elif width < 64:
-        lo, hi = np.int64(-(1 << (width - 1))), np.int64((1 << (width - 1)) - 1)
-    else:
-        lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
+    fmag, lo, hi = _step_range(old.dtype, is_float)
     out = np.empty(old.size, old.dtype)
     old = np.ascontiguousarray(old)
-    fmag = mag if is_float and old.dtype != np.uint8 else np.int64(0)
 
     def run(a: int, e: int) -> int:  # elements are independent: one chunk per kernel thread
         bad = _apply_steps(old[a:e], planes[:, a:e], fmag, lo, hi, out[a:e])
@@ -563,17 +569,8 @@ def _apply_steps_at(like, ptr, lens, pos, bounds, s0, s1, planes, fmag, lo, hi, 
             p = pos[i]
             bad = p <= prev or p >= n
             if not bad:
-                if npl == 1:
-                    z = np.int64(planes[0, i])
-                elif npl == 2:
-                    z = np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
-                else:
-                    u = np.uint64(0)
-                    for j in range(npl):
-                        u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
-                    z = np.int64(u)
                 x = a[p]
-                o = _applied(z, np.int64(x), fmag)
+                o = _applied(_plane_step(planes, npl, i), np.int64(x), fmag)
                 bad = o < lo or o > hi
             if bad:
                 for k in range(i - 1, start - 1, -1):
@@ -608,14 +605,7 @@ def apply_steps_at(pointers: np.ndarray, lengths: np.ndarray, positions: np.ndar
             or bool((np.diff(bounds) < 0).any())):
         raise ValueError("apply_steps_at: positions, bounds, planes and buffers do not fit together")
     positions, planes = np.ascontiguousarray(positions), np.ascontiguousarray(planes)
-    width = old.dtype.itemsize * 8
-    if old.dtype == np.uint8:
-        lo, hi = np.int64(0), np.int64(255)
-    elif width < 64:
-        lo, hi = np.int64(-(1 << (width - 1))), np.int64((1 << (width - 1)) - 1)
-    else:
-        lo, hi = np.int64(-(1 << 63)), np.int64((1 << 63) - 1)
-    fmag = np.int64((1 << (width - 1)) - 1) if is_float and old.dtype != np.uint8 else np.int64(0)
+    fmag, lo, hi = _step_range(old.dtype, is_float)
     new = np.empty(n, old.dtype)
     like = old[:0]
     runs = segment_runs(bounds, threads())
