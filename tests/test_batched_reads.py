@@ -111,12 +111,18 @@ def _counting(monkeypatch):
     return seen
 
 
-def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_uri, monkeypatch):
+def _ulp_follower_at_zero(uri):
+    """A ulp store of three versions and a follower's target at version 0."""
     states = _states()
-    _publish(memory_uri, states, "ulp")
-    sub = ds.Subscriber(memory_uri)
+    _publish(uri, states, "ulp")
+    sub = ds.Subscriber(uri)
     target = {k: v.clone() for k, v in states[0].items()}
     sub.pull(target, step=0)
+    return states, sub, target
+
+
+def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_uri, monkeypatch):
+    states, sub, target = _ulp_follower_at_zero(memory_uri)
     seen = _counting(monkeypatch)
     sub.pull(target, step=1, allow_anchor=False)
     assert bits_equal(target, states[1])
@@ -128,11 +134,7 @@ def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_ur
 
 
 def test_a_ulp_pull_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypatch):
-    states = _states()
-    _publish(memory_uri, states, "ulp")
-    sub = ds.Subscriber(memory_uri)
-    target = {k: v.clone() for k, v in states[0].items()}
-    sub.pull(target, step=0)
+    states, sub, target = _ulp_follower_at_zero(memory_uri)
     seen = _counting(monkeypatch)
     sub.pull(target, step=2, allow_anchor=False)
     assert bits_equal(target, states[2])

@@ -377,6 +377,8 @@ def _gap_positions_mixed(b: np.ndarray, counts: np.ndarray, numels: np.ndarray,
     # :func:`_gap_positions` for streams where one- and two-byte values mix (sparse changes: gaps around
     # 128): a value of one or two bytes is read without a branch on which (that branch would be
     # mispredicted for most values), anything longer by the general loop. Same results, statuses included.
+    # (The general loop is written out here as in _gap_positions: moved into a shared inline helper it
+    # made _gap_positions 2.7x slower on a real cold stream, 3.7 -> 9.9 ms.)
     i = 0
     k = 0
     n = b.size
