@@ -40,6 +40,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -223,6 +224,21 @@ def timed(fn):
     return r, time.perf_counter() - w, time.process_time() - c
 
 
+def timed_into(row: dict, prefix: str, fn):
+    """``fn()``, noting in ``row`` its wall s and process CPU s (``{prefix}wall``, ``{prefix}cpu``), and that CPU
+    split into user and kernel time (``{prefix}user``, ``{prefix}sys``, from ``getrusage``: tick-grained).
+
+    The kernel part is mostly first touches of fresh memory (page faults), which on a VM cost what the host
+    makes them cost that day: reported apart, so a slow day shows as such."""
+    w, c, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+    r = fn()
+    row[f"{prefix}wall"] = time.perf_counter() - w
+    row[f"{prefix}cpu"] = time.process_time() - c
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    row[f"{prefix}user"], row[f"{prefix}sys"] = u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime
+    return r
+
+
 def compare(prev: dict, cur: dict) -> None:
     """The reference: a bare bit-compare of every tensor, ``torch.ne(old, new).nonzero()`` on int16 views."""
     for k, t in cur.items():
@@ -273,8 +289,8 @@ def case_publish(cfg, run, layout, store, *, mode="sync", codec="auto", with_ref
         changes = src.advance()
         row = {"changed": sum(int(c[1].numel()) for c in changes)}
         if with_ref:
-            _, row["ref_wall"], row["ref_cpu"] = timed(lambda: compare(prev, cur))
-        res, row["wall"], row["cpu"] = timed(lambda: pub.publish(cur, step=t))
+            timed_into(row, "ref_", lambda: compare(prev, cur))
+        res = timed_into(row, "", lambda: pub.publish(cur, step=t))
         if bg:  # the writer's time (encode, upload, commit), off the training loop
             res, row["writer_wall"], row["writer_cpu"] = timed(lambda: (pub.flush(), res.result())[1])
         row.update(kind=res.kind, differential=res.differential, nbytes=res.nbytes, fraction=res.fraction)
@@ -319,8 +335,8 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, 
     for t in steps[1:]:
         src.advance(keep=False)
         row = {}
-        _, row["ref_wall"], row["ref_cpu"] = timed(lambda: dense_copy(scratch, cur))
-        res, row["wall"], row["cpu"] = timed(lambda: sub.pull(target, step=t))
+        timed_into(row, "ref_", lambda: dense_copy(scratch, cur))
+        res = timed_into(row, "", lambda: sub.pull(target, step=t))
         assert res.path == "delta" and res.versions_applied == [t], (res.path, res.versions_applied)
         row["bytes_fetched"] = res.bytes_fetched
         row["manifest_bytes"] = os.path.getsize(os.path.join(store, "versions", f"{t:012d}.json"))
@@ -547,6 +563,11 @@ class Figures:
         mc, rc = stat([s[cpu] for s in steps]), stat([s[ref_cpu] for s in steps])
         per = [s[wall] / s[ref_wall] for s in steps]
         scale = 1e3 if unit == "ms" else 1.0
+        if all("sys" in s and "ref_sys" in s for s in steps):  # what of the CPU was the kernel's (page faults)
+            extra["sys_ms"] = 1e3 * statistics.median(s["sys"] for s in steps)
+            extra["ref_sys_ms"] = 1e3 * statistics.median(s["ref_sys"] for s in steps)
+            extra["user_ratio"] = (statistics.median(s["user"] for s in steps)
+                                   / max(statistics.median(s["ref_user"] for s in steps), 1e-6))
         self.add(key, label, mw["median"] / rw["median"], target, "<=", cpu=mc["median"] / rc["median"],
                  spread=[min(per), max(per)],
                  measured=f"{scale * mw['median']:.1f} {unit} (cpu {scale * mc['median']:.1f})",
@@ -753,6 +774,9 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
             print(f"- {k}: with the manifest ({r['manifest_bytes_per_step'] / 1e3:.0f} kB/step) "
                   f"{r['with_manifest']:.3f}x the bound")
     for k, r in figs.rows.items():
+        if "sys_ms" in r:
+            print(f"- {k}: of the CPU per step, {r['sys_ms']:.0f} ms in the kernel (reference "
+                  f"{r['ref_sys_ms']:.0f} ms); user CPU alone {r['user_ratio']:.2f}x the reference's")
         if k.startswith("publish_background"):
             print(f"- {k}: the background writer then takes {r['writer_wall_s']['median']:.2f} s per step")
         if "peak_during_delta" in r:
