@@ -18,15 +18,19 @@ glibc's threshold variables (``MALLOC_MMAP_THRESHOLD_`` and kin) or a
 then cost an ``mmap`` each (no slower in ``bench/scale.py``: the page faults
 of fresh memory are paid either way).
 :func:`release_memory` returns free pages after each big operation. Both are
-no-ops where glibc is not the allocator.
+no-ops where glibc is not the allocator. :func:`discard` gives back the
+unused tail of a buffer that is kept for reuse.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import threading
+
+import numpy as np
 
 #: glibc's mmap threshold as pinned by :func:`pin_allocator`, in bytes
 MMAP_THRESHOLD = 1 << 20
@@ -82,3 +86,26 @@ def release_memory() -> None:
     trim = _glibc("malloc_trim", ctypes.c_size_t)
     if trim is not None:
         trim(0)
+
+
+_MADV_DONTNEED = 4  # sys/mman.h (Linux)
+
+
+def discard(a: np.ndarray, start: int, stop: int) -> None:
+    """Give the whole pages of elements ``[start, stop)`` of the contiguous array ``a`` back to the system.
+
+    Their contents are lost (a later read sees zeros); the array stays valid and a later write
+    faults a fresh page in. For the unused tail of a buffer kept for reuse. A no-op for less than
+    a megabyte, off Linux, or where ``madvise`` is missing.
+    """
+    stop = min(stop, a.size)
+    if stop - start <= 0 or not a.flags.c_contiguous or (stop - start) * a.itemsize < 1 << 20:
+        return
+    madvise = _glibc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if madvise is None or not os.uname().sysname == "Linux":
+        return
+    page = mmap.PAGESIZE
+    lo = -(-(a.ctypes.data + start * a.itemsize) // page) * page
+    hi = (a.ctypes.data + stop * a.itemsize) // page * page
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_DONTNEED)

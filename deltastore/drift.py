@@ -18,7 +18,7 @@ number of tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +26,8 @@ import torch
 
 from . import segments
 from .diff import Change
-from .kernels.diff import drift_merge_rows
+from ._memory import discard
+from .kernels.diff import drift_merge_rows, drift_merge_rows_in_place
 from .segments import FlatChanges
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class _Table:
     bounds: np.ndarray     # int64, len(names) + 1
     positions: np.ndarray  # int32, or int64 once a position needs it
     anchor: np.ndarray     # the anchor's bits (integer view dtype)
+    #: the buffers ``positions`` and ``anchor`` are the front of, with room for later merges in place
+    room: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def row(self, name: str) -> _Since | None:
         k = self.index.get(name)
@@ -69,14 +72,31 @@ class _Table:
 
 
 class Drift:
-    """A drift state (proposed or committed): per tensor, the elements that differ from the anchor."""
+    """A drift state (proposed or committed): per tensor, the elements that differ from the anchor.
 
-    def __init__(self, tables: Mapping[np.dtype, _Table]):
-        self._tables = dict(tables)
+    A proposal holds its merges prepared and counted (:attr:`count` needs no table); the first read
+    of its elements (:meth:`get`, :meth:`items`, :attr:`nbytes`) builds them in fresh buffers, else
+    :meth:`DriftTracker.commit` merges them into the committed table's own buffers.
+    """
+
+    def __init__(self, tables: Mapping[np.dtype, _Table], merges: Mapping[np.dtype, _Merge] | None = None,
+                 generation: int = 0):
+        self._built = dict(tables)
+        self._merges = dict(merges or {})
+        self.generation = generation
+
+    @property
+    def tables(self) -> dict[np.dtype, _Table]:
+        """Every element width's table (a proposal's merges built now, once)."""
+        if self._merges:
+            for dt, m in self._merges.items():
+                self._built[dt] = m.into_new()
+            self._merges = {}
+        return self._built
 
     def get(self, name: str) -> _Since | None:
         """The elements of ``name`` that differ from the anchor (views), or None when none do."""
-        for t in self._tables.values():
+        for t in self.tables.values():
             since = t.row(name)
             if since is not None:
                 return since
@@ -84,16 +104,17 @@ class Drift:
 
     @property
     def count(self) -> int:
-        return sum(int(t.bounds[-1]) for t in self._tables.values())
+        return sum(int(t.bounds[-1]) for dt, t in self._built.items() if dt not in self._merges) + \
+            sum(m.count for m in self._merges.values())
 
     @property
     def nbytes(self) -> int:
         """Host bytes the drift holds (positions and the anchor's bits)."""
-        return sum(t.positions.nbytes + t.anchor.nbytes + t.bounds.nbytes for t in self._tables.values())
+        return sum(t.positions.nbytes + t.anchor.nbytes + t.bounds.nbytes for t in self.tables.values())
 
     def items(self) -> list[tuple[str, _Since]]:
         out = []
-        for t in self._tables.values():
+        for t in self.tables.values():
             sizes = np.diff(t.bounds)
             for k in np.flatnonzero(sizes).tolist():
                 since = t.row(t.names[k])
@@ -102,9 +123,8 @@ class Drift:
         return out
 
 
-def _rows(prev: _Table | None, group: list[tuple[str, Change]]
-          ) -> tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The version's changes of ``group`` as rows of ``prev``'s table (new tensors appended)."""
+def _rows(prev: _Table | None, group: list[tuple[str, Change]]) -> _Rows:
+    """The version's changes of ``group`` as rows of ``prev``'s table (new tensors appended), a part per tensor."""
     names = list(prev.names) if prev is not None else []
     index = dict(prev.index) if prev is not None else {}
     for name, _ in group:
@@ -117,53 +137,106 @@ def _rows(prev: _Table | None, group: list[tuple[str, Change]]
     counts[keys] = np.fromiter((ch.count for _, ch in group), dtype=np.int64, count=len(group))
     c_bounds = np.zeros(len(names) + 1, np.int64)
     np.cumsum(counts, out=c_bounds[1:])
-    return (tuple(names), index, c_bounds, np.concatenate([ch.positions.numpy() for _, ch in group]),
-            np.concatenate([ch.old_bits.numpy() for _, ch in group]),
-            np.concatenate([ch.new_bits.numpy() for _, ch in group]))
+    return tuple(names), index, c_bounds, [(ch.positions.numpy(), ch.old_bits.numpy(), ch.new_bits.numpy())
+                                           for _, ch in group]
 
 
-def _flat_rows(prev: _Table | None, names: list[str], fc: FlatChanges
-               ) -> tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+def _flat_rows(prev: _Table | None, names: list[str], fc: FlatChanges) -> _Rows | None:
     """The compare's flat changes as rows, when their tensors are exactly ``prev``'s rows (or it has none)."""
     if prev is not None and prev.names != tuple(names):
         return None
     index = prev.index if prev is not None else {n: k for k, n in enumerate(names)}
-    pos, new, old = (np.concatenate([p[j].numpy() for p in fc.parts]) if len(fc.parts) != 1 else fc.parts[0][j].numpy()
-                     for j in range(3))
-    return tuple(names), index, np.ascontiguousarray(fc.bounds, dtype=np.int64), pos, old, new
+    # the compare's parts as they are: joining them would fault in a fresh copy of every change (12 B each)
+    return (tuple(names), index, np.ascontiguousarray(fc.bounds, dtype=np.int64),
+            [(pos.numpy(), old.numpy(), new.numpy()) for pos, new, old in fc.parts])
 
 
-def _merge(prev: _Table | None, rows: tuple[tuple[str, ...], dict[str, int], np.ndarray, np.ndarray, np.ndarray,
-                                            np.ndarray]) -> _Table:
-    names, index, c_bounds, c_pos, c_old, c_new = rows
-    k_all = len(names)
-    if prev is not None:
-        p_bounds = np.concatenate([prev.bounds, np.full(k_all - len(prev.names), prev.bounds[-1], np.int64)])
-        p_pos, p_anchor = prev.positions, prev.anchor
-    else:
-        p_bounds = np.zeros(k_all + 1, np.int64)
-        p_pos, p_anchor = np.zeros(0, np.int32), np.zeros(0, c_old.dtype)
-    wide = p_pos.dtype == np.int64 or (c_pos.size and int(c_pos.max()) > _INT32_MAX)
-    n = p_pos.size + c_pos.size
-    out_pos = np.empty(n, np.int64 if wide else np.int32)
-    out_anchor = np.empty(n, c_old.dtype)
-    out_bounds = np.empty(k_all + 1, np.int64)
-    used = drift_merge_rows(p_bounds, p_pos, p_anchor, c_bounds, c_pos, c_old, c_new,
-                            out_bounds, out_pos, out_anchor)
-    out_pos.resize(used, refcheck=False)  # in place: no second copy of the drift at its peak
-    out_anchor.resize(used, refcheck=False)
-    return _Table(names, index, out_bounds, out_pos, out_anchor)
+class _Merge:
+    """One element width's merge of a version's changes into the committed table: prepared and counted
+    now (one pass that writes nothing), written later, into fresh buffers or into the table's own."""
+
+    def __init__(self, prev: _Table | None, rows: _Rows):
+        self.names, self.index, self.c_bounds, parts = rows
+        self.prev = prev
+        k_all = len(self.names)
+        if prev is not None:
+            self.p_bounds = np.concatenate([prev.bounds, np.full(k_all - len(prev.names), prev.bounds[-1], np.int64)])
+            p_pos, p_anchor = prev.positions, prev.anchor
+        else:
+            self.p_bounds = np.zeros(k_all + 1, np.int64)
+            p_pos, p_anchor = np.zeros(0, np.int32), np.zeros(0, parts[0][1].dtype)  # callers pass >= 1 part
+        self.p_pos, self.p_anchor = p_pos, p_anchor
+        # the kernels read the parts by address: contiguous, int64 positions, bits of the table's dtype
+        self.parts = [(np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(old).view(p_anchor.dtype),
+                       np.ascontiguousarray(new).view(p_anchor.dtype)) for pos, old, new in parts]
+        self.wide = p_pos.dtype == np.int64 or any(pos.size and int(pos.max()) > _INT32_MAX
+                                                   for pos, _, _ in self.parts)
+        self.lens = np.fromiter((pos.size for pos, _, _ in self.parts), np.int64, len(self.parts))
+        assert int(self.lens.sum()) == int(self.c_bounds[-1])
+        self.at = [np.fromiter((a[j].ctypes.data for a in self.parts), np.int64, len(self.parts)) for j in range(3)]
+        self.count = self._run(self.p_pos[:0], self.p_anchor[:0], np.empty(0, np.int64), write=False)
+
+    @property
+    def size(self) -> int:
+        """Elements the merge may write (before dropping those back at the anchor's bits)."""
+        return self.p_pos.size + int(self.lens.sum())
+
+    def _run(self, out_pos: np.ndarray, out_anchor: np.ndarray, out_bounds: np.ndarray, *, write: bool) -> int:
+        return drift_merge_rows(self.p_anchor[:0], np.empty(0, np.int64), self.p_bounds, self.p_pos, self.p_anchor,
+                                self.c_bounds, *self.at, self.lens, out_bounds, out_pos, out_anchor, write)
+
+    def _table(self, bounds: np.ndarray, pos: np.ndarray, anchor: np.ndarray, used: int, *, room: bool) -> _Table:
+        return _Table(self.names, self.index, bounds, pos[:used], anchor[:used], (pos, anchor) if room else None)
+
+    def into_new(self) -> _Table:
+        """The merged table in fresh buffers of its exact size."""
+        out_pos = np.empty(self.size, np.int64 if self.wide else np.int32)
+        out_anchor = np.empty(self.size, self.p_anchor.dtype)
+        out_bounds = np.empty(len(self.names) + 1, np.int64)
+        used = self._run(out_pos, out_anchor, out_bounds, write=True)
+        out_pos.resize(used, refcheck=False)  # in place: no second copy of the drift at its peak
+        out_anchor.resize(used, refcheck=False)
+        return self._table(out_bounds, out_pos, out_anchor, used, room=False)
+
+    def into_prev(self) -> _Table:
+        """The merged table written over the previous one (``prev``'s buffers are reused when they have
+        room, else new ones with room for later merges): the pages a merge writes are then mostly
+        resident already, where fresh ones cost a page fault each (see ``docs/benchmarks.md``).
+        ``prev`` is not valid afterwards."""
+        bounds = np.empty(len(self.names) + 1, np.int64)
+        room = self.prev.room if self.prev is not None else None
+        pdt = np.int64 if self.wide else np.int32
+        if room is not None and room[0].dtype == pdt and room[0].size >= self.size:
+            pos, anchor = room
+            used = drift_merge_rows_in_place(self.p_anchor[:0], np.empty(0, np.int64), self.p_bounds, pos, anchor,
+                                             self.c_bounds, *self.at, self.lens, bounds)
+            touched = self.size
+        else:  # room for a few more versions like this one: untouched pages cost no memory
+            capacity = self.size + 2 * int(self.lens.sum()) + 4096
+            pos, anchor = np.empty(capacity, pdt), np.empty(capacity, self.p_anchor.dtype)
+            used = self._run(pos, anchor, bounds, write=True)
+            touched = used
+        for a in (pos, anchor):  # what lies beyond the merged table goes back to the system
+            discard(a, used, touched)
+        return self._table(bounds, pos, anchor, used, room=True)
 
 
 class DriftTracker:
-    """The committed drift, and proposals of what it becomes after one more version."""
+    """The committed drift, and proposals of what it becomes after one more version.
+
+    A commit merges the proposal into the committed table's own buffers (unless the proposal's
+    elements were read already, which built them apart): every proposal made before a commit is
+    stale after it (:meth:`commit` refuses one).
+    """
 
     def __init__(self) -> None:
+        self._generation = 0
         self._drift = Drift({})
 
     def reset(self) -> None:
         """Forget everything (a new anchor was committed)."""
-        self._drift = Drift({})
+        self._generation += 1
+        self._drift = Drift({}, generation=self._generation)
 
     @property
     def nbytes(self) -> int:
@@ -178,8 +251,10 @@ class DriftTracker:
         cover every tensor of ``changes``, they are merged as they are, with no work per tensor.
         ``changes`` may be the compare's :class:`~deltastore.publish.mirror.Diff` itself: its flat
         changes are used, and its per-tensor changes only when those do not cover every tensor.
+        The arrays of ``changes`` must stay as they are until the proposal is committed or dropped.
         """
-        tables = dict(self._drift._tables)
+        tables = self._drift.tables
+        merges: dict[np.dtype, _Merge] = {}
         if isinstance(changes, Mapping):
             n_tensors = len(changes)
         else:  # a Diff
@@ -195,18 +270,24 @@ class DriftTracker:
                     break
                 staged.append((dt, rows))
             else:
-                for dt, rows in staged:
-                    tables[dt] = _merge(tables.get(dt), rows)
-                return Drift(tables)
+                merges = {dt: _Merge(tables.get(dt), rows) for dt, rows in staged}
+                return Drift(tables, merges, self._generation)
         groups: dict[np.dtype, list[tuple[str, Change]]] = {}
         for name, ch in (changes if isinstance(changes, Mapping) else changes.changes).items():
             if ch.count:
                 groups.setdefault(ch.old_bits.numpy().dtype, []).append((name, ch))
-        for dt, group in groups.items():
-            tables[dt] = _merge(tables.get(dt), _rows(tables.get(dt), group))
-        return Drift(tables)
+        merges = {dt: _Merge(tables.get(dt), _rows(tables.get(dt), group)) for dt, group in groups.items()}
+        return Drift(tables, merges, self._generation)
 
     def commit(self, proposed: Drift) -> None:
+        """Make ``proposed`` the committed drift; it stays valid as that. Raises ``RuntimeError`` for a
+        proposal made before the last commit or reset."""
+        if proposed.generation != self._generation:
+            raise RuntimeError("drift: this proposal was made before the last commit or reset")
+        built = dict(proposed._built)
+        built.update((dt, m.into_prev()) for dt, m in proposed._merges.items())
+        self._generation += 1
+        proposed._built, proposed._merges, proposed.generation = built, {}, self._generation
         self._drift = proposed
 
     @staticmethod
@@ -234,7 +315,7 @@ class DriftTracker:
         is read here: each :class:`DifferentialRows` reads its tensors' rows when an encoder selects
         them. Tensors without drift have empty rows.
         """
-        return [(list(t.names), DifferentialRows(t, views)) for t in proposed._tables.values()]
+        return [(list(t.names), DifferentialRows(t, views)) for t in proposed.tables.values()]
 
 
 class DifferentialRows:
@@ -259,10 +340,10 @@ class DifferentialRows:
         table, else one kernel copy)."""
         t = self._table
         idx = np.ascontiguousarray(idx, dtype=np.int64)
-        if idx.size and bool((np.diff(idx) == 1).all()):
-            a, e = int(t.bounds[idx[0]]), int(t.bounds[idx[-1] + 1])
+        run = segments.one_range(t.bounds, idx)
+        if run is not None:
+            a, e, bounds = run
             pos, anchor = torch.from_numpy(t.positions[a:e]), torch.from_numpy(t.anchor[a:e])
-            bounds = t.bounds[idx[0]:idx[-1] + 2] - a
         else:
             (pos, anchor), bounds = segments.take([torch.from_numpy(t.positions), torch.from_numpy(t.anchor)],
                                                   t.bounds, idx)

@@ -32,7 +32,7 @@ import uuid
 import queue
 import warnings
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -637,7 +637,8 @@ class Publisher:
             return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
         jobs: list[Job] = []
-        for group in self._groups(sparse, limit or self.max_object_bytes):
+        breaks = diff.part_breaks() if diff is not None else set()
+        for group in self._groups(sparse, limit or self.max_object_bytes, breaks):
             def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
                 olds = [needs_old(n) for n in group]
                 if diff is not None:  # in name order, the order the built-in layouts store (no reorder there)
@@ -691,11 +692,12 @@ class Publisher:
         return object_bytes, inflight
 
     @staticmethod
-    def _groups(items: list[tuple[int, Any]], limit: int) -> Iterator[list[Any]]:
+    def _groups(items: list[tuple[int, Any]], limit: int, breaks: Collection[Any] = ()) -> Iterator[list[Any]]:
+        """Runs of ``items`` (in order) of about ``limit`` bytes; an item in ``breaks`` starts a new run."""
         group: list[Any] = []
         size = 0
         for nbytes, item in items:
-            if group and size + nbytes > limit:
+            if group and (size + nbytes > limit or item in breaks):
                 yield group
                 group, size = [], 0
             group.append(item)

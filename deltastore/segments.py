@@ -67,6 +67,16 @@ def _parallel(runs: list, fn):  # noqa: ANN001, ANN202
                                   pieces=len(runs)) for x in part]
 
 
+def one_range(bounds: np.ndarray, idx: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+    """``(start, stop, bounds of idx from 0)`` when rows ``idx`` of a stream laid out by ``bounds`` are one
+    range of it (in order, with only empty rows between them); else None."""
+    if not idx.size or not bool((np.diff(idx) > 0).all()) or \
+            not bool((bounds[idx[1:]] == bounds[idx[:-1] + 1]).all()):
+        return None
+    a, b = int(bounds[idx[0]]), int(bounds[idx[-1] + 1])
+    return a, b, np.append(bounds[idx], b) - a
+
+
 @dataclass
 class FlatChanges:
     """The changed elements of several tensors, back to back in tensor order.
@@ -133,16 +143,17 @@ class FlatChanges:
 
     def select(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
         """``(positions, new bits, old bits, bounds)`` of tensors ``idx`` (any order) back to back: views
-        when they are consecutive and inside one part, else one kernel copy per array."""
+        when they are one range of the stream (in order, with only unchanged tensors between them) inside
+        one part, else one kernel copy per array."""
         idx = np.ascontiguousarray(idx, dtype=np.int64)
-        if idx.size and bool((np.diff(idx) == 1).all()):  # one range of the stream
-            a, b = int(self.bounds[idx[0]]), int(self.bounds[idx[-1] + 1])
+        run = one_range(self.bounds, idx)
+        if run is not None:
+            a, b, bounds = run
             k = int(np.searchsorted(self.starts, a, side="right")) - 1
             base = int(self.starts[k])
             pos, new, old = self.parts[k]
             if b - base <= pos.numel():
-                return pos[a - base:b - base], new[a - base:b - base], old[a - base:b - base], \
-                    self.bounds[idx[0]:idx[-1] + 2] - a
+                return pos[a - base:b - base], new[a - base:b - base], old[a - base:b - base], bounds
         got = [take_parts([p[j] for p in self.parts], self.starts, self.bounds, idx) for j in range(3)]
         return got[0][0], got[1][0], got[2][0], got[0][1]
 

@@ -87,3 +87,111 @@ def test_flat_changes_give_the_same_drift_as_per_tensor_changes(monkeypatch):
             for tracker in (by_dict, by_flat):
                 got = tracker._drift.get(name)
                 assert (got is None and not want.numel()) or torch.equal(got.positions.to(torch.int64), want)
+
+
+def test_flat_changes_held_in_many_parts_merge_as_one_stream():
+    """The compare's buffers are merged as they are, never joined: a tensor's changes may straddle parts,
+    and a part may be empty."""
+    from deltastore import segments
+    g = torch.Generator().manual_seed(11)
+    names = [f"t{i}" for i in range(7)]
+    anchor = [torch.randint(-3, 3, (int(n),), dtype=torch.int16, generator=g) for n in (50, 1, 400, 3, 0, 90, 200)]
+    state = [a.clone() for a in anchor]
+    keys = np.arange(len(names), dtype=np.uint64)
+    whole, pieces = DriftTracker(), DriftTracker()
+    for _ in range(5):
+        before = [s.clone() for s in state]
+        for t in state:
+            hit = torch.rand(t.numel(), generator=g) < 0.3
+            t[hit] = torch.randint(-3, 3, (int(hit.sum()),), dtype=t.dtype, generator=g)
+        fc = segments.diff_segments(before, state, keys)
+        pos, new, old = (torch.cat([p[j] for p in fc.parts]) for j in range(3))
+        n = pos.numel()
+        cuts = sorted({0, n, *torch.randint(0, n + 1, (5,), generator=g).tolist(), n // 2, n // 2})
+        parts = [(pos[a:b].clone(), new[a:b].clone(), old[a:b].clone()) for a, b in zip(cuts, cuts[1:])]
+        parts.insert(1, (pos[:0].clone(), new[:0].clone(), old[:0].clone()))  # an empty part in between
+        starts = np.cumsum([0] + [p.numel() for p, _, _ in parts[:-1]])
+        split = segments.FlatChanges(fc.bounds, parts, starts, fc.sums)
+        assert len(split.parts) > 2
+        whole.commit(whole.propose(dict(zip(names, fc.changes()))))
+        pieces.commit(pieces.propose(dict(zip(names, split.changes())), [(names, split)]))
+        for name, a, s in zip(names, anchor, state):
+            want = torch.nonzero(a != s).reshape(-1)
+            for tracker in (whole, pieces):
+                got = tracker._drift.get(name)
+                if not want.numel():
+                    assert got is None
+                    continue
+                assert torch.equal(got.positions.to(torch.int64), want)
+                assert torch.equal(got.anchor_bits.view(torch.int16), a[want])
+
+
+def _step(state, g, share=0.05):
+    before = {k: v.clone() for k, v in state.items()}
+    for t in state.values():
+        hit = torch.rand(t.numel(), generator=g) < share
+        t[hit] = torch.randint(-5, 5, (int(hit.sum()),), dtype=t.dtype, generator=g)  # often back to the anchor
+    return {k: find_changes(before[k], state[k]) for k in state}
+
+
+def test_commits_merge_into_the_committed_buffers_and_stay_exact():
+    """A commit writes the merged table over the committed one (its buffers have room), and a
+    proposal read before its commit (a differential) is built apart: both give the direct compare."""
+    g = torch.Generator().manual_seed(3)
+    anchor = {"a": torch.randint(-5, 5, (300_000,), dtype=torch.int16, generator=g),
+              "b": torch.randint(-5, 5, (200_000,), dtype=torch.int16, generator=g)}
+    state = {k: v.clone() for k, v in anchor.items()}
+    tracker = DriftTracker()
+    reused = 0
+    for step in range(10):
+        proposed = tracker.propose(_step(state, g))
+        want = {k: torch.nonzero(anchor[k] != state[k]).reshape(-1) for k in state}
+        assert DriftTracker.count(proposed) == sum(int(w.numel()) for w in want.values())  # counted, not built
+        before = next(iter(tracker._drift.tables.values()), None)
+        if step % 3 == 2:  # read first: built in fresh buffers, committed as they are
+            assert proposed.get("a") is not None
+        tracker.commit(proposed)
+        after = next(iter(tracker._drift.tables.values()))
+        if before is not None and before.room is not None and step % 3 != 2:
+            reused += np.shares_memory(after.positions, before.room[0])
+        for k, w in want.items():
+            got = proposed.get(k)
+            assert torch.equal(got.positions.to(torch.int64), w)
+            assert torch.equal(got.anchor_bits, anchor[k][w])
+    assert reused >= 3  # the committed buffers were written over, not replaced
+
+
+def test_a_proposal_made_before_a_commit_is_refused():
+    g = torch.Generator().manual_seed(4)
+    state = {"a": torch.randint(-5, 5, (5000,), dtype=torch.int16, generator=g)}
+    tracker = DriftTracker()
+    first = tracker.propose(_step(state, g))
+    tracker.commit(first)
+    stale, fresh = tracker.propose(_step(state, g)), tracker.propose(_step(state, g))
+    tracker.commit(fresh)
+    with pytest.raises(RuntimeError, match="before the last commit"):
+        tracker.commit(stale)
+    tracker.reset()
+    with pytest.raises(RuntimeError, match="before the last commit"):
+        tracker.commit(fresh)
+
+
+def test_an_uncommitted_proposal_leaves_the_committed_drift_alone():
+    g = torch.Generator().manual_seed(6)
+    anchor = {"a": torch.randint(-5, 5, (200_000,), dtype=torch.int16, generator=g)}
+    state = {k: v.clone() for k, v in anchor.items()}
+    tracker = DriftTracker()
+    tracker.commit(tracker.propose(_step(state, g)))
+    tracker.commit(tracker.propose(_step(state, g)))  # now with room
+    kept = {k: v.clone() for k, v in state.items()}
+    snapshot = tracker._drift.get("a")
+    snapshot = (snapshot.positions.clone(), snapshot.anchor_bits.clone())
+    dropped = tracker.propose(_step(state, g, share=0.3))
+    assert dropped.count > 0
+    now = tracker._drift.get("a")
+    assert torch.equal(now.positions, snapshot[0]) and torch.equal(now.anchor_bits, snapshot[1])
+    state = kept
+    proposed = tracker.propose(_step(state, g))
+    tracker.commit(proposed)
+    w = torch.nonzero(anchor["a"] != state["a"]).reshape(-1)
+    assert torch.equal(proposed.get("a").positions.to(torch.int64), w)

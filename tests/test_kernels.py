@@ -262,12 +262,17 @@ def test_ulp_steps_match_the_ordered_image(dtype, is_float):
     old = rng.integers(info.min, info.max, 5000, dtype=dtype, endpoint=True)
     new = rng.integers(info.min, info.max, 5000, dtype=dtype, endpoint=True)
     new[:2000] = (old[:2000].astype(np.int64) + rng.choice([-2, -1, 1, 3], 2000)).astype(dtype)  # small steps
-    z = K.steps(new, old, is_float)
     want = ref_zigzag(B.ordered(new, is_float) - B.ordered(old, is_float)) - np.uint64(1)
-    assert np.array_equal(z, want)
-    planes = np.ascontiguousarray(z.astype("<u8").view(np.uint8).reshape(-1, 8).T)
+    every = np.ascontiguousarray(want.astype("<u8").view(np.uint8).reshape(-1, 8).T)
+    fewest = max(1, (int(want.max()).bit_length() + 7) // 8)
+    planes = K.step_planes(new, old, is_float)
+    assert planes.shape == (fewest, new.size) and np.array_equal(planes, every[:fewest])
+    assert not every[fewest:].any()
     bits, bad = K.apply_steps(old, planes, is_float)
     assert bad == -1 and np.array_equal(bits, new)
+    up = np.array([3], dtype=dtype)
+    one = K.step_planes(up + np.array([1], dtype=dtype), up, is_float)  # one ulp up: zigzag(1) - 1 = 1, one plane
+    assert one.tolist() == [[1]] and K.step_planes(new[:0], old[:0], is_float).shape == (0, 0)
 
 
 def test_ulp_steps_out_of_range_are_reported():

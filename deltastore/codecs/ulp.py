@@ -115,25 +115,23 @@ class UlpCodec(ZstdLevel, Codec):
         kinds = _kinds(specs)
         bounds = np.zeros(len(specs) + 1, np.int64)
         np.cumsum(counts, out=bounds[1:])
-        z = np.zeros(int(bounds[-1]), np.uint64) if len(kinds) != 1 else None
-        for f, idxs in kinds:
-            new, before = arrays(idxs)
-            if z is None:
-                z = K.steps(new, before, f)
-            else:
-                z[_elements(bounds, idxs)] = K.steps(new, before, f)
-        if z is None:
-            z = np.zeros(0, np.uint64)
-        nplanes = max(1, (int(z.max()).bit_length() + 7) // 8) if z.size else 0
+        if len(kinds) == 1:
+            planes = K.step_planes(*arrays(kinds[0][1]), kinds[0][0])
+        else:  # each kind's planes, laid into one set as wide as the widest kind's
+            of_kind = [(idxs, K.step_planes(*arrays(idxs), f)) for f, idxs in kinds]
+            planes = np.zeros((max(p.shape[0] for _, p in of_kind), int(bounds[-1])), np.uint8)
+            for idxs, p in of_kind:
+                planes[:p.shape[0], _elements(bounds, idxs)] = p
+        nplanes = planes.shape[0]
         header = B.uvarint_encode(np.concatenate([counts.astype(np.uint64),
                                                   np.array([len(stream), nplanes], dtype=np.uint64)]))
-        planes = K.byte_planes(z, nplanes)
+
         def frame(j: int) -> bytes:
             return zstd_compress(stream if j == 0 else planes[j - 1].tobytes(), self.level)
 
         # the streams compress on the kernel threads at once (zstd releases the GIL); small ones (a tensor
         # auto weighs alone) here, where a hand-off to another thread costs more than the compression
-        frames = each(1 + nplanes, frame) if len(stream) + z.size * nplanes > _INLINE_BYTES else \
+        frames = each(1 + nplanes, frame) if len(stream) + planes.size > _INLINE_BYTES else \
             [frame(j) for j in range(1 + nplanes)]
         tensors = {"header": u8(header), "positions": u8(frames[0])}
         for j in range(nplanes):

@@ -449,38 +449,46 @@ def _ordered(x: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - com
     return x ^ ((x >> 63) & fmag)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _step(new: np.int64, old: np.int64, fmag: np.int64) -> np.uint64:  # pragma: no cover - compiled
+    d = _ordered(new, fmag) - _ordered(old, fmag)
+    return np.uint64((d << np.int64(1)) ^ (d >> np.int64(63))) - np.uint64(1)  # zig-zag, minus one
+
+
 @njit(nogil=True, cache=True)
-def _steps(new: np.ndarray, old: np.ndarray, fmag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
+def _max_step(new: np.ndarray, old: np.ndarray, fmag: np.int64) -> np.uint64:  # pragma: no cover - compiled
+    m = np.uint64(0)
     for i in range(new.size):
-        d = _ordered(np.int64(new[i]), fmag) - _ordered(np.int64(old[i]), fmag)
-        z = np.uint64((d << np.int64(1)) ^ (d >> np.int64(63)))  # zig-zag
-        out[i] = z - np.uint64(1)
-
-
-def steps(new: np.ndarray, old: np.ndarray, is_float: bool) -> np.ndarray:
-    """``zigzag(ordered(new) - ordered(old)) - 1`` (uint64) for paired raw bits of one width."""
-    out = np.empty(new.size, np.uint64)
-    fmag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1) if is_float else np.int64(0)
-    new, old = np.ascontiguousarray(new), np.ascontiguousarray(old)
-    chunked(new.size, lambda a, e: _steps(new[a:e], old[a:e], fmag, out[a:e]), 1 << 18)
-    return out
+        m = max(m, _step(np.int64(new[i]), np.int64(old[i]), fmag))
+    return m
 
 
 @njit(nogil=True, cache=True)
-def _byte_planes(z: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    for i in range(z.size):
-        x = z[i]
-        for j in range(out.shape[0]):
+def _step_planes(new: np.ndarray, old: np.ndarray, fmag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
+    npl = out.shape[0]
+    for i in range(new.size):
+        x = _step(np.int64(new[i]), np.int64(old[i]), fmag)
+        for j in range(npl):
             out[j, i] = np.uint8(x & np.uint64(0xFF))
             x >>= np.uint64(8)
 
 
-def byte_planes(z: np.ndarray, nplanes: int) -> np.ndarray:
-    """``uint8[nplanes, n]``: plane ``j`` holds byte ``j`` (little-endian) of every uint64 in ``z``."""
-    out = np.empty((nplanes, z.size), np.uint8)
-    if nplanes and z.size:
-        z = np.ascontiguousarray(z, dtype=np.uint64)
-        chunked(z.size, lambda a, e: _byte_planes(z[a:e], out[:, a:e]), 1 << 18)
+def step_planes(new: np.ndarray, old: np.ndarray, is_float: bool, nplanes: int | None = None) -> np.ndarray:
+    """``uint8[nplanes, n]``: plane ``j`` holds byte ``j`` (little-endian) of ``zigzag(ordered(new) -
+    ordered(old)) - 1`` for paired raw bits of one width.
+
+    ``nplanes``: the plane count; by default the fewest that hold every step (0 when there are no
+    elements). The steps are computed twice (their maximum, then the planes) rather than kept: a
+    uint64 per element would be the largest temporary of an encode.
+    """
+    fmag = np.int64((1 << (new.dtype.itemsize * 8 - 1)) - 1) if is_float else np.int64(0)
+    new, old = np.ascontiguousarray(new), np.ascontiguousarray(old)
+    if nplanes is None:
+        top = max(chunked(new.size, lambda a, e: int(_max_step(new[a:e], old[a:e], fmag)), 1 << 18), default=0)
+        nplanes = max(1, (top.bit_length() + 7) // 8) if new.size else 0
+    out = np.empty((nplanes, new.size), np.uint8)
+    if nplanes and new.size:
+        chunked(new.size, lambda a, e: _step_planes(new[a:e], old[a:e], fmag, out[:, a:e]), 1 << 18)
     return out
 
 

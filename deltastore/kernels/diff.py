@@ -290,40 +290,118 @@ def zero_flags(like, ptrs, lens, out):
 
 
 @njit(nogil=True, cache=True)
-def drift_merge_rows(p_bounds, p_pos, p_anchor, c_bounds, c_pos, c_old, c_new, out_bounds, out_pos, out_anchor):
+def drift_merge_rows(like, lpos, p_bounds, p_pos, p_anchor, c_bounds, c_pos_at, c_old_at, c_new_at, c_lens,
+                     out_bounds, out_pos, out_anchor, write):
     """Merge one version's changes into the positions that differ from the anchor, every row at once.
 
-    Rows are tensors; within a row positions are sorted. Row ``k`` of the previous table is ``p_pos/p_anchor[p_bounds[k]:p_bounds[k + 1]]``, of the
-    version's changes ``c_pos/c_old/c_new[c_bounds[k]:c_bounds[k + 1]]``; both tables have the same
-    rows. Writes the merged table to ``out_*`` (``out_bounds``: same length as the inputs') and returns
-    its element count. An element that changes back to the anchor's bits leaves the set.
+    Rows are tensors; within a row positions are sorted. Row ``k`` of the previous table is
+    ``p_pos/p_anchor[p_bounds[k]:p_bounds[k + 1]]``; of the version's changes, elements
+    ``c_bounds[k]:c_bounds[k + 1]`` of a stream held in parts (the compare's buffers, never joined):
+    part ``q`` is ``c_lens[q]`` int64 positions (``lpos``'s dtype) and old and new bits (``like``'s
+    dtype, the table's) at the addresses ``c_pos_at/c_old_at/c_new_at[q]``, back to back in stream
+    order. Both tables have the same rows. Writes the merged table to ``out_*`` (``out_bounds``: same
+    length as the inputs') and returns its element count; with ``write`` false, only counts (the
+    ``out_*`` arrays are not touched). An element that changes back to the anchor's bits leaves the set.
     """
     c = 0
-    out_bounds[0] = 0
+    q = 0
+    base = 0  # stream index of part q's first element
+    cp, co, cn = _at(c_pos_at[0], c_lens[0], lpos), _at(c_old_at[0], c_lens[0], like), _at(c_new_at[0], c_lens[0], like)
+    if write:
+        out_bounds[0] = 0
     for k in range(p_bounds.size - 1):
         i, n_p = p_bounds[k], p_bounds[k + 1]
-        j, n_c = c_bounds[k], c_bounds[k + 1]
-        while i < n_p or j < n_c:
-            if j >= n_c or (i < n_p and p_pos[i] < c_pos[j]):
-                out_pos[c] = p_pos[i]
-                out_anchor[c] = p_anchor[i]
+        for j in range(c_bounds[k], c_bounds[k + 1]):
+            while j - base >= c_lens[q]:  # the row goes on in the next part
+                base += c_lens[q]
+                q += 1
+                cp, co, cn = (_at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like),
+                              _at(c_new_at[q], c_lens[q], like))
+            x = cp[j - base]
+            while i < n_p and p_pos[i] < x:
+                if write:
+                    out_pos[c] = p_pos[i]
+                    out_anchor[c] = p_anchor[i]
                 c += 1
                 i += 1
-            elif i >= n_p or c_pos[j] < p_pos[i]:  # first change since the anchor: the old bits are the anchor's
-                out_pos[c] = c_pos[j]
-                out_anchor[c] = c_old[j]
-                c += 1
-                j += 1
-            else:
+            if i < n_p and p_pos[i] == x:
                 a = p_anchor[i]
-                if a != c_new[j]:
-                    out_pos[c] = p_pos[i]
-                    out_anchor[c] = a
+                if a != cn[j - base]:
+                    if write:
+                        out_pos[c] = x
+                        out_anchor[c] = a
                     c += 1
                 i += 1
-                j += 1
-        out_bounds[k + 1] = c
+            else:  # first change since the anchor: the old bits are the anchor's
+                if write:
+                    out_pos[c] = x
+                    out_anchor[c] = co[j - base]
+                c += 1
+        if write:
+            for e in range(n_p - i):
+                out_pos[c + e] = p_pos[i + e]
+                out_anchor[c + e] = p_anchor[i + e]
+        c += n_p - i
+        if write:
+            out_bounds[k + 1] = c
     return c
+
+
+@njit(nogil=True, cache=True)
+def drift_merge_rows_in_place(like, lpos, p_bounds, pos, anchor, c_bounds, c_pos_at, c_old_at, c_new_at, c_lens,
+                              out_bounds):
+    """:func:`drift_merge_rows` (writing) with the merged table written over the previous one.
+
+    ``pos`` / ``anchor`` hold the previous table in ``[0, p_bounds[-1])`` and have room for
+    ``p_bounds[-1] + c_bounds[-1]`` elements. Rows are merged from the last element back to the
+    first into the end of that room (a write never lands on an element not yet read), then moved
+    to the front. Returns the merged count; ``out_bounds`` gets its row bounds.
+    """
+    nrows = p_bounds.size - 1
+    end = p_bounds[nrows] + c_bounds[nrows]
+    w = end  # the next element is written at w - 1
+    q = c_lens.size - 1
+    base = c_bounds[nrows] - c_lens[q]  # stream index of part q's first element
+    cp, co, cn = _at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like), _at(c_new_at[q], c_lens[q], like)
+    for k in range(nrows - 1, -1, -1):
+        out_bounds[k + 1] = w
+        i, i0 = p_bounds[k + 1] - 1, p_bounds[k]
+        for j in range(c_bounds[k + 1] - 1, c_bounds[k] - 1, -1):
+            while j < base:  # the row goes on in the part before
+                q -= 1
+                base -= c_lens[q]
+                cp, co, cn = (_at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like),
+                              _at(c_new_at[q], c_lens[q], like))
+            x = cp[j - base]
+            while i >= i0 and pos[i] > x:
+                w -= 1
+                pos[w] = pos[i]
+                anchor[w] = anchor[i]
+                i -= 1
+            if i >= i0 and pos[i] == x:
+                a = anchor[i]
+                i -= 1
+                if a != cn[j - base]:
+                    w -= 1
+                    pos[w] = x
+                    anchor[w] = a
+            else:  # first change since the anchor: the old bits are the anchor's
+                w -= 1
+                pos[w] = x
+                anchor[w] = co[j - base]
+        while i >= i0:
+            w -= 1
+            pos[w] = pos[i]
+            anchor[w] = anchor[i]
+            i -= 1
+    out_bounds[0] = w
+    used = end - w
+    for e in range(used):  # to the front (forward: the source lies after the destination)
+        pos[e] = pos[w + e]
+        anchor[e] = anchor[w + e]
+    for k in range(nrows + 1):
+        out_bounds[k] -= w
+    return used
 
 
 def split_items(lens: np.ndarray, pieces: int, min_chunk: int = 1 << 18

@@ -1,8 +1,9 @@
 """The mirror: the last published bits of every tensor, and the compare against a new state.
 
-Memory: one flat buffer per element width (tensors back to back, each at a
-64-byte boundary), so the mirror costs the published model's size and
-nothing per tensor; :meth:`Mirror.view` gives a tensor's flat bits (a view).
+Memory: one flat buffer per element width (tensors back to back in name
+order, each at a 64-byte boundary), so the mirror costs the published model's
+size and nothing per tensor; :meth:`Mirror.view` gives a tensor's flat bits
+(a view).
 
 Compare (:meth:`Mirror.diff`): CPU tensors of the published dtype are
 compared by the fused kernel of :mod:`deltastore.kernels.diff` — every tensor
@@ -88,8 +89,8 @@ class Diff:
         return self._changes
 
     def counts(self) -> dict[str, int]:
-        """Changed elements per tensor (no :class:`Change` is built)."""
-        if self._changes is not None:
+        """Changed elements per tensor (no :class:`Change` is built), in the compare's order while it is kept."""
+        if self._changes is not None and not self.flat:
             return {n: ch.count for n, ch in self._changes.items()}
         out = {n: ch.count for n, ch in self.loose.items()}
         for names, fc in self.flat:
@@ -106,6 +107,26 @@ class Diff:
             return self.loose
         inside = {n for names, _ in self.flat for n in names}
         return {n: ch for n, ch in self._changes.items() if n not in inside}
+
+    def part_breaks(self) -> set[str]:
+        """Tensors that must begin an object for every object's changes to be views of one buffer of the
+        compare (:meth:`batch` copies them otherwise): the first tensor of each buffer after the first and,
+        where a tensor's changes straddle two buffers, it and the tensor after it (it alone is copied)."""
+        out: set[str] = set()
+        for names, fc in self.flat:
+            if not isinstance(fc, segments.FlatChanges):  # a differential's rows: read by selection anyway
+                continue
+            total = int(fc.bounds[-1])
+
+            def at(e: int) -> int:  # the tensor holding element e of the stream (never an empty one)
+                return int(np.searchsorted(fc.bounds, e, side="right")) - 1
+
+            for s in fc.starts[1:].tolist():
+                i = at(s)
+                out.add(names[i])
+                if int(fc.bounds[i]) < s and int(fc.bounds[i + 1]) < total:
+                    out.add(names[at(int(fc.bounds[i + 1]))])
+        return out
 
     def batch(self, specs: Sequence[TensorSpec], old_tensors: dict[str, torch.Tensor] | None = None
               ) -> UpdateBatch | None:
@@ -141,7 +162,9 @@ class Mirror:
         self._groups: dict[int, list[str]] = {}  # element width -> names, in buffer order
         layout: dict[int, list[tuple[str, int, int]]] = {}
         ends: dict[int, int] = {}
-        for name, spec in self.specs.items():
+        # tensors in name order, the order the built-in codecs store: an object's changes are then one
+        # range of the compare's output (views), not a gathered copy
+        for name, spec in sorted(self.specs.items()):
             dt = spec.bits_dtype
             w = torch.empty((), dtype=dt).element_size()
             at = ends.get(w, 0)
