@@ -68,6 +68,10 @@ DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 #: an anchor streams through memory (encode, upload, free) a few objects at a time
 ANCHOR_OBJECT_MIN = 16 << 20
 ANCHOR_OBJECT_MAX = 256 << 20
+#: changed elements of a version above which its objects break where the compare's buffers do
+#: (``Diff.part_breaks``): below, one object's copy (12 B a change) costs less than the bytes a
+#: follower downloads for another object (a cold 1 GB step: 1.42 -> 1.55 B a change, ``docs/benchmarks.md``)
+_SPLIT_AT_BUFFERS_ABOVE = 1 << 22
 _M64 = (1 << 64) - 1
 #: anchors: exponent and mantissa byte planes, zstd-compressed (~68 % of raw bf16)
 DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True}}
@@ -637,7 +641,8 @@ class Publisher:
             return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
         jobs: list[Job] = []
-        breaks = diff.part_breaks() if diff is not None else set()
+        # an object per compare buffer only where the copy it saves outweighs an object's fixed bytes
+        breaks = diff.part_breaks() if diff is not None and diff.changed >= _SPLIT_AT_BUFFERS_ABOVE else set()
         for group in self._groups(sparse, limit or self.max_object_bytes, breaks):
             def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
                 olds = [needs_old(n) for n in group]

@@ -263,3 +263,29 @@ def test_sync_publish_builds_no_per_tensor_changes(memory_uri, monkeypatch, anch
         joined = ds.Subscriber(memory_uri).pull(step=last).state
         for k in state:
             assert torch.equal(joined[k].view(torch.int16), state[k].view(torch.int16)), k
+
+
+def test_objects_break_where_the_compare_buffers_do():
+    """part_breaks: the first tensor of each buffer after the first, and a straddling tensor plus the one
+    after it; then every object of the rest is a view of one buffer (select copies nothing)."""
+    import numpy as np
+    import torch
+
+    from deltastore.publish.mirror import Diff
+    from deltastore.segments import FlatChanges
+
+    names = ["a", "b", "c", "d", "e"]
+    bounds = np.array([0, 3, 3, 7, 10, 12], np.int64)  # b is unchanged; d straddles buffers 1 and 2
+    pos = torch.arange(12, dtype=torch.int64)
+    bits = torch.arange(12, dtype=torch.int16)
+    cuts = [0, 3, 8, 12]  # buffer 1 starts at c (a tensor's start), buffer 2 inside d
+    parts = [(pos[a:b].clone(), bits[a:b].clone(), bits[a:b].clone()) for a, b in zip(cuts, cuts[1:])]
+    fc = FlatChanges(bounds, parts, np.array(cuts[:-1], np.int64), np.zeros(5, np.uint64))
+    diff = Diff({n: 0 for n in names}, [(names, fc)])
+    assert diff.part_breaks() == {"c", "d", "e"}
+    p, _, _, b = fc.select(np.array([0, 1]))  # a with the unchanged b: a view of buffer 0
+    assert p.data_ptr() == parts[0][0].data_ptr() and b.tolist() == [0, 3, 3]
+    p, _, _, _ = fc.select(np.array([2]))
+    assert p.data_ptr() == parts[1][0].data_ptr()
+    p, _, _, b = fc.select(np.array([3]))  # the straddler alone: joined
+    assert p.tolist() == [7, 8, 9] and b.tolist() == [0, 3]
