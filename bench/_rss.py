@@ -12,7 +12,7 @@ def _status() -> dict[str, int]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
+            if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:")):
                 k, v = line.split(":")
                 out[k] = int(v.split()[0]) * 1024
     return out
@@ -46,6 +46,11 @@ class Rss:
     def now() -> int:
         return _status()["VmRSS"]
 
+    @staticmethod
+    def anonymous() -> int:
+        """The anonymous part of :meth:`now` (heap and mappings; not the file-backed pages of code)."""
+        return _status().get("RssAnon", 0)
+
     def reset(self) -> None:
         if self.hwm:
             with open("/proc/self/clear_refs", "w") as f:
@@ -57,11 +62,12 @@ class Rss:
         return max(_status()["VmHWM"], self.now()) if self.hwm else max(self._max, self.now())
 
 
-def baseline() -> int:
-    """RSS once freed memory is handed back (gc, then glibc ``malloc_trim``): what the model itself costs."""
+def baseline(anonymous: bool = False) -> int:
+    """RSS (its anonymous part with ``anonymous``) once freed memory is handed back (gc, then glibc
+    ``malloc_trim``): what the model itself costs."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    return Rss.now()
+    return Rss.anonymous() if anonymous else Rss.now()

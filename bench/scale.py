@@ -63,6 +63,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import _trace  # noqa: E402
 from _rss import Rss, baseline  # noqa: E402
+from _fresh_memory import fault_cost
 import reference_encoders as ref  # noqa: E402
 import deltastore as ds  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
@@ -443,6 +444,12 @@ def case_runtime(cfg):
     return {"publish": published - base, "pull": baseline() - published}
 
 
+def case_fresh_memory(cfg):
+    """The first-write cost of fresh pages on this machine (:func:`_fresh_memory.fault_cost`), informational
+    (--quick: a little memory, a short idle)."""
+    return fault_cost(16 << 20, 0.5) if cfg["quick"] else fault_cost()
+
+
 def case_rss_subscriber(cfg, store):
     """Subscriber memory beyond the target: peak during an anchor pull, steady after each delta pull."""
     sub = ds.Subscriber(store)
@@ -451,7 +458,7 @@ def case_rss_subscriber(cfg, store):
     nbytes = sum(v.numel() * v.element_size() for v in target.values())
     largest = max(v.numel() * v.element_size() for v in target.values())
     del m
-    base = baseline()
+    base, base_anon = baseline(), baseline(anonymous=True)
     rss = Rss()
     rss.reset()
     assert sub.pull(target, step=0).path == "anchor"
@@ -462,6 +469,7 @@ def case_rss_subscriber(cfg, store):
         assert sub.pull(target, step=t).path == "delta"
         out["peak"].append(rss.peak() - base)
         out["steady"].append(Rss.now() - base)
+        out.setdefault("steady_anon", []).append(Rss.anonymous() - base_anon)
     out["steady_trimmed"] = baseline() - base
     sub.close()
     return out
@@ -648,14 +656,16 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
             steady = max(s["steady"][cfg["warmup"]:])
             f.add(f"subscriber_rss_steady.{r}", f"subscriber extra RSS, steady, {r} (x target)", steady / tb, 0.05,
                   "<=", measured=f"{steady / MB:.1f} MB (max after a delta)", reference=f"{tb / MB:.0f} MB",
-                  peak_during_delta=max(s["peak"][cfg["warmup"]:]) / tb, trimmed=s["steady_trimmed"] / tb)
+                  peak_during_delta=max(s["peak"][cfg["warmup"]:]) / tb, trimmed=s["steady_trimmed"] / tb,
+                  anonymous=max(s.get("steady_anon", [0])[cfg["warmup"]:] or [0]) / tb)
             f.add(f"subscriber_rss_anchor_peak.{r}",
                   f"subscriber extra RSS, anchor pull, {r} ((peak - largest tensor) x target)",
                   max(s["anchor_peak"] - big, 0) / tb, 0.3, "<=",
                   measured=f"{s['anchor_peak'] / MB:.0f} MB peak", reference=f"{tb / MB:.0f} MB, largest "
                   f"{big / MB:.1f} MB", peak_x_target=s["anchor_peak"] / tb)
-    if res.get("runtime"):
-        extra["runtime"] = res["runtime"]
+    for k in ("runtime", "fresh_memory"):
+        if res.get(k):
+            extra[k] = res[k]
     mp_, ml = res.get(("publish", "many")), res.get(("pull", "many"))
     if mp_:
         steps = mp_["steps"][cfg["warmup"]:]
@@ -781,8 +791,10 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
             print(f"- {k}: the background writer then takes {r['writer_wall_s']['median']:.2f} s per step")
         if "peak_during_delta" in r:
             tracker = f"; of it the drift tracker {r['drift_tracker']:.3f}x" if r.get("drift_tracker") else ""
+            anon = f"; of the steady figure, anonymous memory {r['anonymous']:.3f}x (the rest: file-backed " \
+                "pages, the code of libraries mapped on first use)" if "anonymous" in r else ""
             print(f"- {k}: peak during a delta {r['peak_during_delta']:.3f}x; steady after malloc_trim "
-                  f"{r['trimmed']:.3f}x{tracker}")
+                  f"{r['trimmed']:.3f}x{tracker}{anon}")
     for k, v in extra.get("rss", {}).items():
         if isinstance(v, dict):
             print(f"- {k} (anchor_policy=every(10), no drift tracking): steady {v['steady']:.3f}x; after malloc_trim "
@@ -791,6 +803,14 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
     if rt:
         print(f"- fixed runtime memory of a fresh process (a tiny model's first publish / first pull): "
               f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above")
+    fm = extra.get("fresh_memory")
+    if fm:
+        reporting = {True: "on", False: "off", None: "no balloon device"}[fm["reports_free_pages"]]
+        print(f"- what fresh memory costs on this machine (first write to {fm['mib']} MiB, s/GiB wall, cold after "
+              f"{fm['idle_s']:.0f} s idle / warm): 4 KiB pages {fm['small']['cold_s_per_gib']:.2f} / "
+              f"{fm['small']['warm_s_per_gib']:.2f}, huge pages {fm['huge']['cold_s_per_gib']:.2f} / "
+              f"{fm['huge']['warm_s_per_gib']:.2f}; free page reporting to the hypervisor: {reporting}. The kernel "
+              f"time above is mostly this (numpy advises huge pages for arrays of 4 MiB and more)")
     if extra["anchors"]:
         print("\nAnchors of the big layout (one each, informational): "
               + "; ".join(f"{k} {v['wall']:.2f} s" + (f" (save_file {v['save_file_wall']:.2f} s)"
@@ -914,6 +934,7 @@ def main(argv=None) -> int:
                     shutil.rmtree(d, ignore_errors=True)
         if "memory" not in a.skip:
             res["runtime"] = run_case("runtime memory of a fresh process", case_runtime)
+            res["fresh_memory"] = run_case("what fresh memory costs here", case_fresh_memory)
         many_run = "dither-lr1e-5" if "dither-lr1e-5" in a.runs else a.runs[-1]
         res["many_run"] = many_run
         if "many" not in a.skip:

@@ -61,6 +61,13 @@ def test_scale_quick_reports_every_figure(tmp_path):
         every = doc["rss"][f"publisher_sync_every10.{r}"]
         assert _finite(every["steady"]) and _finite(every["trimmed"])
     assert doc["runtime"]["publish"] > 0 and "fixed runtime memory" in proc.stdout
+    fresh = doc["fresh_memory"]  # what page faults cost here, the key to the kernel-time lines
+    for kind in ("small", "huge"):
+        assert all(_finite(v) and v > 0 for k, v in fresh[kind].items() if not k.endswith("sys_s_per_gib")), fresh
+    assert fresh["reports_free_pages"] in (True, False, None) and "what fresh memory costs" in proc.stdout
+    for r in RUNS.values():  # the steady subscriber figure, split: anonymous memory within it
+        sub = figures[f"subscriber_rss_steady.{r}"]
+        assert _finite(sub["anonymous"]) and sub["anonymous"] <= sub["value"] + 0.01, sub
     for r in RUNS.values():  # the replicated runs keep their densities (~0.2 % and ~2 %)
         assert 0 < doc["densities"][r] < 0.1
     assert doc["densities"]["cold"] < doc["densities"]["dither"]
