@@ -401,7 +401,7 @@ def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
     src = build(cfg, run, "model")
     cur = src.state
     bg = mode == "background"
-    base = baseline()
+    base, base_anon = baseline(), baseline(anonymous=True)
     rss = Rss()
     rss.reset()
     pub = ds.Publisher(store, background=bg, **({"anchor_every": policy} if policy is not None else {}))
@@ -419,6 +419,7 @@ def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
             pub.flush()
         out["peak"].append(rss.peak() - base)
         out["steady"].append(Rss.now() - base)
+        out.setdefault("steady_anon", []).append(Rss.anonymous() - base_anon)
         out["drift"].append(pub._drift.nbytes)  # private: the tracker's own count of what it holds
     out["steady_trimmed"] = baseline() - base  # what stays once freed memory goes back to the OS
     pub.close()
@@ -638,6 +639,7 @@ def analyse(cfg, res) -> tuple[Figures, dict]:
             f.add(f"publisher_rss_{mode}.{r}", f"publisher extra RSS, steady, {mode}, {r} (x model)", steady / mb,
                   target, "<=", measured=f"{steady / MB:.0f} MB (max after a delta)", reference=f"{mb / MB:.0f} MB",
                   peak_during_delta=max(m["peak"][cfg["warmup"]:]) / mb, after_anchor=m["after_anchor"] / mb,
+                  anonymous=max(m.get("steady_anon", [0])[cfg["warmup"]:] or [0]) / mb,
                   trimmed=m["steady_trimmed"] / mb, drift_tracker=max(m.get("drift", [0])[cfg["warmup"]:] or [0]) / mb)
             if mode == "sync":
                 f.add(f"publisher_rss_anchor_peak.{r}", f"publisher extra RSS, peak during an anchor, {r} (x model)",
@@ -809,8 +811,8 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
         print(f"- what fresh memory costs on this machine (first write to {fm['mib']} MiB, s/GiB wall, cold after "
               f"{fm['idle_s']:.0f} s idle / warm): 4 KiB pages {fm['small']['cold_s_per_gib']:.2f} / "
               f"{fm['small']['warm_s_per_gib']:.2f}, huge pages {fm['huge']['cold_s_per_gib']:.2f} / "
-              f"{fm['huge']['warm_s_per_gib']:.2f}; free page reporting to the hypervisor: {reporting}. The kernel "
-              f"time above is mostly this (numpy advises huge pages for arrays of 4 MiB and more)")
+              f"{fm['huge']['warm_s_per_gib']:.2f}; free page reporting to the hypervisor: {reporting}. Read the "
+              f"kernel-time lines above against it (numpy advises huge pages for arrays of 4 MiB and more)")
     if extra["anchors"]:
         print("\nAnchors of the big layout (one each, informational): "
               + "; ".join(f"{k} {v['wall']:.2f} s" + (f" (save_file {v['save_file_wall']:.2f} s)"
