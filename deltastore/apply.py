@@ -466,6 +466,10 @@ class _PendingMap(MutableMapping[str, _Pending]):
     def __contains__(self, name: object) -> bool:
         return name in self._items or name in self._lazy
 
+    def holds_any(self, names: list[str]) -> bool:
+        """Whether any of ``names`` is staged (C-level passes, no call per name)."""
+        return any(map(self._lazy.__contains__, names)) or any(map(self._items.__contains__, names))
+
     def __iter__(self) -> Iterator[str]:
         yield from list(self._items)
         yield from list(self._lazy)
@@ -687,9 +691,9 @@ class SparseOverlay:
         :meth:`apply` (as a read, see :meth:`old_bits_many`) and for :meth:`undo_in_place`."""
         if not self.write_through or not names or self._touch(names) is not True or positions.dtype != torch.int64:
             return None
-        tensors = [self._fast[n] for n in names]
+        tensors = list(map(self._fast.__getitem__, names))
         width = tensors[0].element_size()
-        if any(t.element_size() != width for t in tensors):
+        if len(set(map(_DTYPE, tensors))) > 1 and any(t.element_size() != width for t in tensors):
             return None
         old = torch.empty(positions.numel(), dtype=bits_dtype(tensors[0].dtype))
         target = InPlace(segments.pointers(tensors), segments.lengths(tensors), old.numpy(),
@@ -724,13 +728,9 @@ class SparseOverlay:
     def _touch(self, names: list[str]) -> bool | None:
         """None unless every one of ``names`` is a plain CPU tensor of the target (not held on the host);
         else whether none of them is touched by a staged delta yet (a first touch)."""
-        fast, pending, whole = self._fast, self.pending, self.whole
-        first = True
-        for n in names:
-            if n not in fast or n in whole:
-                return None
-            first = first and n not in pending
-        return first
+        if not all(map(self._fast.__contains__, names)) or any(map(self.whole.__contains__, names)):
+            return None
+        return not self.pending.holds_any(names)
 
     @staticmethod
     def _recall(read: list[tuple[list[str], torch.Tensor, torch.Tensor]], names: list[str],
