@@ -62,8 +62,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import _trace  # noqa: E402
+from _fresh_memory import fault_cost  # noqa: E402
 from _rss import Rss, baseline  # noqa: E402
-from _fresh_memory import fault_cost
 import reference_encoders as ref  # noqa: E402
 import deltastore as ds  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
