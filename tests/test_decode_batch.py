@@ -236,6 +236,11 @@ class _Lying(RawCodec):
         return got
 
 
+_NAMED = {"count": "changed elements decoded, manifest says|malformed bounds", "dtype": "decoded bits are torch.int32",
+          "order": "not strictly increasing", "range": "not strictly increasing", "length": "disagree",
+          "bounds": "malformed bounds", "missing": "decoded tensors|failed on object"}
+
+
 @pytest.mark.parametrize("how", ["count", "bounds", "missing", "order", "range", "dtype", "length", "numpy",
                                  "not-a-list"])
 def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_version(memory_uri, how):
@@ -253,7 +258,7 @@ def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_
         target = {k: v.clone() for k, v in before.items()}
         sub.pull(target, step=0)
         _Lying.how = how
-        with pytest.raises(ds.errors.CorruptObjectError):
+        with pytest.raises(ds.errors.CorruptObjectError, match=_NAMED.get(how)):  # names what is wrong
             sub.pull(target, step=1, allow_anchor=False)
         assert _equal(target, before)
         _Lying.how = ""
