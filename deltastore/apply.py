@@ -20,7 +20,6 @@ version.
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -76,7 +75,7 @@ def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict
     return copies
 
 
-_DTYPE, _SHAPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("nbytes")
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def _layout_holds(target: Mapping[str, torch.Tensor], manifest: Manifest) -> bool:
@@ -189,16 +188,12 @@ def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copi
     ``data_ptr``/``nbytes`` per tensor and a numpy sort, no pass over the
     data. Raises :class:`TargetMismatchError` naming both.
     """
-    names = list(manifest.layout_columns[0])
+    names = [r.name for r in manifest.tensors]
     if copies:
         names += [a for aliases in copies.values() for a in aliases]
-    ts = list(map(tensors.get, names))
-    if all(map(isinstance, ts, itertools.repeat(torch.Tensor))):  # one C-level pass per property
-        starts = np.fromiter(map(torch.Tensor.data_ptr, ts), dtype=np.uint64, count=len(ts))
-        sizes = np.fromiter(map(_NBYTES, ts), dtype=np.uint64, count=len(ts))
-    else:
-        starts = np.fromiter((t.data_ptr() if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
-        sizes = np.fromiter((t.nbytes if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    ts = [tensors.get(n) for n in names]
+    starts = np.fromiter((t.data_ptr() if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
+    sizes = np.fromiter((t.nbytes if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
     keep = np.flatnonzero((starts != 0) & (sizes != 0))
     if keep.size < 2:
         return

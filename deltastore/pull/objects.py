@@ -21,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
-from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -34,21 +33,9 @@ from ..codecs.base import decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
 from ..store import DeltaStore
-from ..tensors import DTYPES, bits_dtype
+from ..tensors import DTYPES
 
 Pairs = list[tuple[TensorRecord, Part]]
-
-_RECORD, _PART = itemgetter(0), itemgetter(1)
-_NAME, _SPEC, _NUMEL, _OFFSET = attrgetter("name"), attrgetter("spec"), attrgetter("numel"), attrgetter("offset")
-_DTYPE_NAME = attrgetter("dtype")
-
-
-def _whole_parts(records: list[TensorRecord], parts: list[Part]) -> list[bool]:
-    """Whether each part is its tensor whole (offset 0, all its elements): a few C-level passes."""
-    n = len(parts)
-    offsets = np.fromiter(map(_OFFSET, parts), dtype=np.int64, count=n)
-    sizes = np.fromiter(map(_NUMEL, parts), dtype=np.int64, count=n)
-    return ((offsets == 0) & (sizes == np.fromiter(map(_NUMEL, records), dtype=np.int64, count=n))).tolist()
 
 
 def object_index(manifest: Manifest, role: Role) -> dict[int, Pairs]:
@@ -211,23 +198,19 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     codec = get_codec(rec.codec)
     if codec.dense:
         return [], decode_object(manifest, index, data, pairs, role, old)
-    recs, parts_of = list(map(_RECORD, pairs)), list(map(_PART, pairs))
-    pair_names = list(map(_NAME, recs))
-    records = dict(zip(pair_names, pairs))
+    records = {t.name: (t, p) for t, p in pairs}
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    whole = _whole_parts(recs, parts_of)
-    all_whole = all(whole)
-    specs = list(map(_SPEC, recs)) if all_whole else [
-        t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
-    reader = PartReader(old, dict(zip(pair_names, parts_of)), frozenset(
-        pair_names if all_whole else (n for n, w in zip(pair_names, whole) if w))) if old is not None else None
+    whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
+    specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
+    reader = PartReader(old, {t.name: p for t, p in pairs}, frozenset(
+        t.name for (t, _), w in zip(pairs, whole) if w)) if old is not None else None
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
     if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
-    names = [n for b in batches for n in map(_NAME, b.specs)]
+    names = [s.name for b in batches for s in b.specs]
     if len(names) != len(records) or not records.keys() == set(names):
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
                                  f"{sorted(set(names))[:5]}, manifest expects {sorted(records)[:5]}",
@@ -235,14 +218,13 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     whole_batches: list[UpdateBatch] = []
     parts: list[tuple[TensorRecord, Part, Update]] = []
     for b in batches:
-        b_names = list(map(_NAME, b.specs))
-        held = list(map(records.__getitem__, b_names))
-        wholes = [True] * len(held) if all_whole else _whole_parts(list(map(_RECORD, held)), list(map(_PART, held)))
-        checked = reader is not None and reader.wrote_in_place(b.positions, b.bounds, b_names)
+        held = [records[s.name] for s in b.specs]
+        wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
+        checked = reader is not None and reader.wrote_in_place(b.positions, b.bounds, [s.name for s in b.specs])
         _check_batch(b, held, wholes, role, manifest.step, positions_checked=checked)
         if all(wholes):
-            whole_batches.append(UpdateBatch(list(map(_SPEC, map(_RECORD, held))), b.positions.contiguous(),
-                                             b.bounds, b.bits.contiguous()))
+            whole_batches.append(UpdateBatch([t.spec for t, _ in held], b.positions.contiguous(), b.bounds,
+                                             b.bits.contiguous()))
         else:
             parts += [(t, p, u) for (t, p), u in zip(held, b.updates())]
     return whole_batches, parts
@@ -262,18 +244,15 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
     if bits.dim() != 1 or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != bits.numel():
         raise CorruptObjectError(f"version {step}, tensor {first!r}: positions and bits disagree "
                                  f"({pos.numel()} vs {bits.numel()})")
-    recs = list(map(_RECORD, held))
-    wrong = {d for d in set(map(_DTYPE_NAME, recs)) if bits_dtype(DTYPES[d]) != bits.dtype}
-    if wrong:
-        t = next(t for t in recs if t.dtype in wrong)
-        raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
+    for t, _ in held:
+        if t.spec.bits_dtype != bits.dtype:
+            raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
     counts = np.diff(bounds)
     if int(bounds[0]) != 0 or int(bounds[-1]) != bits.numel() or bool((counts < 0).any()):
         raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
-    expected = np.fromiter(map(attrgetter("diff_changed" if role == "diff" else "changed"), recs),
-                           dtype=np.int64, count=len(recs))
-    if not all(wholes):  # a part's count is checked once its tensor's parts are joined
-        expected[~np.array(wholes, dtype=np.bool_)] = -1
+    attr = "diff_changed" if role == "diff" else "changed"
+    expected = np.fromiter((getattr(t, attr) if whole else -1 for (t, _), whole in zip(held, wholes)),
+                           dtype=np.int64, count=len(held))
     off = np.flatnonzero((counts != expected) & (expected >= 0))
     if off.size:
         t = held[int(off[0])][0]
@@ -281,7 +260,7 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
                                  f"decoded, manifest says {int(expected[off[0]])}")
     if positions_checked:
         return
-    numels = np.fromiter(map(_NUMEL, map(_PART, held)), dtype=np.int64, count=len(held))
+    numels = np.fromiter((p.numel for _, p in held), dtype=np.int64, count=len(held))
     bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
     if bad >= 0:
         raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
