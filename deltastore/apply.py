@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import segments
-from .checksum import full_checksum, tensor_key, updated_checksum
+from .checksum import full_checksum, tensor_keys, updated_checksum
 from .codecs import InPlace, OldBits, TensorSpec, Update, read_old_bits
 from .pull.decoded import DecodedUpdates
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
@@ -42,10 +42,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def _key(name: str) -> int:
-    return tensor_key(name)
-
-
 def plain_cpu(t: torch.Tensor) -> bool:
     """Whether the kernels may read and write ``t`` by address: a plain (not subclassed) CPU tensor.
 
@@ -524,8 +520,8 @@ def _checked_sums(manifest: Manifest, names: list[str], checksums: Mapping[str, 
     ``bounds[i]:bounds[i + 1]``, from ``checksums[name]``), in one pass; :class:`ChecksumMismatchError`
     naming the first tensor whose result is not ``manifest``'s."""
     n = len(names)
-    keys = np.fromiter((_key(nm) for nm in names), dtype=np.uint64, count=n)
-    before = np.fromiter((checksums[nm] for nm in names), dtype=np.uint64, count=n)
+    keys = tensor_keys(names, n)
+    before = np.fromiter(map(checksums.__getitem__, names), dtype=np.uint64, count=n)
     after = before + segments.mix_delta(positions, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
     want = np.fromiter(map(manifest.checksum_values.__getitem__, names), dtype=np.uint64, count=n)
     off = np.flatnonzero(after != want)

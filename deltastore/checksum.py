@@ -20,6 +20,7 @@ on another device (CUDA) is hashed on that device with int64 torch ops
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 
@@ -39,9 +40,19 @@ _MIN_CHUNK = 1 << 18
 _TORCH_CHUNK = 1 << 22
 
 
+#: names whose keys are kept (a model's tensors, asked on every publish and pull; ~200 B each)
+_KEYS_KEPT = 1 << 17
+
+
+@functools.lru_cache(maxsize=_KEYS_KEPT)
 def tensor_key(name: str) -> int:
-    """The per-tensor key mixed into every element hash."""
+    """The per-tensor key mixed into every element hash (a sha256 per name, kept for the last names asked)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+def tensor_keys(names: Iterable[str], count: int = -1) -> np.ndarray:
+    """:func:`tensor_key` of each of ``names`` (``count`` of them, when known), as ``uint64``."""
+    return np.fromiter(map(tensor_key, names), dtype=np.uint64, count=count)
 
 
 def _signed(c: np.uint64) -> int:

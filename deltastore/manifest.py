@@ -274,8 +274,12 @@ class Manifest:
         return {t.name: t for t in self.tensors}
 
     def objects_for(self, role: Role) -> set[int]:
-        """Indices of the objects a reader fetches for ``role``."""
-        return {p.object for t in self.tensors for p in getattr(t, role)}
+        """Indices of the objects a reader fetches for ``role`` (a new set each call; worked out once)."""
+        key = f"_objects_{role}"
+        got = self.__dict__.get(key)
+        if got is None:
+            got = self.__dict__[key] = frozenset(p.object for t in self.tensors for p in getattr(t, role))
+        return set(got)
 
     def object_parts(self, index: int, role: Role) -> list[tuple[TensorRecord, Part]]:
         """``(tensor, part)`` pairs stored in object ``index`` for ``role``, in manifest order."""

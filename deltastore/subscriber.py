@@ -21,9 +21,9 @@ import torch
 from . import progress as _progress, segments, tracking
 from ._gc import paused
 from ._memory import pin_allocator, release_memory
-from .apply import (FullState, Reader, SparseOverlay, _key, check_layout, check_overlaps, check_target, check_tied,
+from .apply import (FullState, Reader, SparseOverlay, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
-from .checksum import full_checksum
+from .checksum import full_checksum, tensor_keys
 from .codecs import OldBits, Update, UpdateBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
                      InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
@@ -662,7 +662,7 @@ def _full_checksums(items: list[tuple[str, torch.Tensor]]) -> list[int]:
         else:
             out[i] = full_checksum(*items[i])
     for idx in groups.values():
-        keys = np.fromiter((_key(items[i][0]) for i in idx), dtype=np.uint64, count=len(idx))
+        keys = tensor_keys([items[i][0] for i in idx], len(idx))
         for i, v in zip(idx, segments.full_sums([items[i][1] for i in idx], keys).tolist()):
             out[i] = v
     return out  # type: ignore[return-value]

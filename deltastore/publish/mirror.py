@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .. import segments
-from ..checksum import full_checksum, sparse_sum, tensor_key
+from ..checksum import full_checksum, sparse_sum, tensor_key, tensor_keys
 from ..codecs import TensorSpec, UpdateBatch
 from ..diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from ..errors import TargetMismatchError
@@ -181,7 +181,7 @@ class Mirror:
             views = buf.split(sizes)
             for i, (name, _, _) in enumerate(items):
                 self._views[name] = views[2 * i]
-        self._keys = {w: np.fromiter((tensor_key(n) for n in names), dtype=np.uint64, count=len(names))
+        self._keys = {w: tensor_keys(names, len(names))
                       for w, names in self._groups.items()}
         self._hint = 1 / 64
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from .. import progress, segments
-from ..apply import _key, plain_cpu
-from ..checksum import full_checksum
+from ..apply import plain_cpu
+from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
@@ -151,7 +151,7 @@ def _verify(am: Manifest, names: list[str], where: Mapping[str, torch.Tensor]) -
         elif full_checksum(n, t) != want[n]:
             _mismatch(am, n)
     for group in by_width.values():
-        keys = np.fromiter((_key(n) for n in group), dtype=np.uint64, count=len(group))
+        keys = tensor_keys(group, len(group))
         got = segments.full_sums([where[n] for n in group], keys)
         off = np.flatnonzero(got != np.fromiter(map(want.__getitem__, group), dtype=np.uint64, count=len(group)))
         if off.size:
