@@ -94,3 +94,18 @@ def test_kernels_bench_runs_and_checks_its_bits():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "changed elements" not in line]
     assert [r.split("|")[1].strip() for r in rows] == list(RUNS)
     assert all(r.rstrip().endswith("| exact |") for r in rows), rows
+
+
+def test_pull_stages_times_every_stage(tmp_path):
+    """bench/pull_stages.py at a tiny size: bit-exact pulls, and every stage it names still exists and runs."""
+    _trace_module()
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pull_stages.py"), "--size", "0.01", "--steps", "3",
+         "--store", str(tmp_path / "store")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "not found" not in proc.stdout, proc.stdout  # a renamed stage must be renamed here too
+    rows = dict(line.strip("|").split("|")[:2] for line in proc.stdout.splitlines() if line.startswith("| `"))
+    timed = {k.strip().strip("`"): float(v) for k, v in rows.items()}
+    for stage in ("Manifest.from_json", "UlpCodec.decode_batch", "apply_steps_at", "_checked_sums"):
+        assert timed.get(stage, 0) > 0, (stage, timed)
