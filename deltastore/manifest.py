@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
@@ -99,8 +99,21 @@ class Part:
 Parts = tuple[Part, ...]
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+class _RecordFields(NamedTuple):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    changed: int
+    checksum: str
+    delta: Parts
+    full: Parts
+    diff: Parts
+    diff_changed: int
+    numel: int
+    spec: TensorSpec
+
+
+class TensorRecord(_RecordFields):
     """One tensor of a version.
 
     changed: elements whose bits differ from the parent version (all of them
@@ -112,36 +125,38 @@ class TensorRecord:
     diff: parts holding the changes from the manifest's ``differential``
         anchor to this version (empty when there is none or nothing differs).
     diff_changed: elements that differ from that anchor.
+    numel, spec: the element count and :class:`TensorSpec`, worked out from
+        name, dtype and shape when the record is made (not separate inputs).
 
     In JSON a role is ``null`` (no parts), an object index (one part: the
     whole tensor) or a list of ``{"object", "offset", "numel"}`` slices.
+
+    An immutable tuple (every field a C-level read, and a parsed manifest's
+    records made in one C call per tensor, :func:`_plain_columns`); raises
+    ``ValueError`` for a dtype :data:`~deltastore.tensors.DTYPES` lacks.
     """
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    changed: int
-    checksum: str
-    delta: Parts = ()
-    full: Parts = ()
-    diff: Parts = ()
-    diff_changed: int = 0
+    __slots__ = ()
 
-    # spec and numel are asked per tensor on every hot path: cached in the (immutable) record's __dict__
-    # by hand, since functools.cached_property takes a lock per call on Python 3.11
-    @property
-    def spec(self) -> TensorSpec:
-        got = self.__dict__.get("_spec")
-        if got is None:  # (a parsed manifest's records come with theirs, from the layout)
-            got = self.__dict__["_spec"] = _spec(self.name, DTYPES[self.dtype], self.shape, self.numel)
-        return got
+    def __new__(cls, name: str, dtype: str, shape: Sequence[int], changed: int, checksum: str,
+                delta: Parts = (), full: Parts = (), diff: Parts = (), diff_changed: int = 0) -> TensorRecord:
+        torch_dtype = DTYPES.get(dtype)
+        if torch_dtype is None:
+            raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        return tuple.__new__(cls, (name, dtype, shape, changed, checksum, delta, full, diff, diff_changed, numel,
+                                   _spec(name, torch_dtype, shape, numel)))
 
-    @property
-    def numel(self) -> int:
-        got = self.__dict__.get("_numel")
-        if got is None:
-            got = self.__dict__["_numel"] = math.prod(self.shape)
-        return got
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy / deepcopy
+        return tuple(self)[:len(TENSOR_FIELDS)]
+
+    def __repr__(self) -> str:
+        return "TensorRecord(" + ", ".join(f"{k}={v!r}" for k, v in zip(TENSOR_FIELDS, self)) + ")"
+
+    def _replace(self, **changes: Any) -> TensorRecord:  # type: ignore[override]
+        """A copy with ``changes`` to the :data:`TENSOR_FIELDS` (numel and spec follow)."""
+        return TensorRecord(**{**dict(zip(TENSOR_FIELDS, self)), **changes})
 
     def whole(self, index: int) -> Parts:
         """One part: the whole tensor in object ``index``."""
@@ -477,6 +492,7 @@ def _parse(doc: Any) -> Manifest:
     n_objects = len(objects)
     tensors: list[TensorRecord] | None = None
     layout: _Layout | None = None
+    used: set[int | None] | None = None
     if columnar(version):  # checked as columns; anything they refuse is named row by row below
         columns = _tensor_columns(_get(doc, "tensors", dict))
         got = _plain_columns(columns, n_objects)
@@ -489,9 +505,16 @@ def _parse(doc: Any) -> Manifest:
         plain = _plain_records(listed, n_objects)
         tensors = plain if all(plain) else [rec or _record(t, i, n_objects)  # type: ignore[misc]
                                             for i, (t, rec) in enumerate(zip(listed, plain))]
-    names = {t.name for t in tensors}
-    if len(names) != len(tensors) or not _roles_hold(tensors, kind, parent is not None, differential is not None,
-                                                     new_names):
+        holds = _roles_hold(tensors, kind, parent is not None, differential is not None, new_names)
+    else:  # plain columns: every role is one whole object or none
+        assert layout is not None
+        _, _, _, changed, _, delta, full, diff, diff_changed = columns
+        holds = _columns_hold_roles(changed, delta, full, diff, diff_changed, layout.names, kind, parent is not None,
+                                    differential is not None, new_names)
+        used = {*delta, *full, *diff}
+        used.discard(None)
+    names = layout.name_set if layout is not None else {t.name for t in tensors}
+    if len(names) != len(tensors) or not holds:
         _check_roles(tensors, kind, parent, differential, new_names)  # names the first tensor that is off
     aliases = _get(doc, "aliases", dict) if "aliases" in doc else {}
     for alias, primary in aliases.items():
@@ -515,7 +538,8 @@ def _parse(doc: Any) -> Manifest:
     quantization = doc.get("quantization")
     if quantization is not None:  # an unknown scheme: UnsupportedFormatError, never bits served as bf16
         check_quantization(quantization, {t.name: t for t in tensors})
-    used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
+    if used is None:
+        used = {p.object for t in tensors for p in (*t.delta, *t.full, *t.diff)}
     for i in range(len(objects)):
         if i not in used:
             raise ManifestError(f"objects[{i}] is referenced by no tensor")
@@ -540,6 +564,27 @@ def _roles_hold(tensors: list[TensorRecord], kind: str, has_parent: bool, has_di
     if kind == "delta" and tensors and (not has_parent or any(t.full and t.name not in new_names for t in tensors)):
         return False
     return not any(t.changed > 0 and not t.delta and not t.full for t in tensors)
+
+
+def _columns_hold_roles(changed: list[int], delta: list[int | None], full: list[int | None], diff: list[int | None],
+                        diff_changed: list[int], names: list[str], kind: str, has_parent: bool, has_differential: bool,
+                        new_names: set[str]) -> bool:
+    """:func:`_roles_hold` on plain columns (a role is an object index or None): C-level passes, no record."""
+    no_diff = list(map(operator.is_, diff, itertools.repeat(None)))
+    if all(no_diff):
+        if any(diff_changed):
+            return False
+    elif not has_differential or any(itertools.compress(diff_changed, no_diff)):
+        return False
+    no_full = list(map(operator.is_, full, itertools.repeat(None)))
+    if kind == "anchor" and any(no_full):
+        return False
+    if kind == "delta" and names and (
+            not has_parent or not new_names.issuperset(itertools.compress(names, map(operator.not_, no_full)))):
+        return False
+    # a changed tensor names an object: among those without a delta, none changed unless stored whole
+    no_delta = list(map(operator.and_, map(operator.is_, delta, itertools.repeat(None)), no_full))
+    return not any(itertools.compress(changed, no_delta))
 
 
 def _check_roles(tensors: list[TensorRecord], kind: str, parent: Any, differential: Any, new_names: set[str]) -> None:
@@ -693,17 +738,11 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int) -> tuple[li
         keys = list(zip(r, numels))
         table = {k: ((Part(k[0], 0, k[1]),) if k[0] is not None else ()) for k in set(keys)}
         parts.append(list(map(table.__getitem__, keys)))
-    new, put = TensorRecord.__new__, object.__setattr__
-    out: list[TensorRecord] = []
-    for name, dtype, shape, c, cs, d, f, df, dc, numel, spec in zip(layout.names, layout.dtypes, layout.shapes, changed,
-                                                                    checksums, *parts, diff_changed, numels,
-                                                                    layout.specs):
-        rec = new(TensorRecord)
-        # a frozen dataclass's __init__ is one object.__setattr__ per field: one __dict__ instead, same fields
-        put(rec, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "changed": c, "checksum": cs,
-                              "delta": d, "full": f, "diff": df, "diff_changed": dc, "_numel": numel, "_spec": spec})
-        out.append(rec)
-    return out, layout
+    # one C call per record (tuple.__new__ skips TensorRecord.__new__: numel and spec come from the layout)
+    out = list(map(tuple.__new__, itertools.repeat(TensorRecord),
+                   zip(layout.names, layout.dtypes, layout.shapes, changed, checksums, *parts, diff_changed, numels,
+                       layout.specs)))
+    return out, layout  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -725,6 +764,10 @@ class _Layout:
         tuples = list(map(tuple, shapes))
         specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
         return cls((names, dtypes, [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
+
+    @functools.cached_property
+    def name_set(self) -> frozenset[str]:
+        return frozenset(self.names)
 
     @functools.cached_property
     def key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -161,7 +160,7 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     multi = role == "full" or codec.dense
     for name, u in decoded.items():  # in the codec's order: its tensors' arrays often lie back to back
         t, p, spec, whole = records[name], offsets[name], specs[name], wholes[name]
-        part_rec = t if whole else replace(t, shape=spec.shape)
+        part_rec = t if whole else t._replace(shape=spec.shape)
         dense = multi or u.positions is None
         if dense:
             check_update(u, part_rec, dense=True, step=manifest.step, expected=u.count)
