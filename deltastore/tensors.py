@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
@@ -118,7 +117,7 @@ def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | Non
     and :func:`named_tensors` looks at each entry."""
     out = dict(state)
     values = list(out.values())
-    if (set(map(type, out)) - {str} or not all(map(isinstance, values, itertools.repeat(torch.Tensor)))
+    if (set(map(type, out)) - {str} or not all(issubclass(c, torch.Tensor) for c in set(map(type, values)))
             or len(set(map(torch.Tensor.data_ptr, values))) != len(values)):
         return None
     return out

@@ -16,6 +16,8 @@ batch, no object per tensor).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +37,9 @@ from ..store import DeltaStore
 from ..tensors import DTYPES
 
 Pairs = list[tuple[TensorRecord, Part]]
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_NUMEL, _BITS_DTYPE = operator.attrgetter("numel"), operator.attrgetter("spec.bits_dtype")
 
 
 def object_index(manifest: Manifest, role: Role) -> dict[int, Pairs]:
@@ -197,29 +202,33 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     codec = get_codec(rec.codec)
     if codec.dense:
         return [], decode_object(manifest, index, data, pairs, role, old)
-    records = {t.name: (t, p) for t, p in pairs}
+    names = [t.name for t, _ in pairs]
+    records = dict(zip(names, pairs))
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
     whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
     specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
-    reader = PartReader(old, {t.name: p for t, p in pairs}, frozenset(
-        t.name for (t, _), w in zip(pairs, whole) if w)) if old is not None else None
+    reader = PartReader(old, dict(zip(names, map(_SECOND, pairs))), frozenset(
+        itertools.compress(names, whole))) if old is not None else None
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
     if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
-    names = [s.name for b in batches for s in b.specs]
-    if len(names) != len(records) or not records.keys() == set(names):
+    decoded = [[s.name for s in b.specs] for b in batches]
+    if sum(map(len, decoded)) != len(records) or not records.keys() == set(itertools.chain.from_iterable(decoded)):
+        got = sorted(set(itertools.chain.from_iterable(decoded)))
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
-                                 f"{sorted(set(names))[:5]}, manifest expects {sorted(records)[:5]}",
-                                 digest=rec.digest)
+                                 f"{got[:5]}, manifest expects {sorted(records)[:5]}", digest=rec.digest)
     whole_batches: list[UpdateBatch] = []
     parts: list[tuple[TensorRecord, Part, Update]] = []
-    for b in batches:
-        held = [records[s.name] for s in b.specs]
-        wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
-        checked = reader is not None and reader.wrote_in_place(b.positions, b.bounds, [s.name for s in b.specs])
+    for b, b_names in zip(batches, decoded):
+        if b_names == names:  # the object's tensors in the manifest's order (one batch: the usual case)
+            held, wholes = pairs, whole
+        else:
+            held = list(map(records.__getitem__, b_names))
+            wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
+        checked = reader is not None and reader.wrote_in_place(b.positions, b.bounds, b_names)
         _check_batch(b, held, wholes, role, manifest.step, positions_checked=checked)
         if all(wholes):
             whole_batches.append(UpdateBatch([t.spec for t, _ in held], b.positions.contiguous(), b.bounds,
@@ -243,15 +252,19 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
     if bits.dim() != 1 or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != bits.numel():
         raise CorruptObjectError(f"version {step}, tensor {first!r}: positions and bits disagree "
                                  f"({pos.numel()} vs {bits.numel()})")
-    for t, _ in held:
-        if t.spec.bits_dtype != bits.dtype:
-            raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
+    recs = list(map(_FIRST, held))
+    if set(map(_BITS_DTYPE, recs)) - {bits.dtype}:
+        t = next(t for t in recs if t.spec.bits_dtype != bits.dtype)
+        raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
     counts = np.diff(bounds)
     if int(bounds[0]) != 0 or int(bounds[-1]) != bits.numel() or bool((counts < 0).any()):
         raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
     attr = "diff_changed" if role == "diff" else "changed"
-    expected = np.fromiter((getattr(t, attr) if whole else -1 for (t, _), whole in zip(held, wholes)),
-                           dtype=np.int64, count=len(held))
+    if all(wholes):
+        expected = np.fromiter(map(operator.attrgetter(attr), recs), dtype=np.int64, count=len(held))
+    else:
+        expected = np.fromiter((getattr(t, attr) if whole else -1 for t, whole in zip(recs, wholes)),
+                               dtype=np.int64, count=len(held))
     off = np.flatnonzero((counts != expected) & (expected >= 0))
     if off.size:
         t = held[int(off[0])][0]
@@ -259,7 +272,7 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
                                  f"decoded, manifest says {int(expected[off[0]])}")
     if positions_checked:
         return
-    numels = np.fromiter((p.numel for _, p in held), dtype=np.int64, count=len(held))
+    numels = np.fromiter(map(_NUMEL, map(_SECOND, held)), dtype=np.int64, count=len(held))
     bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
     if bad >= 0:
         raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
