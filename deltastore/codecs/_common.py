@@ -100,14 +100,12 @@ def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes
         raise CorruptObjectError(f"{what}: not a zstd frame ({e})") from e
     if params.content_size != expected:  # our frames always declare their size: this bounds memory
         raise CorruptObjectError(f"{what}: zstd frame declares {params.content_size} bytes, {expected} expected")
-    try:
-        dobj = zstandard.ZstdDecompressor().decompressobj()
-        out = dobj.decompress(data)
+    try:  # one call into one buffer of the declared size; a short frame or bytes after it raise
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{what}: zstd stream is corrupt ({e})") from e
-    if len(out) != expected or not dobj.eof or dobj.unused_data:
-        raise CorruptObjectError(f"{what}: zstd stream holds {len(out)} bytes "
-                                 f"({'complete' if dobj.eof else 'truncated'}), {expected} expected")
+        raise CorruptObjectError(f"{what}: zstd stream is corrupt or not one whole frame ({e})") from e
+    if len(out) != expected:
+        raise CorruptObjectError(f"{what}: zstd stream holds {len(out)} bytes, {expected} expected")
     return out
 
 
