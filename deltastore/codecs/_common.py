@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -90,6 +91,18 @@ def zstd_compress(data: bytes, level: int = 1) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompression context (a context is not shared between threads; one per call costs
+    its allocation)."""
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
 def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes:
     """Decompress exactly ``expected`` bytes; anything else is :class:`CorruptObjectError` (bomb-safe)."""
     if expected == 0 and len(data) == 0:
@@ -101,7 +114,7 @@ def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes
     if params.content_size != expected:  # our frames always declare their size: this bounds memory
         raise CorruptObjectError(f"{what}: zstd frame declares {params.content_size} bytes, {expected} expected")
     try:  # one call into one buffer of the declared size; a short frame or bytes after it raise
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
+        out = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptObjectError(f"{what}: zstd stream is corrupt or not one whole frame ({e})") from e
     if len(out) != expected:

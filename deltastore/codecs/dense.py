@@ -89,30 +89,6 @@ def _cctx(level: int, hash_log: int | None) -> zstandard.ZstdCompressor:
     return c
 
 
-def _dctx() -> zstandard.ZstdDecompressor:
-    d = getattr(_tls, "dctx", None)
-    if d is None:
-        d = _tls.dctx = zstandard.ZstdDecompressor()
-    return d
-
-
-def _decompress(data: memoryview, count: int, what: str) -> bytes:
-    """Exactly ``count`` bytes from one zstd frame; the declared size is checked first (bomb-safe)."""
-    try:
-        declared = zstandard.get_frame_parameters(data).content_size
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{what}: not a zstd frame ({e})") from None
-    if declared != count:
-        raise CorruptObjectError(f"{what}: zstd frame declares {declared} bytes, {count} expected")
-    try:
-        out = _dctx().decompress(data, max_output_size=count, allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise CorruptObjectError(f"{what}: zstd stream is corrupt ({e})") from None
-    if len(out) != count:  # pragma: no cover - zstd checks the declared size itself
-        raise CorruptObjectError(f"{what}: zstd frame holds {len(out)} bytes, {count} expected")
-    return out
-
-
 def _compress_plane(plane: np.ndarray, level: int, hash_log: int | None) -> tuple[str, Any]:
     """``("z", zstd frame)`` or, when zstd would not shrink it, ``("r", plane)``."""
     n = plane.size
@@ -511,7 +487,7 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
             if stored == "r":
                 planes.append(np.frombuffer(payload, np.uint8, count, o))
             else:
-                raw = _decompress(payload[o:o + nbytes], count, f"dense frame at {o}")
+                raw = zstd_decompress(payload[o:o + nbytes], count, f"dense frame at {o}")
                 planes.append(np.frombuffer(raw, np.uint8))
         _, addrs, counts, starts = g.segments(start, start + count)
         _planes.join_segments(g.width, g.rotate, planes, starts, counts, addrs)
