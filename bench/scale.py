@@ -331,8 +331,6 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, 
         assert bits_equal(target, cur), "anchor pull is not bit-exact"
     steps = sub.versions()
     last = _lagging_step(store, steps) if paths else None
-    behind = {k: v.clone() for k, v in target.items()} if last is not None else None  # a follower left at step 0
-    expected = None
     for t in steps[1:]:
         src.advance(keep=False)
         row = {}
@@ -343,12 +341,9 @@ def case_pull(cfg, run, layout, store, *, anchors=1, load_ref=None, check=True, 
         row["manifest_bytes"] = os.path.getsize(os.path.join(store, "versions", f"{t:012d}.json"))
         if check:
             assert bits_equal(target, cur), f"pull of step {t} is not bit-exact"
-        if t == last:
-            expected = {k: v.clone() for k, v in cur.items()}
         out["steps"].append(row)
-    if last is not None:
-        _multi_step(store, last, behind, expected, out, check)
-        del behind, expected
+    if last is not None:  # after the measured steps: the lagging follower's model is not in their memory
+        _multi_step(cfg, run, layout, store, last, out, check)
     sub.close()
     out["load"].append(os.getloadavg()[0])
     return out
@@ -368,12 +363,16 @@ def _lagging_step(store, steps):
     return None
 
 
-def _multi_step(store, last, behind, expected, out, check):
-    """Multi-step paths to step ``last`` (``expected``: its bits), from the same store: a lagging follower
-    (``behind``, at step 0) pulls every delta up to it at once; a fresh follower catches up from the anchor
-    through them into a new dict."""
+def _multi_step(cfg, run, layout, store, last, out, check):
+    """Multi-step paths to step ``last``, from the same store: a lagging follower (left at step 0) pulls every
+    delta up to it at once; a fresh follower catches up from the anchor through them into a new dict. Their
+    result is checked against the replicated model stepped to ``last`` anew."""
+    expected = build(cfg, run, layout)
+    for _ in range(last):
+        expected.advance(keep=False)
+    expected = expected.state
     sub_behind = ds.Subscriber(store)
-    sub_behind.pull(behind, step=0)  # tracked at step 0 (its bits are step 0's): the next pull is a delta path
+    behind = sub_behind.pull(step=0).state  # a new dict at step 0, tracked: the next pull is a delta path
     res, w, c = timed(lambda: sub_behind.pull(behind, step=last, allow_anchor=False))
     assert res.path == "delta" and len(res.versions_applied) == last, (res.path, res.versions_applied)
     out["lagging"] = {"wall": w, "cpu": c, "deltas": last, "to": last}
