@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .backends import Backend, open_backend
@@ -86,6 +87,9 @@ class DeltaStore:
         #: parsed manifests and their digests by step (bounds adjustable: ``max_entries``, ``max_bytes``)
         self.manifest_cache: ManifestCache[tuple[Manifest, str]] = ManifestCache()
         self._verified: dict[str, bytes] = {}  # filled by prefetch, consumed by get_object
+        self._pending: dict[str, Future[bytes]] = {}  # background prefetches, consumed by get_object
+        self._fetchers: ThreadPoolExecutor | None = None
+        self._fetchers_pid = 0
         self._lock = threading.Lock()
         # GC safety: monotonic time before this store last wrote/refreshed each object, and which
         # objects since the last commit were reused (found present, refreshed) rather than uploaded
@@ -96,6 +100,10 @@ class DeltaStore:
         return f"DeltaStore({self.uri!r})"
 
     def close(self) -> None:
+        self.forget_prefetched()
+        if self._fetchers is not None and self._fetchers_pid == os.getpid():
+            self._fetchers.shutdown(wait=True, cancel_futures=True)
+            self._fetchers = None
         self.backend.close()
 
     def __enter__(self) -> DeltaStore:
@@ -176,8 +184,18 @@ class DeltaStore:
         """
         with self._lock:
             cached = self._verified.pop(digest, None)
+            pending = self._pending.pop(digest, None)
+        if cached is None and pending is not None:
+            try:
+                cached = pending.result()
+            except (DeltaStoreError, OSError):
+                cached = None  # read again below, which raises the typed error
         if cached is not None and (size is None or len(cached) == size):
             return cached
+        return self._read_object(digest, size)
+
+    def _read_object(self, digest: str, size: int | None) -> bytes:
+        """:meth:`get_object` without the prefetched copies: read from the backend and verify."""
         key = object_key(digest)
         try:
             data = self.backend.get(key) if size is None else self.backend.get_bounded(key, size)
@@ -195,15 +213,26 @@ class DeltaStore:
                                      digest=digest)
         return data
 
-    def prefetch(self, wanted: list[tuple[str, int]], *, max_workers: int = 4) -> None:
+    def prefetch(self, wanted: list[tuple[str, int]], *, max_workers: int = 4, wait: bool = True) -> None:
         """Download and verify ``(digest, size)`` objects in parallel for the next :meth:`get_object` calls.
 
         Failures are not raised here: the later ``get_object`` of that object
         fetches it again and raises the typed error. Replaces any earlier
-        prefetch that was not consumed.
+        prefetch that was not consumed. With ``wait=False`` the downloads run
+        on in background threads (a single object too) while the caller goes
+        on; a ``get_object`` of one of them waits for it, and
+        :meth:`forget_prefetched` drops what is not needed after all. Either
+        way the prefetched bytes are held until consumed or dropped.
         """
-        with self._lock:
-            self._verified.clear()
+        self.forget_prefetched()
+        if not wait and wanted and not self.backend.capabilities.batch_transfers:
+            with self._lock:
+                if self._fetchers is None or self._fetchers_pid != os.getpid():  # a forked child has no threads
+                    self._fetchers = ThreadPoolExecutor(max(2, max_workers), thread_name_prefix="deltastore-fetch")
+                    self._fetchers_pid = os.getpid()
+                for digest, size in wanted:
+                    self._pending[digest] = self._fetchers.submit(self._read_object, digest, size)
+            return
         if len(wanted) < 2:
             return
         if self.backend.capabilities.batch_transfers:  # one event loop, one xet batch
@@ -372,8 +401,15 @@ class DeltaStore:
     def forget_all(self) -> None:
         """Drop every cached manifest and prefetched object (after a GC race)."""
         self.manifest_cache.clear()
+        self.forget_prefetched()
+
+    def forget_prefetched(self) -> None:
+        """Drop the prefetched objects not consumed yet (downloads still running finish, unused)."""
         with self._lock:
             self._verified.clear()
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.cancel()
 
     def forget(self, step: int) -> None:
         """Drop a cached manifest (after it was deleted by GC)."""

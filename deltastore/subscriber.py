@@ -222,7 +222,10 @@ class Subscriber:
         while True:
             try:
                 with self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
-                    res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                    try:
+                        res = self._pull(target, step, allow_anchor, lag, frozenset(avoid))
+                    finally:
+                        self.store.forget_prefetched()  # what a failed pull left downloading
                 _log.info("pulled version %d (%s): %d B fetched, %d versions applied, %.3f s", res.step, res.path,
                           res.bytes_fetched, len(res.versions_applied), time.perf_counter() - t0)
                 return res
@@ -380,6 +383,8 @@ class Subscriber:
             current = None  # laid out otherwise than the tracked version: start from an anchor
         plan = self._plan_for(step, current if tensors is not None else None, allow_anchor, avoid)
         applied = plan.steps
+        if plan.anchor is None and tensors is not None:  # the objects download while the target is checked
+            self._prefetch(plan, wait=False)
         if plan.anchor is not None and tensors is None:  # a new dict: stream the anchor into new tensors
             staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid, layout_changes=True)
             assert isinstance(staged.state, FullState)
@@ -399,7 +404,6 @@ class Subscriber:
             path: Literal["anchor", "delta", "none"] = "anchor"
         else:
             assert current is not None
-            self._prefetch(plan)
             names = lay.start_manifest.layout_columns[0]
             held = dict(zip(names, map(tensors.__getitem__, names)))  # contiguous (check_target)
             # one delta that keeps the layout: each change is staged once, so decoders may write it as they
@@ -533,8 +537,9 @@ class Subscriber:
                 dests[name].copy_(bits)
         release_memory()
 
-    def _prefetch(self, plan: Plan) -> None:
-        """Download the plan's differential and delta objects in parallel into the store's read cache.
+    def _prefetch(self, plan: Plan, wait: bool = True) -> None:
+        """Download the plan's differential and delta objects in parallel into the store's read cache
+        (``wait=False``: in the background, see :meth:`DeltaStore.prefetch`).
 
         The anchor's full objects are not prefetched: they are streamed, a few at a time.
         """
@@ -545,7 +550,7 @@ class Subscriber:
             m = self.store.manifest(s)
             indices = m.objects_for("diff") if s == plan.differential else m.step_objects
             wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(indices)]
-        self.store.prefetch(wanted, max_workers=self.max_workers)
+        self.store.prefetch(wanted, max_workers=self.max_workers, wait=wait)
 
     def identify(self, target: Target, step: int) -> VersionRef:
         """Declare that ``target`` holds version ``step`` after checking every tensor's checksum.

@@ -200,7 +200,7 @@ class _Rendezvous:
         rv = self
 
         class Parking(ds.Subscriber):
-            def _prefetch(self, plan):
+            def _prefetch(self, plan, **kw):
                 if rv.wanted.is_set() and rv.lock.acquire(blocking=False):
                     try:
                         if rv.wanted.is_set():
@@ -210,7 +210,7 @@ class _Rendezvous:
                             rv.release.clear()
                     finally:
                         rv.lock.release()
-                super()._prefetch(plan)
+                super()._prefetch(plan, **kw)
 
         return Parking(uri)
 
@@ -304,11 +304,11 @@ def test_pull_replans_when_gc_removes_its_path(chain64, tmp_path):
 
         armed = False
 
-        def _prefetch(self, plan):
+        def _prefetch(self, plan, **kw):
             if self.armed:
                 self.armed = False
                 collect_garbage(ds.open_store(uri), Retention(keep_last=2, keep_anchors=1), grace=0)
-            super()._prefetch(plan)
+            super()._prefetch(plan, **kw)
 
     sub = RacingSubscriber(uri)
     target = sub.pull(step=1).state

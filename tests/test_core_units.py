@@ -238,3 +238,40 @@ def test_manifest_rejects_bad_parts(parts):
     doc["tensors"][0]["full"] = parts
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_background_prefetch_hands_over_verified_bytes_and_typed_errors(tmp_path):
+    """``prefetch(wait=False)`` reads and verifies on background threads; ``get_object`` takes the result, and
+    an object that fails its check there still raises the typed error; what is not consumed can be dropped."""
+    import threading
+
+    from deltastore.errors import CorruptObjectError, ObjectNotFoundError
+    from deltastore.store import object_key, open_store
+
+    store = open_store(str(tmp_path / "s"))
+    good, bad = store.put_object(b"good bytes" * 100), store.put_object(b"bad bytes" * 100)
+    store.backend.put(object_key(bad), b"BAD bytes" * 100)  # same size, other content
+    readers: list[str] = []
+    real = store.backend.get_bounded
+
+    def spy(key, limit):
+        readers.append(threading.current_thread().name)
+        return real(key, limit)
+
+    store.backend.get_bounded = spy
+    store.prefetch([(good, 1000), (bad, 900)], wait=False)
+    assert store.get_object(good, 1000) == b"good bytes" * 100
+    with pytest.raises(CorruptObjectError, match="sha256") as err:
+        store.get_object(bad, 900)
+    assert err.value.digest == bad
+    assert readers[:2] and all(n.startswith("deltastore-fetch") for n in readers[:2])  # read in the background
+    assert readers[2:] and not readers[2].startswith("deltastore-fetch")  # the bad one read again, here
+    readers.clear()
+    store.prefetch([(good, 1000)], wait=False)
+    store.forget_prefetched()
+    assert store.get_object(good, 1000) == b"good bytes" * 100 and readers[-1] == threading.current_thread().name
+    missing = "sha256:" + "0" * 64
+    store.prefetch([(missing, 5)], wait=False)  # a missing object: the read where it is used raises
+    with pytest.raises(ObjectNotFoundError):
+        store.get_object(missing, 5)
+    store.close()
