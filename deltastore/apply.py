@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +51,14 @@ def plain_cpu(t: torch.Tensor) -> bool:
     return type(t) in _PLAIN and t.is_cpu
 
 
+def all_plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` is :func:`plain_cpu` (two C-level passes, no call per tensor)."""
+    return set(map(type, tensors)).issubset(_PLAIN) and all(map(_IS_CPU, tensors))
+
+
 def plain_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries of ``tensors`` that are :func:`plain_cpu`, in order (a few C-level passes when all are)."""
-    values = list(tensors.values())
-    if set(map(type, values)).issubset(_PLAIN) and all(map(_IS_CPU, values)):
+    """The entries of ``tensors`` that are :func:`plain_cpu`, in order."""
+    if all_plain_cpu(list(tensors.values())):
         return dict(tensors)
     return {n: t for n, t in tensors.items() if plain_cpu(t)}
 

@@ -24,13 +24,15 @@ object for CPU tensors.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from .. import progress, segments
-from ..apply import plain_cpu
+from ..apply import all_plain_cpu, plain_cpu
 from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
@@ -124,18 +126,23 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     return out
 
 
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_NAME, _OFFSET, _NUMEL = operator.attrgetter("name"), operator.attrgetter("offset"), operator.attrgetter("numel")
+
+
 def _placeable(pairs: list, dests: Mapping[str, torch.Tensor] | None,
                alias_dests: Mapping[str, list[torch.Tensor]]) -> list[torch.Tensor] | None:
     """The flat view each tensor of an object goes to, when a decoder may write them itself: every
     tensor whole, with one destination (no alias copies), a plain CPU tensor. None otherwise."""
     if dests is None:
         return None
-    out = []
-    for t, p in pairs:
-        d = dests.get(t.name)
-        if d is None or t.name in alias_dests or not t.is_whole(p) or not plain_cpu(d):
-            return None
-        out.append(d)
+    recs, parts = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+    names = list(map(_NAME, recs))
+    out = list(map(dests.get, names))
+    if (any(map(operator.is_, out, itertools.repeat(None))) or any(map(alias_dests.__contains__, names))
+            or any(map(_OFFSET, parts)) or list(map(_NUMEL, parts)) != list(map(_NUMEL, recs))
+            or not all_plain_cpu(out)):
+        return None
     return out
 
 
