@@ -38,7 +38,7 @@ from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
 from ..undo import UndoJournal
-from .objects import decode_object, decode_object_into, object_index, stream_objects
+from .objects import decode_object, decode_object_into, object_index, part_of, record_of, stream_objects
 
 
 class WriteFailed(Exception):
@@ -126,7 +126,6 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     return out
 
 
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NAME, _OFFSET, _NUMEL = operator.attrgetter("name"), operator.attrgetter("offset"), operator.attrgetter("numel")
 
 
@@ -136,7 +135,7 @@ def _placeable(pairs: list, dests: Mapping[str, torch.Tensor] | None,
     tensor whole, with one destination (no alias copies), a plain CPU tensor. None otherwise."""
     if dests is None:
         return None
-    recs, parts = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+    recs, parts = list(map(record_of, pairs)), list(map(part_of, pairs))
     names = list(map(_NAME, recs))
     out = list(map(dests.get, names))
     if (any(map(operator.is_, out, itertools.repeat(None))) or any(map(alias_dests.__contains__, names))

@@ -38,7 +38,8 @@ from ..tensors import DTYPES
 
 Pairs = list[tuple[TensorRecord, Part]]
 
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+#: the record and the part of a ``(tensor, part)`` pair, as C-level getters for passes over many pairs
+record_of, part_of = operator.itemgetter(0), operator.itemgetter(1)
 _NUMEL, _BITS_DTYPE = operator.attrgetter("numel"), operator.attrgetter("spec.bits_dtype")
 
 
@@ -208,7 +209,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
     whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
     specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
-    reader = PartReader(old, dict(zip(names, map(_SECOND, pairs))), frozenset(
+    reader = PartReader(old, dict(zip(names, map(part_of, pairs))), frozenset(
         itertools.compress(names, whole))) if old is not None else None
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
@@ -252,7 +253,7 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
     if bits.dim() != 1 or pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != bits.numel():
         raise CorruptObjectError(f"version {step}, tensor {first!r}: positions and bits disagree "
                                  f"({pos.numel()} vs {bits.numel()})")
-    recs = list(map(_FIRST, held))
+    recs = list(map(record_of, held))
     if set(map(_BITS_DTYPE, recs)) - {bits.dtype}:
         t = next(t for t in recs if t.spec.bits_dtype != bits.dtype)
         raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
@@ -272,7 +273,7 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
                                  f"decoded, manifest says {int(expected[off[0]])}")
     if positions_checked:
         return
-    numels = np.fromiter(map(_NUMEL, map(_SECOND, held)), dtype=np.int64, count=len(held))
+    numels = np.fromiter(map(_NUMEL, map(part_of, held)), dtype=np.int64, count=len(held))
     bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
     if bad >= 0:
         raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
