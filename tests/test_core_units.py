@@ -275,3 +275,31 @@ def test_background_prefetch_hands_over_verified_bytes_and_typed_errors(tmp_path
     with pytest.raises(ObjectNotFoundError):
         store.get_object(missing, 5)
     store.close()
+
+
+def _prefetch_in_child(store, digest, conn):
+    store.prefetch([(digest, 1000)], wait=False)  # the parent's fetch threads do not exist here
+    conn.send(store.get_object(digest, 1000) == b"good bytes" * 100)
+
+
+def test_background_prefetch_works_in_a_forked_child(tmp_path):
+    """A store whose fetch threads were started before a fork makes new ones in the child (a pool copied
+    by fork has no threads: its futures would never finish)."""
+    import multiprocessing as mp
+
+    from deltastore.store import open_store
+
+    store = open_store(str(tmp_path / "s"))
+    digest = store.put_object(b"good bytes" * 100)
+    store.prefetch([(digest, 1000)], wait=False)
+    assert store.get_object(digest, 1000) == b"good bytes" * 100
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_prefetch_in_child, args=(store, digest, there))
+    child.start()
+    got = here.recv() if here.poll(60) else None
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+    assert got is True and child.exitcode == 0
+    store.close()
