@@ -33,6 +33,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any
 
 from .backends import Backend, open_backend
@@ -218,24 +219,16 @@ class DeltaStore:
 
         Failures are not raised here: the later ``get_object`` of that object
         fetches it again and raises the typed error. Replaces any earlier
-        prefetch that was not consumed. With ``wait=False`` the downloads run
-        on in background threads (a single object too) while the caller goes
-        on; a ``get_object`` of one of them waits for it, and
-        :meth:`forget_prefetched` drops what is not needed after all. Either
-        way the prefetched bytes are held until consumed or dropped.
+        prefetch that was not consumed. The reads run on the store's fetch
+        threads; with ``wait=False`` this returns at once (a single object is
+        fetched too) and a ``get_object`` of one of them waits for it. Either
+        way the prefetched bytes are held until consumed or dropped
+        (:meth:`forget_prefetched`).
         """
         self.forget_prefetched()
-        if not wait and wanted and not self.backend.capabilities.batch_transfers:
-            with self._lock:
-                if self._fetchers is None or self._fetchers_pid != os.getpid():  # a forked child has no threads
-                    self._fetchers = ThreadPoolExecutor(max(2, max_workers), thread_name_prefix="deltastore-fetch")
-                    self._fetchers_pid = os.getpid()
-                for digest, size in wanted:
-                    self._pending[digest] = self._fetchers.submit(self._read_object, digest, size)
-            return
-        if len(wanted) < 2:
-            return
         if self.backend.capabilities.batch_transfers:  # one event loop, one xet batch
+            if len(wanted) < 2:
+                return
             sizes = dict(wanted)
             keys = {object_key(d): d for d in sizes}
             try:
@@ -248,19 +241,17 @@ class DeltaStore:
                     with self._lock:
                         self._verified[d] = data
             return
-        if max_workers < 2:
-            return
-
-        def fetch(item: tuple[str, int]) -> None:  # reads and sha256 checks in threads (both release the GIL)
-            try:
-                data = self.get_object(*item)
-            except (DeltaStoreError, OSError):
-                return
-            with self._lock:
-                self._verified[item[0]] = data
-
-        with ThreadPoolExecutor(max_workers=min(max_workers, len(wanted))) as pool:
-            list(pool.map(fetch, wanted))
+        if not wanted or (wait and (len(wanted) < 2 or max_workers < 2)):
+            return  # nothing to overlap: get_object reads it where it is used
+        # reads and sha256 checks on the store's fetch threads (both release the GIL)
+        with self._lock:
+            if self._fetchers is None or self._fetchers_pid != os.getpid():  # a forked child has no threads
+                self._fetchers = ThreadPoolExecutor(max(2, max_workers), thread_name_prefix="deltastore-fetch")
+                self._fetchers_pid = os.getpid()
+            futures = [self._fetchers.submit(self._read_object, d, size) for d, size in wanted]
+            self._pending.update((d, f) for (d, _), f in zip(wanted, futures))
+        if wait:
+            wait_all(futures)
 
     def has_object(self, digest: str) -> bool:
         return self.backend.exists(object_key(digest))
