@@ -30,7 +30,7 @@ import torch
 
 from . import segments
 from .checksum import full_checksum, tensor_keys, updated_checksum
-from .codecs import InPlace, OldBits, TensorSpec, Update, read_old_bits
+from .codecs import InPlace, OldBits, TensorSpec, Update, WrittenBatch, read_old_bits
 from .pull.decoded import DecodedUpdates
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
@@ -532,10 +532,17 @@ def _checked_sums(manifest: Manifest, names: list[str], checksums: Mapping[str, 
     """The checksums of ``names`` after their changes (tensor ``i``: ``old``/``new`` bits at ``positions``
     ``bounds[i]:bounds[i + 1]``, from ``checksums[name]``), in one pass; :class:`ChecksumMismatchError`
     naming the first tensor whose result is not ``manifest``'s."""
+    keys = tensor_keys(names, len(names))
+    return _expect_sums(manifest, names, checksums, segments.mix_delta(positions, old, new, bounds, keys), doing)
+
+
+def _expect_sums(manifest: Manifest, names: list[str], checksums: Mapping[str, int], delta: np.ndarray,
+                 doing: str) -> list[int]:
+    """``checksums[name] + delta[i]`` for each of ``names`` (uint64, wrapping as the checksum does), or
+    :class:`ChecksumMismatchError` naming the first that is not ``manifest``'s."""
     n = len(names)
-    keys = tensor_keys(names, n)
     before = np.fromiter(map(checksums.__getitem__, names), dtype=np.uint64, count=n)
-    after = before + segments.mix_delta(positions, old, new, bounds, keys)  # wraps mod 2**64, as the checksum
+    after = before + delta  # wraps mod 2**64, as the checksum
     want = np.fromiter(map(manifest.checksum_values.__getitem__, names), dtype=np.uint64, count=n)
     off = np.flatnonzero(after != want)
     if off.size:
@@ -558,13 +565,9 @@ class StagedBits:
     def many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
         return self.state.old_bits_many(names, positions, bounds)
 
-    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
+    def in_place(self, names: list[str], bounds: np.ndarray) -> InPlace | None:
         offer = getattr(self.state, "in_place", None)
-        return offer(names, positions, bounds) if offer is not None else None
-
-    def wrote_in_place(self, positions: torch.Tensor, bounds: np.ndarray, names: list[str]) -> bool:
-        wrote = getattr(self.state, "wrote_in_place", None)
-        return wrote is not None and wrote(positions, bounds, names)
+        return offer(names, bounds) if offer is not None else None
 
 
 class SparseOverlay:
@@ -582,15 +585,19 @@ class SparseOverlay:
     staged once), a decoder may write a first touch of such tensors straight
     into the target as it decodes (:meth:`in_place`): the overlay is then no
     longer free of writes, and the caller must call :meth:`undo_in_place` if
-    the version fails before it is written whole.
+    the version fails before it is written whole. Those changes are not
+    staged: :meth:`apply` checks their checksums from what the decoder
+    summed, and :attr:`written_in_place` counts them.
     """
 
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None,
                  write_through: bool = False):
         self.reader = reader
         self.write_through = write_through
-        # in-place writes made by decoders, oldest first: (names, tensors, positions, bounds, their InPlace)
-        self._in_place: list[tuple[list[str], list[torch.Tensor], torch.Tensor, np.ndarray, InPlace]] = []
+        # in-place writes made by decoders, oldest first: (names, tensors, their InPlace)
+        self._in_place: list[tuple[list[str], list[torch.Tensor], InPlace]] = []
+        #: changed elements per tensor that decoders wrote in place (checked by :meth:`apply`)
+        self.written_in_place: dict[str, int] = {}
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = plain_cpu_tensors(tensors) if tensors is not None else {}
@@ -693,45 +700,39 @@ class SparseOverlay:
         """What a decoder reads: :meth:`old_bits`, batched through :meth:`old_bits_many`."""
         return StagedBits(self)
 
-    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
+    def in_place(self, names: list[str], bounds: np.ndarray) -> InPlace | None:
         """Target tensors ``names`` for a decoder to update in place (:func:`deltastore.codecs.write_in_place`):
         only with ``write_through``, and only when each is a plain CPU tensor of the target that no staged
-        delta touched yet, all of one element width; else None. The bits the decoder finds are kept for
-        :meth:`apply` (as a read, see :meth:`old_bits_many`) and for :meth:`undo_in_place`."""
-        if not self.write_through or not names or self._touch(names) is not True or positions.dtype != torch.int64:
+        delta touched yet, all of one element width; else None. Kept for :meth:`undo_in_place`."""
+        if not self.write_through or not names or len(bounds) != len(names) + 1 or self._touch(names) is not True:
             return None
         tensors = list(map(self._fast.__getitem__, names))
         width = tensors[0].element_size()
         if len(set(map(_DTYPE, tensors))) > 1 and any(t.element_size() != width for t in tensors):
             return None
-        old = torch.empty(positions.numel(), dtype=bits_dtype(tensors[0].dtype))
-        target = InPlace(segments.pointers(tensors), segments.lengths(tensors), old.numpy(),
-                         np.zeros(len(tensors), np.bool_))
-        self._in_place.append((names, tensors, positions, bounds, target))  # before any write: undoable now
-        self._read.setdefault(width, []).append((names, positions, old))
+        n = len(names)
+        dtype = torch.empty(0, dtype=bits_dtype(tensors[0].dtype)).numpy().dtype
+        target = InPlace(segments.pointers(tensors), segments.lengths(tensors), dtype, np.zeros(n, np.bool_),
+                         tensor_keys(names, n), np.zeros(n, np.uint64))
+        self._in_place.append((names, tensors, target))  # before any write: undoable from now on
         return target
 
-    def wrote_in_place(self, positions: torch.Tensor, bounds: np.ndarray, names: list[str] | None = None) -> bool:
-        """Whether a decoder wrote the changes at ``positions`` (that very tensor, laid out by ``bounds``, of
-        tensors ``names`` when given) into the target whole; their positions were then checked as they were
-        written (strictly increasing inside each tensor)."""
-        return any(p is positions and np.array_equal(b, bounds) and (names is None or ns == names)
-                   and bool(t.done.all()) for ns, _, p, b, t in self._in_place)
+    def tensors_written_in_place(self) -> list[list[torch.Tensor]]:
+        """The target tensors decoders wrote in place, one list per write."""
+        return [tensors for _, tensors, _ in self._in_place]
 
     def undo_in_place(self) -> int:
         """Put back what decoders wrote in place (newest first: the bits they found, at the positions of
         every tensor they finished); returns how many writes refused. Afterwards nothing is left to undo."""
         failed = 0
-        with torch.no_grad():
-            for _, tensors, positions, bounds, target in reversed(self._in_place):
-                try:
-                    counts = np.diff(bounds) * target.done
-                    keep = torch.from_numpy(np.repeat(target.done, np.diff(bounds)))
-                    segments.scatter(tensors, positions[keep], segments.bounds_of(counts.tolist()),
-                                     torch.from_numpy(target.old)[keep])
-                except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
-                    failed += 1
+        for _, _, target in reversed(self._in_place):
+            try:
+                if target.undo is not None and bool(target.done.any()):
+                    target.undo()
+            except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
+                failed += 1
         self._in_place.clear()
+        self.written_in_place.clear()
         return failed
 
     def _touch(self, names: list[str]) -> bool | None:
@@ -768,10 +769,14 @@ class SparseOverlay:
         groups: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
         again: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
         loose: Mapping[str, Update] = updates
+        written: list[tuple[list[str], WrittenBatch]] = []  # in the target already (see in_place)
         if isinstance(updates, DecodedUpdates):
             loose = dict(updates.loose)
             for b in updates.batches:
                 names = [s.name for s in b.specs]
+                if isinstance(b, WrittenBatch):
+                    written.append((names, b))
+                    continue
                 touch = self._touch(names) if names else None
                 if touch is not None:
                     (groups if touch else again).append(([records[n] for n in names], b.positions, b.bits, b.bounds))
@@ -802,6 +807,8 @@ class SparseOverlay:
                 positions = segments.joined([u.positions for _, u in group])  # type: ignore[misc]
                 into.append(([r for r, _ in group], positions, segments.joined([u.bits for _, u in group]),
                              segments.bounds_of([u.count for _, u in group])))
+        written_sums = [_expect_sums(manifest, names, self.checksums, b.target.sums, "applying the delta to the target")
+                        for names, b in written]
         firsts = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in groups]
         seconds = [self._check_touches(manifest, *g, read.get(g[2].element_size(), [])) for g in again]
         # merged before anything is staged: the staged changes their decoders read are then reused
@@ -815,6 +822,9 @@ class SparseOverlay:
             else:
                 self.whole[name][u.positions] = u.bits
             self.checksums[name] = cs
+        for (names, b), sums in zip(written, written_sums):
+            self.checksums.update(zip(names, sums))
+            self.written_in_place.update(zip(names, np.diff(b.bounds).tolist()))
         # first touches are staged as they are; a batch touching tensors again is merged with what they hold
         for entry, sums in firsts + merged:
             self._batched.update(dict.fromkeys(entry[0], len(self.batches)))
@@ -938,10 +948,10 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
                                segments.cat(ol)))
             for tl, pos, bounds, bits, orig in direct:
-                if not overlay.wrote_in_place(pos, bounds):  # (else in the target already; the caller undoes it)
-                    undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds,
-                                                                                                  orig))
-                    segments.scatter(tl, pos, bounds, bits)
+                undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
+                segments.scatter(tl, pos, bounds, bits)
+                torch.autograd.graph.increment_version(tl)
+            for tl in overlay.tensors_written_in_place():  # in the target already (the caller undoes them)
                 torch.autograd.graph.increment_version(tl)
             if overlay.whole or drop:
                 _write_layout(target, overlay, copies, owner, drop or [], undo)

@@ -415,6 +415,7 @@ class Subscriber:
             try:
                 fetched = self._apply_steps(plan, overlay)
                 written = overlay.pending.counts()
+                written.update(overlay.written_in_place)
                 written.update((n, b.numel()) for n, b in overlay.whole.items())
                 write_sparse(tensors, overlay, copies, owner=target, drop=drop)
             except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised

@@ -330,21 +330,21 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     from deltastore.kernels import bitstream
 
     uri, states, sub, target = published
-    real = bitstream.apply_steps_at
+    real = bitstream.StepsInPlace.run
     landed = []
 
-    def write_then_fail(*args):
-        got = real(*args)
-        landed.append(bool(args[-1].all()))  # every tensor written
+    def write_then_fail(self):
+        got = real(self)
+        landed.append(bool(self.done.all()))  # every tensor written
         if failure == "decoder":
             raise RuntimeError("injected failure after the in-place write")
         if failure == "interrupt":
             raise KeyboardInterrupt
         return got
 
-    monkeypatch.setattr(bitstream, "apply_steps_at", write_then_fail)
+    monkeypatch.setattr(bitstream.StepsInPlace, "run", write_then_fail)
     if failure == "checksum":
-        monkeypatch.setattr(apply_mod, "_checked_sums", lambda manifest, names, *a: _raise_mismatch(names))
+        monkeypatch.setattr(apply_mod, "_expect_sums", lambda manifest, names, *a: _raise_mismatch(names))
     expected = {"decoder": CorruptObjectError, "checksum": ChecksumMismatchError, "interrupt": KeyboardInterrupt}
     with pytest.raises(expected[failure]):
         sub.pull(target, step=4, allow_anchor=False)

@@ -107,5 +107,5 @@ def test_pull_stages_times_every_stage(tmp_path):
     assert "not found" not in proc.stdout, proc.stdout  # a renamed stage must be renamed here too
     rows = dict(line.strip("|").split("|")[:2] for line in proc.stdout.splitlines() if line.startswith("| `"))
     timed = {k.strip().strip("`"): float(v) for k, v in rows.items()}
-    for stage in ("Manifest.from_json", "UlpCodec.decode_batch", "apply_steps_at", "_checked_sums"):
+    for stage in ("Manifest.from_json", "UlpCodec.decode_batch", "StepsInPlace.run", "_expect_sums"):
         assert timed.get(stage, 0) > 0, (stage, timed)

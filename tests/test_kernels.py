@@ -300,50 +300,105 @@ def _addresses(arrays):
     return np.array([a.ctypes.data for a in arrays], np.int64), np.array([a.size for a in arrays], np.int64)
 
 
+def _steps_in_place(arrays, positions, bounds, planes, is_float, gaps=None, slot=None, keys=None):
+    """A :class:`K.StepsInPlace` over ``arrays`` (their positions as a gap stream, unless ``gaps`` is given)
+    and the buffers it fills."""
+    counts = np.diff(bounds)
+    if gaps is None:
+        gaps = np.frombuffer(K.gap_stream([positions[bounds[i]:bounds[i + 1]] for i in range(len(counts))]), np.uint8)
+    k = len(arrays)
+    done, sums = np.zeros(k, np.bool_), np.zeros(k, np.uint64)
+    keys = np.arange(1, k + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) if keys is None else keys
+    steps = K.StepsInPlace(*_addresses(arrays), keys, done, sums, counts, gaps, planes, arrays[0].dtype, is_float,
+                           slot)
+    return steps, done, sums, keys
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype,is_float,nplanes", [(np.int16, True, 1), (np.int16, False, 2), (np.uint8, False, 1),
                                                     (np.int32, True, 3), (np.int64, True, 8)])
 def test_ulp_steps_in_place_match_gather_step_scatter(monkeypatch, threads, dtype, is_float, nplanes):
+    """One pass over the gap stream writes what decoding the positions, gathering, stepping and scattering
+    would and sums the checksum change the separate pass computes; undo steps everything back."""
+    from deltastore import segments
+
     monkeypatch.setenv("DELTASTORE_THREADS", str(threads))
     arrays, positions, bounds, planes = _in_place_case(dtype, nplanes, seed=nplanes)
     before = [a.copy() for a in arrays]
     want_old = np.concatenate([a[positions[bounds[i]:bounds[i + 1]]] for i, a in enumerate(arrays)])
     want_new, want_bad = K.apply_steps(want_old, planes, is_float)
     assert want_bad == -1
-    old, done = np.empty(positions.size, dtype), np.zeros(len(arrays), np.bool_)
-    new, bad = K.apply_steps_at(*_addresses(arrays), positions, bounds, planes, is_float, old, done)
-    assert bad == -1 and done.all()
-    assert np.array_equal(old, want_old) and np.array_equal(new, want_new)
+    steps, done, sums, keys = _steps_in_place(arrays, positions, bounds, planes, is_float)
+    assert threads == 1 or len(steps.runs) > 1  # the runs' starts come from the scan
+    assert steps.run() == (0, -1) and done.all()
     for i, (a, b) in enumerate(zip(arrays, before)):
         b[positions[bounds[i]:bounds[i + 1]]] = want_new[bounds[i]:bounds[i + 1]]
         assert np.array_equal(a, b), i
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    want_sums = segments.mix_delta(torch.from_numpy(positions), torch.from_numpy(want_old.view(unsigned)),
+                                   torch.from_numpy(want_new.view(unsigned)), bounds, keys)
+    assert np.array_equal(sums, want_sums)
+    steps.undo()
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, _in_place_case(dtype, nplanes, seed=nplanes)[0]))
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("fault", ["past the end", "negative", "repeated", "value out of range"])
-def test_ulp_steps_in_place_write_a_tensor_whole_or_not_at_all(monkeypatch, threads, fault):
+@pytest.mark.parametrize("fault,status", [("past the end", 3), ("value out of range", 4), ("varint over 10 bytes", 2),
+                                          ("truncated", 1), ("trailing bytes", 5)])
+def test_ulp_steps_in_place_write_a_tensor_whole_or_not_at_all(monkeypatch, threads, fault, status):
     monkeypatch.setenv("DELTASTORE_THREADS", str(threads))
     arrays, positions, bounds, planes = _in_place_case(np.int16, 1, seed=7)
-    before = [a.copy() for a in arrays]
     counts = np.diff(bounds)
     bad_t = int(np.flatnonzero(counts > 5)[len(np.flatnonzero(counts > 5)) // 2])
-    j = int(bounds[bad_t]) + 3  # a few items into that tensor: those are written, then must be put back
+    if fault == "truncated" or fault == "trailing bytes":
+        bad_t = len(arrays) - 1 if counts[-1] else int(np.flatnonzero(counts)[-1])
+    lo, hi = int(bounds[bad_t]), int(bounds[bad_t + 1])
+    j = lo + 3  # a few items into that tensor: those are written, then must be put back
     if fault == "past the end":
-        positions[j] = arrays[bad_t].size
-    elif fault == "negative":
-        positions[j] = -1
-    elif fault == "repeated":
-        positions[j] = positions[j - 1]
-    else:
+        positions[hi - 1] = arrays[bad_t].size
+    elif fault == "value out of range":
         arrays[bad_t][positions[j]] = 0x7FFF  # the largest positive pattern: any step up leaves the range
-        before[bad_t][positions[j]] = 0x7FFF
         planes[0, j] = 1  # zigzag(+1) - 1
-    old, done = np.empty(positions.size, np.int16), np.zeros(len(arrays), np.bool_)
-    _, bad = K.apply_steps_at(*_addresses(arrays), positions, bounds, planes, True, old, done)
-    assert bad == j and not done[bad_t]
-    assert np.array_equal(arrays[bad_t], before[bad_t])  # the failing tensor is as it was
-    for i in np.flatnonzero(done):  # putting the found bits back at the done tensors undoes everything
-        arrays[i][positions[bounds[i]:bounds[i + 1]]] = old[bounds[i]:bounds[i + 1]]
+    elif fault == "varint over 10 bytes":
+        positions[lo] = 0  # a one-byte first value, replaced by eleven bytes
+    before = [a.copy() for a in arrays]
+    gaps = K.gap_stream([positions[bounds[i]:bounds[i + 1]] for i in range(len(counts))])
+    if fault == "varint over 10 bytes":
+        at = int(K._gap_offsets(np.frombuffer(gaps, np.uint8), np.array([lo], np.int64))[0])
+        gaps = gaps[:at] + b"\x80" * 10 + b"\x00" + gaps[at + 1:]
+    elif fault == "truncated":
+        gaps = gaps[:-1]
+    elif fault == "trailing bytes":
+        gaps = gaps + b"\x00"
+    steps, done, _, _ = _steps_in_place(arrays, positions, bounds, planes, True, gaps=np.frombuffer(gaps, np.uint8))
+    got, seg = steps.run()
+    assert got == status and not done[bad_t] or fault == "trailing bytes" and got == 5
+    if fault != "trailing bytes":
+        assert seg == bad_t and np.array_equal(arrays[bad_t], before[bad_t])  # the failing tensor is as it was
+    steps.undo()  # stepping the done tensors back undoes everything
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
+def test_ulp_steps_in_place_skip_the_segments_of_another_kind(monkeypatch):
+    """With a slot map, segments marked -1 are read past and left alone: an object of two element kinds
+    takes one pass per kind over the same stream."""
+    monkeypatch.setenv("DELTASTORE_THREADS", "3")
+    arrays, positions, bounds, planes = _in_place_case(np.int16, 1, seed=11)
+    before = [a.copy() for a in arrays]
+    mine = list(range(0, len(arrays), 2))
+    slot = np.full(len(arrays), -1, np.int64)
+    slot[mine] = np.arange(len(mine))
+    gaps = np.frombuffer(K.gap_stream([positions[bounds[i]:bounds[i + 1]] for i in range(len(arrays))]), np.uint8)
+    chosen = [arrays[i] for i in mine]
+    steps, done, _, _ = _steps_in_place(chosen, positions, bounds, planes, True, gaps=gaps, slot=slot)
+    assert steps.run() == (0, -1) and done.all()
+    for i, (a, b) in enumerate(zip(arrays, before)):
+        want = b.copy()
+        if i in mine:
+            got, _ = K.apply_steps(b[positions[bounds[i]:bounds[i + 1]]], planes[:, bounds[i]:bounds[i + 1]], True)
+            want[positions[bounds[i]:bounds[i + 1]]] = got
+        assert np.array_equal(a, want), i
+    steps.undo()
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
 
 
@@ -351,14 +406,21 @@ def test_ulp_steps_in_place_refuse_arrays_that_do_not_fit_before_writing():
     arrays, positions, bounds, planes = _in_place_case(np.int16, 1, seed=3, n_tensors=4)
     before = [a.copy() for a in arrays]
     ptr, lens = _addresses(arrays)
-    old, done = np.empty(positions.size, np.int16), np.zeros(len(arrays), np.bool_)
-    longer = bounds.copy()
-    longer[-1] += 1
-    for args in [(ptr, lens, positions, longer, planes), (ptr, lens, positions, bounds[:-1], planes),
-                 (ptr, lens, positions, bounds, planes[:, 1:]), (ptr, lens[:-1], positions, bounds, planes),
-                 (ptr, lens, positions.astype(np.int32), bounds, planes)]:
+    counts = np.diff(bounds)
+    gaps = np.frombuffer(K.gap_stream([positions[bounds[i]:bounds[i + 1]] for i in range(4)]), np.uint8)
+    keys, sums, done = np.zeros(4, np.uint64), np.zeros(4, np.uint64), np.zeros(4, np.bool_)
+    i16 = np.dtype(np.int16)
+    for args in [(ptr, lens, keys, done, sums, counts[:-1], gaps, planes, i16),
+                 (ptr, lens, keys, done, sums, counts, gaps, planes[:, 1:], i16),
+                 (ptr, lens[:-1], keys, done, sums, counts, gaps, planes, i16),
+                 (ptr, lens, keys, done, sums.astype(np.int64), counts, gaps, planes, i16),
+                 (ptr, lens, keys, done.astype(np.int8), sums, counts, gaps, planes, i16),
+                 (ptr, lens, keys, done, sums, counts, gaps.astype(np.int16), planes, i16),
+                 (ptr, lens, keys, done, sums, counts, gaps, planes, np.dtype(np.float32))]:
         with pytest.raises(ValueError, match="do not fit"):
-            K.apply_steps_at(*args, True, old, done)
+            K.StepsInPlace(*args, True)
+    with pytest.raises(ValueError, match="do not fit"):  # a slot naming a tensor twice
+        K.StepsInPlace(ptr, lens, keys, done, sums, counts, gaps, planes, i16, True, np.array([0, 0, 1, 2]))
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before)) and not done.any()
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 from ..errors import ManifestError, UnsupportedFormatError
 from ..registry import codecs as _registry
-from .base import Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits, write_in_place
+from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, read_old_bits,
+                   write_in_place)
 
-__all__ = ["Codec", "InPlace", "OldBits", "TensorSpec", "Update", "UpdateBatch", "get_codec", "read_old_bits",
-           "register_codec", "write_in_place"]
+__all__ = ["Codec", "InPlace", "OldBits", "TensorSpec", "Update", "UpdateBatch", "WrittenBatch", "get_codec",
+           "read_old_bits", "register_codec", "write_in_place"]
 
 _registry.register("raw", "deltastore.codecs.raw:RawCodec")
 _registry.register("dense", "deltastore.codecs.dense:DenseCodec")

@@ -229,15 +229,21 @@ def read_header(frames: dict[str, memoryview], specs: Sequence[TensorSpec], code
     return ints[:n], ints[n:]
 
 
-def read_positions(frames: dict[str, memoryview], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
-                   codec_id: str) -> tuple[np.ndarray, np.ndarray]:
-    """The object's ``positions`` stream decoded: every tensor's positions in turn, and their bounds
-    (see :func:`decode_positions`)."""
+def position_stream(frames: dict[str, memoryview], counts: list[int], raw_len: int, codec_id: str) -> bytes:
+    """The object's ``positions`` frame decompressed (the LEB128 gap stream, ``raw_len`` bytes as its header
+    says, at most 10 a position): :class:`CorruptObjectError` for anything else."""
     if raw_len > 10 * sum(counts):
         raise CorruptObjectError(f"{codec_id}: position stream of {raw_len} bytes for {sum(counts)} changes")
     if "positions" not in frames:
         raise CorruptObjectError(f"{codec_id}: object lacks its positions")
-    stream = zstd_decompress(frames["positions"], raw_len, f"{codec_id} positions")
+    return zstd_decompress(frames["positions"], raw_len, f"{codec_id} positions")
+
+
+def read_positions(frames: dict[str, memoryview], specs: Sequence[TensorSpec], counts: list[int], raw_len: int,
+                   codec_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """The object's ``positions`` stream decoded: every tensor's positions in turn, and their bounds
+    (see :func:`decode_positions`)."""
+    stream = position_stream(frames, counts, raw_len, codec_id)
     return decode_positions(stream, counts, [s.numel for s in specs], codec_id)
 
 

@@ -87,34 +87,49 @@ def read_old_bits(old: OldBits, names: Sequence[str], positions: torch.Tensor, b
 class InPlace:
     """Target tensors a decoder updates where they lie (:func:`write_in_place`).
 
-    Tensor ``i`` is ``lengths[i]`` elements of ``old``'s dtype (the bits view of its element width) at
-    address ``pointers[i]``, memory the receiver keeps alive. ``old`` (one element per position) is for
-    the bits found at each position before the write, and ``done[i]`` (bool, all False at first) is to
-    be set once every position of tensor ``i`` is written; the receiver undoes the writes by putting
-    ``old`` back at the positions of the tensors marked done.
+    Tensor ``i`` is ``lengths[i]`` elements of ``dtype`` (the bits view of its element width) at address
+    ``pointers[i]``, memory the receiver keeps alive. ``sums[i]`` (uint64, zero at first) is for the change
+    the writes make to tensor ``i``'s checksum (:mod:`deltastore.checksum`, tensor key ``keys[i]``);
+    ``done[i]`` (bool, all False at first) is to be set once every position of tensor ``i`` is written.
+    ``undo`` is for the decoder to set before its first write: a callable that puts back the bits the
+    tensors marked done held before (the receiver calls it if the version fails).
     """
 
     pointers: np.ndarray
     lengths: np.ndarray
-    old: np.ndarray
+    dtype: np.dtype
     done: np.ndarray
+    keys: np.ndarray
+    sums: np.ndarray
+    undo: Callable[[], None] | None = None
 
 
-def write_in_place(old: OldBits, names: Sequence[str], positions: torch.Tensor, bounds: np.ndarray
-                   ) -> InPlace | None:
+def write_in_place(old: OldBits, names: Sequence[str], bounds: np.ndarray) -> InPlace | None:
     """The target tensors ``names`` for a decoder to update in place, where the receiver allows it.
 
-    ``positions``/``bounds`` as for :func:`read_old_bits` (the decoder's own, already decoded). A
-    receiver with an ``in_place(names, positions, bounds)`` method may answer (the Subscriber's does
-    for a pull one delta behind, into plain CPU tensors); every other answers None, and the decoder
-    reads the old bits with :func:`read_old_bits` instead. A decoder that takes an :class:`InPlace`
-    must, for each tensor, write its new bits at exactly its positions and record the bits it found
-    in ``InPlace.old``, the whole tensor or none of it (then ``done``), never touch anything outside
-    the tensors (positions checked as it goes), and return the same batches as without it: the
-    receiver checks them as usual and undoes the writes if anything fails.
+    ``bounds``: ``len(names) + 1`` int64 offsets, tensor ``i``'s changes being ``bounds[i]:bounds[i + 1]``
+    (from the object's header; nothing is decoded yet). A receiver with an ``in_place(names, bounds)``
+    method may answer (the Subscriber's does for a pull one delta behind, into plain CPU tensors); every
+    other answers None, and the decoder reads the old bits with :func:`read_old_bits` instead. A decoder
+    that takes an :class:`InPlace` must set its ``undo`` first, then for each tensor write its new bits at
+    exactly its positions, recording the checksum change in ``sums``, the whole tensor or none of it (then
+    ``done``), never touching anything outside the tensors (positions checked as it goes), and return a
+    :class:`WrittenBatch` for those tensors: the receiver checks the counts and checksums and calls
+    ``undo`` if anything fails.
     """
     get = getattr(old, "in_place", None)
-    return get(list(names), positions, bounds) if get is not None else None
+    return get(list(names), bounds) if get is not None else None
+
+
+@dataclass(frozen=True)
+class WrittenBatch:
+    """Sparse updates of several tensors that a decoder wrote into the receiver's tensors itself
+    (:func:`write_in_place`): no positions or bits are kept, only each tensor's count (``bounds``, as in
+    :class:`UpdateBatch`) and what the writes did (``target``: the checksum changes, ``done``, ``undo``)."""
+
+    specs: list[TensorSpec]
+    bounds: np.ndarray
+    target: InPlace
 
 
 @dataclass(frozen=True)
@@ -306,9 +321,10 @@ class Codec(abc.ABC):
         """
 
     def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
-                     ) -> list[UpdateBatch]:
+                     ) -> list[UpdateBatch | WrittenBatch]:
         """:meth:`decode` of a sparse codec's object as flat batches: every tensor of ``specs`` in exactly
-        one batch, each batch of one bits dtype, the tensors in any order.
+        one batch, each batch of one bits dtype, the tensors in any order (a decoder that took tensors in
+        place, :func:`write_in_place`, returns them as a :class:`WrittenBatch`).
 
         The default joins what :meth:`decode` returns (one copy per array, the tensors in ``specs``
         order); a codec whose decoder makes flat arrays anyway overrides it, so that decoding many
@@ -376,7 +392,7 @@ def decode_placed(codec: Codec, data: bytes, specs: Sequence[TensorSpec], dests:
 
 
 def decode_batched(codec: Codec, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
-                   ) -> list[UpdateBatch]:
+                   ) -> list[UpdateBatch | WrittenBatch]:
     """``codec.decode_batch(...)``, or the per-tensor default when a subclass overrides only ``decode``."""
     if _defined_at_or_below(codec, "decode_batch", "decode"):
         return codec.decode_batch(data, specs, old)

@@ -28,9 +28,10 @@ from ..kernels import bitstream as K
 from ..kernels.parallel import each
 from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits,
-                      pack_meta, read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8,
-                      unpack_frames, zstd_compress, zstd_decompress)
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, read_old_bits, write_in_place
+                      pack_meta, position_stream, read_header, read_positions, sorted_specs, sorted_updates,
+                      to_torch_bits, u8, unpack_frames, zstd_compress, zstd_decompress)
+from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, read_old_bits,
+                   write_in_place)
 
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
@@ -140,10 +141,15 @@ class UlpCodec(ZstdLevel, Codec):
                          {"deltastore.names": names_digest([s.name for s in specs])})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
-        return {u.spec.name: u for batch in self.decode_batch(data, specs, old) for u in batch.updates()}
+        return {u.spec.name: u for batch in self._decode(data, specs, old, in_place=False)
+                for u in batch.updates()}  # type: ignore[union-attr]
 
     def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
-                     ) -> list[UpdateBatch]:
+                     ) -> list[UpdateBatch | WrittenBatch]:
+        return self._decode(data, specs, old, in_place=True)
+
+    def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, in_place: bool
+                ) -> list[UpdateBatch | WrittenBatch]:
         if old is None:
             raise ValueError("ulp decoding needs the receiver's old bits (old(name, positions))")
         raw, meta = unpack_frames(data, self.codec_id)
@@ -160,20 +166,28 @@ class UlpCodec(ZstdLevel, Codec):
             if key not in raw:
                 raise CorruptObjectError(f"ulp: object lacks {key}")
             frames.append(raw[key])
+        if total and nplanes == 0:
+            raise CorruptObjectError("ulp: changes without value planes")
 
         def unpack_planes() -> None:
             for j, frame in enumerate(frames):
                 planes[j] = np.frombuffer(zstd_decompress(frame, total, f"ulp plane{j}"), np.uint8)
 
+        kinds = _kinds(specs)
+        counts_a = np.asarray(counts, np.int64)
+        targets = []
+        for f, idxs in kinds if in_place and total else ():  # each kind's tensors, if the receiver lets them
+            b = np.zeros(len(idxs) + 1, np.int64)
+            np.cumsum(counts_a[idxs], out=b[1:])
+            targets.append(write_in_place(old, [specs[i].name for i in idxs], b))
+        if targets and all(t is not None for t in targets):  # decode, step and write in one pass
+            return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, targets)
         # the value planes decompress on another thread while this one decodes the positions (zstd and the
         # kernels release the GIL)
         _, (flat, bounds) = each(2, lambda k: unpack_planes() if k == 0 else
                                  read_positions(raw, specs, counts, raw_len, self.codec_id))
-        if total and nplanes == 0:
-            raise CorruptObjectError("ulp: changes without value planes")
         positions = torch.from_numpy(flat)
-        kinds = _kinds(specs)
-        out = []
+        out: list[UpdateBatch | WrittenBatch] = []
         for f, idxs in kinds:
             if len(kinds) == 1:
                 pos, b, steps = positions, bounds, planes
@@ -183,19 +197,47 @@ class UlpCodec(ZstdLevel, Codec):
                 b = np.zeros(len(idxs) + 1, np.int64)
                 np.cumsum(np.diff(bounds)[idxs], out=b[1:])
             names = [specs[i].name for i in idxs]
-            target = write_in_place(old, names, pos, b)
-            if target is not None:  # read, step and write each element in one pass (see write_in_place)
-                bits, bad = K.apply_steps_at(target.pointers, target.lengths, pos.numpy(), b, steps, f, target.old,
-                                             target.done)
-                if bad >= 0:
-                    raise CorruptObjectError("ulp: a decoded position or value is out of range for its tensor")
-            else:
-                try:
-                    before = np_bits(read_old_bits(old, names, pos, b))
-                except ValueError as e:
-                    raise CorruptObjectError(f"ulp: {e}") from e
-                bits, bad = K.apply_steps(before, steps, f)
-                if bad >= 0:
-                    raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
+            try:
+                before = np_bits(read_old_bits(old, names, pos, b))
+            except ValueError as e:
+                raise CorruptObjectError(f"ulp: {e}") from e
+            bits, bad = K.apply_steps(before, steps, f)
+            if bad >= 0:
+                raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
             out.append(UpdateBatch([specs[i] for i in idxs], pos, b, to_torch_bits(bits, specs[idxs[0]])))
+        return out
+
+    def _write_in_place(self, raw: dict[str, memoryview], specs: list[TensorSpec], counts: np.ndarray, raw_len: int,
+                        unpack_planes: Callable[[], None], planes: np.ndarray, kinds: list[tuple[bool, list[int]]],
+                        targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
+        """The object's changes written into the receiver's tensors (``targets``: one per element kind) by
+        :class:`deltastore.kernels.bitstream.StepsInPlace`: the position stream and the value planes
+        decompressed on two threads at once, then per kind one pass over the stream that reads each gap,
+        steps the value there and writes it back, on every kernel thread."""
+        stream: list[bytes] = []
+        each(2, lambda k: unpack_planes() if k == 0 else
+             stream.append(position_stream(raw, counts.tolist(), raw_len, self.codec_id)))
+        gaps = np.frombuffer(stream[0], np.uint8)
+        out: list[UpdateBatch | WrittenBatch] = []
+        for (f, idxs), target in zip(kinds, targets):
+            slot = None
+            if len(kinds) > 1:  # the other kinds' segments are read past
+                slot = np.full(len(specs), -1, np.int64)
+                slot[idxs] = np.arange(len(idxs))
+            try:
+                steps = K.StepsInPlace(target.pointers, target.lengths, target.keys, target.done, target.sums,
+                                       counts, gaps, planes, target.dtype, f, slot)
+            except ValueError as e:
+                raise CorruptObjectError(f"ulp: {e}") from e
+            target.undo = steps.undo  # before any write
+            status, seg = steps.run()
+            if status:
+                what = {1: f"position stream holds fewer than {int(counts.sum())} positions",
+                        2: "position stream holds a varint longer than 10 bytes", 3: "position beyond the tensor",
+                        4: f"a decoded value is out of range for its {target.dtype} dtype",
+                        5: "position stream has trailing bytes"}.get(status, f"in-place decode failed ({status})")
+                raise CorruptObjectError(f"ulp: {what} (tensor {specs[seg].name!r} of the object)")
+            b = np.zeros(len(idxs) + 1, np.int64)
+            np.cumsum(counts[idxs], out=b[1:])
+            out.append(WrittenBatch([specs[i] for i in idxs], b, target))
         return out

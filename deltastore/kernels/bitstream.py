@@ -16,6 +16,7 @@ import numba
 import numpy as np
 from numba import njit
 
+from .checksum import C1, _fmix
 from .diff import _at, _prefetch_for_write, _voidptr, segment_runs  # address -> array, for data where it lies
 from .parallel import chunked, each, threads
 
@@ -500,6 +501,13 @@ def _applied(z: np.int64, x: np.int64, fmag: np.int64) -> np.int64:  # pragma: n
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _unapplied(z: np.int64, y: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
+    # the inverse of _applied: the old raw bits from the new ones y (sign-extended) and the coded step z
+    u = np.uint64(z) + np.uint64(1)
+    return _ordered(_ordered(y, fmag) - (np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1))), fmag)
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _plane_step(planes: np.ndarray, npl: int, i: int) -> np.int64:  # pragma: no cover - compiled
     # planes[j, i]: byte j of (zigzag(step) - 1) of element i; one and two planes (most steps) read directly
     if npl == 1:
@@ -556,70 +564,216 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
 
 
 _STEP_AHEAD = 32  # items: the cache line of the position this far ahead is fetched for writing
+_RING_MASK = 63  # positions decoded ahead are kept in a ring of this many + 1 (> _STEP_AHEAD)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _leb128(b: np.ndarray, i: int, n: int) -> tuple[np.uint64, int, int]:  # pragma: no cover - compiled
+    # the LEB128 value at b[i]: (value, next index, status 0 / 1 truncated / 2 over 10 bytes)
+    if i < n and b[i] < 0x80:  # a one-byte value (most gaps): no loop
+        return np.uint64(b[i]), i + 1, 0
+    x = np.uint64(0)
+    j = 0
+    while True:
+        if i >= n:
+            return x, i, 1
+        if j >= 10:
+            return x, i, 2
+        byte = np.uint64(b[i])
+        i += 1
+        x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
+        j += 1
+        if byte < np.uint64(0x80):
+            return x, i, 0
 
 
 @njit(nogil=True, cache=True)
-def _apply_steps_at(like, ptr, lens, pos, bounds, s0, s1, planes, fmag, lo, hi, old_out, new_out,
-                    done):  # pragma: no cover - compiled
-    # :func:`_apply_steps` read from and written back into the tensors themselves, one pass per segment:
-    # segment s is lens[s] elements of like's dtype at address ptr[s], its positions pos[bounds[s]:bounds[s+1]].
-    # A bad item (a position outside its tensor or not above the one before, or a value out of range) ends
-    # the run: the segment's items written so far are put back first, so a segment is written whole
-    # (done[s] = True) or not at all. Returns that item's index, or -1.
+def _apply_gaps_at(like, ptr, lens, keys, slot, counts, s0, s1, gaps, i0, e0, planes, fmag, lo, hi, zmask, done,
+                   sums):  # pragma: no cover - compiled
+    # Segments s0..s1 of a LEB128 gap stream, from byte i0 and stream item e0 (a column of planes). Segment s
+    # with t = slot[s] >= 0 is tensor t: lens[t] elements of like's dtype at ptr[t]; each of its items is
+    # read, stepped and written back, the checksum change summed in sums[t]; it is written whole (done[t])
+    # or, at a bad item, put back as it was (each written item stepped back) before returning. A segment
+    # with slot -1 is only read past. Returns (status, segment, byte after the
+    # run): 0 ok; 1 truncated stream; 2 a value over 10 bytes; 3 a position past its tensor; 4 a value out of
+    # the dtype's range (statuses 1 and 2 of skipped segments too).
     npl = planes.shape[0]
     width = like.itemsize
+    n = gaps.size
+    i = i0
+    e = e0
+    ring = np.empty(_RING_MASK + 1, np.int64)
     for s in range(s0, s1):
-        n = lens[s]
-        a = _at(ptr[s], n, like)
-        start, end = bounds[s], bounds[s + 1]
-        prev = np.int64(-1)
-        for i in range(start, end):
-            if i + _STEP_AHEAD < end:  # never faults, even for a position that turns out bad
-                _prefetch_for_write(ptr[s] + pos[i + _STEP_AHEAD] * width)
-            p = pos[i]
-            bad = p <= prev or p >= n
-            if not bad:
-                x = a[p]
-                o = _applied(_plane_step(planes, npl, i), np.int64(x), fmag)
-                bad = o < lo or o > hi
-            if bad:
-                for k in range(i - 1, start - 1, -1):
-                    a[pos[k]] = old_out[k]
-                return i
-            old_out[i] = x
+        m = counts[s]
+        t = slot[s]
+        if t < 0:
+            for c in range(m):
+                x, i, status = _leb128(gaps, i, n)
+                if status:
+                    return status, s, i
+            e += m
+            continue
+        lim = np.int64(lens[t])
+        a = _at(ptr[t], lens[t], like)
+        key = keys[t]
+        seg_i, seg_e = i, e
+        # positions are decoded _STEP_AHEAD items ahead of their write into a small ring, so that the cache
+        # line of each is fetched while the items before it are stepped
+        q = np.int64(-1)
+        got = 0  # items decoded into the ring
+        status = 0
+        p = np.int64(-1)
+        total = np.uint64(0)
+        c = 0
+        while c < m:
+            while got < m and got <= c + _STEP_AHEAD:
+                x, i, status = _leb128(gaps, i, n)
+                if status:
+                    break
+                if x >= np.uint64(lim):  # checked before the add: no wrap-around
+                    status = 3
+                    break
+                q += np.int64(x) + 1
+                if q >= lim:
+                    status = 3
+                    break
+                ring[got & _RING_MASK] = q
+                _prefetch_for_write(ptr[t] + q * width)
+                got += 1
+            if status:
+                break
+            p = ring[c & _RING_MASK]
+            old = a[p]
+            o = _applied(_plane_step(planes, npl, e), np.int64(old), fmag)
+            if o < lo or o > hi:
+                status = 4
+                break
             y = _ordered(o, fmag)
-            new_out[i] = y
             a[p] = y
-            prev = p
-        done[s] = True
-    return -1
+            h = np.uint64(p) * C1
+            total += _fmix((h ^ (np.uint64(y) & zmask)) + key) - _fmix((h ^ (np.uint64(np.int64(old)) & zmask)) + key)
+            e += 1
+            c += 1
+        if status:  # step back the items of this segment written so far (their bytes read again)
+            j, r = seg_i, np.int64(-1)
+            for d in range(c):
+                x, j, st = _leb128(gaps, j, n)
+                r += np.int64(x) + 1
+                a[r] = _unapplied(_plane_step(planes, npl, seg_e + d), np.int64(a[r]), fmag)
+            return status, s, i
+        sums[t] = total
+        done[t] = True
+    return 0, -1, i
 
 
-def apply_steps_at(pointers: np.ndarray, lengths: np.ndarray, positions: np.ndarray, bounds: np.ndarray,
-                   planes: np.ndarray, is_float: bool, old: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, int]:
-    """:func:`apply_steps` with the old bits read from the tensors and the new bits written back, in one pass.
+@njit(nogil=True, cache=True)
+def _restore_gaps_at(like, ptr, lens, slot, counts, s0, s1, gaps, i0, e0, planes, fmag, done):  # pragma: no cover
+    # step back every item of the done tensors of a run of _apply_gaps_at (its stream read again): the old
+    # bits follow from the new ones and the step; a run's tensors after one not done were not reached
+    npl = planes.shape[0]
+    n = gaps.size
+    i = i0
+    e = e0
+    for s in range(s0, s1):
+        t = slot[s]
+        if t >= 0 and not done[t]:
+            return
+        p = np.int64(-1)
+        for c in range(counts[s]):
+            x, i, st = _leb128(gaps, i, n)
+            if t >= 0:
+                p += np.int64(x) + 1
+                a = _at(ptr[t], lens[t], like)
+                a[p] = _unapplied(_plane_step(planes, npl, e), np.int64(a[p]), fmag)
+            e += 1
 
-    Tensor ``s``: ``lengths[s]`` elements of ``old``'s dtype at address ``pointers[s]`` (memory the caller
-    keeps alive and owns), its positions ``positions[bounds[s]:bounds[s + 1]]``. ``old`` (as many elements
-    as ``positions``) receives the bits found at each position; ``done[s]`` (bool) is set once tensor ``s``
-    is written, and a tensor is written whole or not at all, so putting ``old`` back at the positions of
-    the ``done`` tensors undoes every write. Returns ``(new bits, bad)``: ``bad`` is the first item whose
-    position lies outside its tensor or is not above the one before, or whose new value leaves the dtype's
-    range (a corrupt object), or -1. Nothing is read or written outside the tensors; arrays that do not fit
-    together raise ``ValueError`` before anything is touched.
+
+@njit(nogil=True, cache=True)
+def _gap_offsets(gaps, ends):  # pragma: no cover - compiled
+    # the byte index after the first ends[k] values of a LEB128 stream (ends sorted), or -1 past its end
+    out = np.full(ends.size, -1, np.int64)
+    k = 0
+    seen = 0
+    while k < ends.size and ends[k] == 0:
+        out[k] = 0
+        k += 1
+    for i in range(gaps.size):
+        if k >= ends.size:
+            break
+        if gaps[i] < 0x80:
+            seen += 1
+            while k < ends.size and ends[k] == seen:
+                out[k] = i + 1
+                k += 1
+    return out
+
+
+class StepsInPlace:
+    """A ``ulp`` object's gap stream decoded and its values stepped into the tensors themselves, in one pass.
+
+    Segment ``s`` of the LEB128 gap stream ``gaps`` (:func:`gap_positions`'s layout) holds ``counts[s]``
+    positions; item ``i`` of the stream (over every segment in turn) has its step in column ``i`` of
+    ``planes`` (:func:`step_planes`' layout). Segment ``s`` is tensor ``t = slot[s]`` (default: ``s``):
+    ``lengths[t]`` elements of ``dtype`` (an integer view dtype) at address ``pointers[t]``, memory the
+    caller keeps alive and owns; a segment with slot -1 is read past, not written (an object mixing element
+    kinds takes one of these per kind). :meth:`run` writes the tensors: ``sums[t]`` receives the change of
+    tensor ``t``'s checksum (:mod:`deltastore.checksum`, tensor key ``keys[t]``) and ``done[t]`` is set once
+    it is written; a tensor is written whole or not at all. :meth:`undo` steps every done tensor back (a
+    ``ulp`` step is undone from the new bits alone: nothing is kept per item), so it can be handed out
+    before :meth:`run` starts. The segments are split into runs of about equal size, one per kernel thread,
+    found by one scan of the stream. Nothing is read or written outside the tensors; arrays that do not fit
+    together raise ``ValueError`` here, before anything is touched.
     """
-    n, k = positions.size, pointers.size
-    if (positions.dtype != np.int64 or bounds.dtype != np.int64 or bounds.shape != (k + 1,) or lengths.shape != (k,)
-            or old.shape != (n,) or done.shape != (k,) or done.dtype != np.bool_ or planes.ndim != 2
-            or planes.shape[1] != n or planes.dtype != np.uint8 or int(bounds[0]) != 0 or int(bounds[-1]) != n
-            or bool((np.diff(bounds) < 0).any())):
-        raise ValueError("apply_steps_at: positions, bounds, planes and buffers do not fit together")
-    positions, planes = np.ascontiguousarray(positions), np.ascontiguousarray(planes)
-    fmag, lo, hi = _step_range(old.dtype, is_float)
-    new = np.empty(n, old.dtype)
-    like = old[:0]
-    runs = segment_runs(bounds, threads())
-    found = [b for b in each(len(runs), lambda k: int(_apply_steps_at(
-        like, pointers, lengths, positions, bounds, runs[k][0], runs[k][1], planes, fmag, lo, hi, old, new, done)))
-        if b >= 0]
-    return new, min(found) if found else -1
+
+    def __init__(self, pointers: np.ndarray, lengths: np.ndarray, keys: np.ndarray, done: np.ndarray,
+                 sums: np.ndarray, counts: np.ndarray, gaps: np.ndarray, planes: np.ndarray, dtype: np.dtype,
+                 is_float: bool, slot: np.ndarray | None = None):
+        k = pointers.size
+        counts = np.ascontiguousarray(counts, np.int64)
+        slot = np.arange(counts.size, dtype=np.int64) if slot is None else np.ascontiguousarray(slot, np.int64)
+        if (lengths.shape != (k,) or keys.shape != (k,) or sums.shape != (k,) or sums.dtype != np.uint64
+                or done.shape != (k,) or done.dtype != np.bool_ or slot.shape != counts.shape or counts.ndim != 1
+                or bool((counts < 0).any()) or bool((slot >= k).any())
+                or np.unique(slot[slot >= 0]).size != int((slot >= 0).sum())
+                or planes.ndim != 2 or planes.shape[1] != int(counts.sum()) or planes.dtype != np.uint8
+                or gaps.dtype != np.uint8 or gaps.ndim != 1 or np.dtype(dtype).kind not in "iu"):
+            raise ValueError("StepsInPlace: pointers, counts, planes and buffers do not fit together")
+        self.pointers, self.lengths, self.counts, self.slot, self.gaps = pointers, lengths, counts, slot, gaps
+        self.keys = np.ascontiguousarray(keys, np.uint64)
+        self.planes = np.ascontiguousarray(planes)
+        self.done, self.sums = done, sums
+        self.like = np.zeros(0, dtype)
+        self.fmag, self.lo, self.hi = _step_range(self.like.dtype, is_float)
+        width = self.like.dtype.itemsize
+        self.zmask = np.uint64((1 << (8 * width)) - 1) if width < 8 else np.uint64(0xFFFFFFFFFFFFFFFF)
+        bounds = np.zeros(counts.size + 1, np.int64)  # stream items before each segment
+        np.cumsum(counts, out=bounds[1:])
+        self.runs = segment_runs(bounds, threads())
+        firsts = np.array([a for a, _ in self.runs], np.int64)
+        self.starts = _gap_offsets(gaps, bounds[firsts])
+        if (self.starts < 0).any():  # the stream ends before a run's first item: one run, which meets it
+            self.runs, self.starts, firsts = self.runs[:1], self.starts[:1], firsts[:1]
+        self.items = bounds[firsts]
+
+    def run(self) -> tuple[int, int]:
+        """Write every tensor; ``(status, segment)``: status 0, or the first problem in stream order (1 the
+        stream ends early, 2 a value over 10 bytes, 3 a position past its tensor, 4 a value out of the
+        dtype's range, 5 bytes left after the last position) and the segment it is in."""
+        runs = self.runs
+        got = each(len(runs), lambda r: _apply_gaps_at(
+            self.like, self.pointers, self.lengths, self.keys, self.slot, self.counts, runs[r][0], runs[r][1],
+            self.gaps, int(self.starts[r]), int(self.items[r]), self.planes, self.fmag, self.lo, self.hi,
+            self.zmask, self.done, self.sums))
+        for r, (status, seg, end) in enumerate(got):
+            if status:
+                return int(status), int(seg)
+            nxt = int(self.starts[r + 1]) if r + 1 < len(runs) else self.gaps.size
+            if int(end) != nxt:  # a run must end where the next begins, the last at the stream's end
+                return (5 if r + 1 == len(runs) else 1), int(runs[r][1]) - 1
+        return 0, -1
+
+    def undo(self) -> None:
+        """Step every tensor written whole back to the bits it held."""
+        for r, (a, e) in enumerate(self.runs):
+            _restore_gaps_at(self.like, self.pointers, self.lengths, self.slot, self.counts, a, e, self.gaps,
+                             int(self.starts[r]), int(self.items[r]), self.planes, self.fmag, self.done)

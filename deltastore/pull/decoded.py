@@ -7,14 +7,15 @@ split over several objects (joined), by name. It reads as a
 ``Mapping[str, Update]``, an ``Update`` made on demand (a few microseconds);
 the overlay (:class:`deltastore.apply.SparseOverlay`) reads the batches
 themselves, so staging many small tensors costs their elements, not their
-count.
+count. A batch its decoder wrote into the overlay's target itself is a
+:class:`~deltastore.codecs.WrittenBatch`: it holds no changes to read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from ..codecs import Update, UpdateBatch
+from ..codecs import Update, UpdateBatch, WrittenBatch
 
 
 class DecodedUpdates(Mapping[str, Update]):
@@ -26,7 +27,7 @@ class DecodedUpdates(Mapping[str, Update]):
 
     __slots__ = ("batches", "loose", "_where")
 
-    def __init__(self, batches: list[UpdateBatch], loose: dict[str, Update]):
+    def __init__(self, batches: list[UpdateBatch | WrittenBatch], loose: dict[str, Update]):
         self.batches = batches
         self.loose = loose
         self._where: dict[str, tuple[int, int]] | None = None
@@ -41,7 +42,10 @@ class DecodedUpdates(Mapping[str, Update]):
         if u is not None:
             return u
         k, i = self._index()[name]
-        return self.batches[k].update(i)
+        b = self.batches[k]
+        if isinstance(b, WrittenBatch):
+            raise TypeError(f"the changes of {name!r} were written into the target as they were decoded")
+        return b.update(i)
 
     def __contains__(self, name: object) -> bool:
         return name in self.loose or name in self._index()

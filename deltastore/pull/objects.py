@@ -28,8 +28,8 @@ import torch
 
 from .. import segments
 from ..apply import check_update
-from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, get_codec, read_old_bits,
-                      write_in_place)
+from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec,
+                      read_old_bits, write_in_place)
 from ..codecs.base import decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
 from ..manifest import Manifest, Part, Role, TensorRecord
@@ -111,13 +111,8 @@ class PartReader:
             positions = positions + torch.from_numpy(np.repeat(offsets, np.diff(bounds)))
         return read_old_bits(self.old, names, positions, bounds)
 
-    def in_place(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> InPlace | None:
-        return write_in_place(self.old, names, positions, bounds) if self.whole.issuperset(names) else None
-
-    def wrote_in_place(self, positions: torch.Tensor, bounds: np.ndarray, names: list[str]) -> bool:
-        """Whether the receiver took exactly this batch's changes in place (positions checked as written)."""
-        wrote = getattr(self.old, "wrote_in_place", None)
-        return wrote is not None and self.whole.issuperset(names) and wrote(positions, bounds, names)
+    def in_place(self, names: list[str], bounds: np.ndarray) -> InPlace | None:
+        return write_in_place(self.old, names, bounds) if self.whole.issuperset(names) else None
 
 
 @contextmanager
@@ -190,14 +185,17 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
 
 
 def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
-                         old: OldBits | None) -> tuple[list[UpdateBatch], list[tuple[TensorRecord, Part, Update]]]:
+                         old: OldBits | None
+                         ) -> tuple[list[UpdateBatch | WrittenBatch], list[tuple[TensorRecord, Part, Update]]]:
     """Decode object ``index`` of a delta or differential (``role``) and validate it, as flat batches.
 
     Returns the batches of the tensors the object holds whole (positions in
-    the tensor, counts checked against the manifest), and ``(tensor, part,
-    update)`` for every tensor it holds a part of (positions in the part,
-    joined by the caller), or for everything when the codec is dense
-    (:func:`decode_object`). Raises as :func:`decode_object`.
+    the tensor, counts checked against the manifest; a :class:`WrittenBatch`
+    for those its decoder wrote into ``old``'s tensors itself, their checksums
+    left to the receiver), and ``(tensor, part, update)`` for every tensor it
+    holds a part of (positions in the part, joined by the caller), or for
+    everything when the codec is dense (:func:`decode_object`). Raises as
+    :func:`decode_object`.
     """
     rec = manifest.objects[index]
     codec = get_codec(rec.codec)
@@ -213,7 +211,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         itertools.compress(names, whole))) if old is not None else None
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
-    if not isinstance(batches, list) or not all(isinstance(b, UpdateBatch) for b in batches):
+    if not isinstance(batches, list) or not all(isinstance(b, (UpdateBatch, WrittenBatch)) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
     decoded = [[s.name for s in b.specs] for b in batches]
@@ -221,7 +219,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         got = sorted(set(itertools.chain.from_iterable(decoded)))
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
                                  f"{got[:5]}, manifest expects {sorted(records)[:5]}", digest=rec.digest)
-    whole_batches: list[UpdateBatch] = []
+    whole_batches: list[UpdateBatch | WrittenBatch] = []
     parts: list[tuple[TensorRecord, Part, Update]] = []
     for b, b_names in zip(batches, decoded):
         if b_names == names:  # the object's tensors in the manifest's order (one batch: the usual case)
@@ -229,8 +227,17 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         else:
             held = list(map(records.__getitem__, b_names))
             wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
-        checked = reader is not None and reader.wrote_in_place(b.positions, b.bounds, b_names)
-        _check_batch(b, held, wholes, role, manifest.step, positions_checked=checked)
+        if isinstance(b, WrittenBatch):  # in the target already, positions checked as they were written
+            if not all(wholes):
+                raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} wrote a part of a "
+                                         "tensor in place", digest=rec.digest)
+            _check_counts(b.bounds, held, wholes, role, manifest.step)
+            if not bool(b.target.done.all()):
+                raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned tensors it "
+                                         "did not finish writing in place", digest=rec.digest)
+            whole_batches.append(WrittenBatch([t.spec for t, _ in held], b.bounds, b.target))
+            continue
+        _check_batch(b, held, wholes, role, manifest.step)
         if all(wholes):
             whole_batches.append(UpdateBatch([t.spec for t, _ in held], b.positions.contiguous(), b.bounds,
                                              b.bits.contiguous()))
@@ -240,10 +247,8 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
 
 
 def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: list[bool], role: Role,
-                 step: int, positions_checked: bool = False) -> None:
-    """A decoded batch's arrays, counts and positions against the manifest (:class:`CorruptObjectError`).
-    ``positions_checked``: the receiver took the batch in place, checking every position as it wrote it
-    (strictly increasing inside its tensor), so that pass is not made again."""
+                 step: int) -> None:
+    """A decoded batch's arrays, counts and positions against the manifest (:class:`CorruptObjectError`)."""
     first = held[0][0].name if held else "?"
     bits, pos, bounds = b.bits, b.positions, b.bounds
     if not isinstance(bits, torch.Tensor) or not isinstance(pos, torch.Tensor):
@@ -257,9 +262,27 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
     if set(map(_BITS_DTYPE, recs)) - {bits.dtype}:
         t = next(t for t in recs if t.spec.bits_dtype != bits.dtype)
         raise CorruptObjectError(f"version {step}, tensor {t.name!r}: decoded bits are {bits.dtype}")
-    counts = np.diff(bounds)
-    if int(bounds[0]) != 0 or int(bounds[-1]) != bits.numel() or bool((counts < 0).any()):
+    if int(bounds[-1]) != bits.numel():
         raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    _check_counts(bounds, held, wholes, role, step)
+    numels = np.fromiter(map(_NUMEL, map(part_of, held)), dtype=np.int64, count=len(held))
+    bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
+    if bad >= 0:
+        raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
+                                 f"increasing in [0, {int(numels[bad])})")
+
+
+def _check_counts(bounds: np.ndarray, held: list[tuple[TensorRecord, Part]], wholes: list[bool], role: Role,
+                  step: int) -> None:
+    """A decoded batch's ``bounds`` (one count per tensor of ``held``) against the manifest's counts of the
+    tensors held whole (:class:`CorruptObjectError`)."""
+    first = held[0][0].name if held else "?"
+    if not isinstance(bounds, np.ndarray) or bounds.dtype != np.int64 or bounds.shape != (len(held) + 1,):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    counts = np.diff(bounds)
+    if int(bounds[0]) != 0 or bool((counts < 0).any()):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    recs = list(map(record_of, held))
     attr = "diff_changed" if role == "diff" else "changed"
     if all(wholes):
         expected = np.fromiter(map(operator.attrgetter(attr), recs), dtype=np.int64, count=len(held))
@@ -271,13 +294,6 @@ def _check_batch(b: UpdateBatch, held: list[tuple[TensorRecord, Part]], wholes: 
         t = held[int(off[0])][0]
         raise CorruptObjectError(f"version {step}, tensor {t.name!r}: {int(counts[off[0]])} changed elements "
                                  f"decoded, manifest says {int(expected[off[0]])}")
-    if positions_checked:
-        return
-    numels = np.fromiter(map(_NUMEL, map(part_of, held)), dtype=np.int64, count=len(held))
-    bad = segments.check_positions(pos.contiguous(), bounds, numels)  # type: ignore[arg-type]
-    if bad >= 0:
-        raise CorruptObjectError(f"version {step}, tensor {held[bad][0].name!r}: positions are not strictly "
-                                 f"increasing in [0, {int(numels[bad])})")
 
 
 def _check_sparse_shape(u: Update, spec: TensorSpec, name: str, step: int, expected: int) -> None:
