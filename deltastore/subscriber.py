@@ -24,7 +24,7 @@ from ._memory import pin_allocator, release_memory
 from .apply import (FullState, Reader, SparseOverlay, check_layout, check_overlaps, check_target, check_tied,
                     fits, mapping_reader, plain_cpu, restored_after, write_sparse)
 from .checksum import full_checksum, tensor_keys
-from .codecs import OldBits, Update, UpdateBatch
+from .codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
                      InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
                      VersionNotFoundError)
@@ -615,7 +615,7 @@ class Subscriber:
         :class:`UnsupportedFormatError`.
         """
         batched = role != "full" and names is None
-        batches: list[UpdateBatch] = []
+        batches: list[UpdateBatch | WrittenBatch] = []
         pieces: dict[str, list[tuple[Part, Update]]] = {}
         fetched = 0
         index = object_index(manifest, role)

@@ -355,6 +355,73 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     assert sub.pull(target, step=4, allow_anchor=False).path == "delta" and bits_equal(target, states[4])
 
 
+def _forged_ulp_delta(uri, states, step, forge):
+    """Replace version ``step``'s one delta object by a well-hashed ``ulp`` object of its changes from
+    ``step - 1`` as ``forge(name, positions, bits)`` alters them (a hostile or buggy writer)."""
+    from deltastore.codecs import TensorSpec, Update
+    from deltastore.codecs.ulp import UlpCodec
+
+    sub = ds.Subscriber(uri)
+    m = sub.manifest(step)
+    assert len(m.delta_objects) == 1
+    ups = []
+    for name in sorted(states[step]):
+        old = states[step - 1][name].view(torch.int16).reshape(-1)
+        new = states[step][name].view(torch.int16).reshape(-1)
+        pos = torch.ne(old, new).nonzero().squeeze(1)
+        pos, bits = forge(name, pos, new[pos].clone())
+        spec = TensorSpec(name, torch.bfloat16, tuple(states[step][name].shape))
+        old_at = old[pos.clamp(max=old.numel() - 1)]
+        ups.append(Update(spec, bits, pos, old_at))
+    data = UlpCodec().encode(ups)
+    digest = sub.store.put_object(data)
+
+    def edit(doc):
+        for o in doc["objects"]:
+            o.update(digest=digest, size=len(data), codec=UlpCodec().describe())
+
+    _rewrite_manifest(uri, step, edit)
+    sub.close()
+
+
+@pytest.mark.parametrize("forgery", ["position past the tensor", "wrong value"])
+def test_a_hostile_ulp_object_met_while_writing_in_place_leaves_the_target_at_its_version(store_uri, forgery):
+    """One delta behind, a ``ulp`` delta is written into the target as its gap stream is read. A position
+    past a tensor that comes after others were written (a typed CorruptObjectError), or a value the
+    manifest's checksum refutes (ChecksumMismatchError, found after every write): either way the target is
+    stepped back bit for bit and keeps its version."""
+    g = torch.Generator().manual_seed(5)
+    states = [{n: torch.randn(256, 96, generator=g).bfloat16() for n in ("a", "b", "c")}]
+    for _ in range(2):
+        states.append({k: (v.view(torch.int16) + (torch.rand(v.shape, generator=g) < 0.02)).view(torch.bfloat16)
+                       for k, v in states[-1].items()})
+    with ds.Publisher(store_uri, anchor_every=100, codec="ulp") as pub:
+        for i, st in enumerate(states):
+            pub.publish(st, step=i)
+    last = sorted(states[2])[-1]  # tensors lie in name order in the object: this one is met last
+
+    def forge(name, pos, bits):
+        if name != last:
+            return pos, bits
+        if forgery == "position past the tensor":
+            pos = pos.clone()
+            pos[-1] = states[2][name].numel()
+        else:
+            bits[len(bits) // 2] += 1
+        return pos, bits
+
+    _forged_ulp_delta(store_uri, states, 2, forge)
+    sub = ds.Subscriber(store_uri)
+    target = sub.pull(step=0).state
+    sub.pull(target, step=1)
+    before = {k: v.clone() for k, v in target.items()}
+    exc = CorruptObjectError if forgery == "position past the tensor" else ChecksumMismatchError
+    with pytest.raises(exc, match="beyond the tensor" if exc is CorruptObjectError else None):
+        sub.pull(target, step=2, allow_anchor=False)
+    assert bits_equal(target, before) and sub.version_of(target).step == 1
+    sub.close()
+
+
 def _raise_mismatch(names):
     raise ChecksumMismatchError(f"injected: tensor {names[0]!r} is off")
 
