@@ -690,21 +690,26 @@ def _restore_gaps_at(like, ptr, lens, slot, counts, s0, s1, gaps, i0, e0, planes
 
 @njit(nogil=True, cache=True)
 def _gap_offsets(gaps, ends):  # pragma: no cover - compiled
-    # the byte index after the first ends[k] values of a LEB128 stream (ends sorted), or -1 past its end
+    # the byte index after the first ends[k] values of a LEB128 stream (ends sorted), or -1 past its end:
+    # each value ends at a byte below 0x80, counted 64 bytes at a time while a whole block cannot overshoot
     out = np.full(ends.size, -1, np.int64)
-    k = 0
+    n = gaps.size
+    i = 0
     seen = 0
-    while k < ends.size and ends[k] == 0:
-        out[k] = 0
-        k += 1
-    for i in range(gaps.size):
-        if k >= ends.size:
-            break
-        if gaps[i] < 0x80:
-            seen += 1
-            while k < ends.size and ends[k] == seen:
-                out[k] = i + 1
-                k += 1
+    for k in range(ends.size):
+        want = ends[k]
+        while i + 64 <= n and seen + 64 <= want:
+            c = 0
+            for j in range(i, i + 64):
+                c += gaps[j] < 0x80
+            seen += c
+            i += 64
+        while i < n and seen < want:
+            seen += gaps[i] < 0x80
+            i += 1
+        if seen < want:
+            return out
+        out[k] = i
     return out
 
 
