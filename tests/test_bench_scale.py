@@ -107,5 +107,19 @@ def test_pull_stages_times_every_stage(tmp_path):
     assert "not found" not in proc.stdout, proc.stdout  # a renamed stage must be renamed here too
     rows = dict(line.strip("|").split("|")[:2] for line in proc.stdout.splitlines() if line.startswith("| `"))
     timed = {k.strip().strip("`"): float(v) for k, v in rows.items()}
-    for stage in ("Manifest.from_json", "UlpCodec.decode_batch", "StepsInPlace.run", "_expect_sums"):
+    for stage in ("Manifest.from_json", "UlpCodec.decode_batch", "StepsInPlace.run"):
         assert timed.get(stage, 0) > 0, (stage, timed)
+    assert "_expect_sums" in timed, timed  # called (a row only for a stage that ran): under 0.05 ms at this size
+
+
+def test_pull_floor_runs_bit_exact(tmp_path):
+    """bench/pull_floor.py at a tiny size: its fused floor kernels write the same bits as the library's pull
+    (the bench checks every row against the model and exits 1 otherwise), and it prints all three rows."""
+    _trace_module()
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pull_floor.py"), "--size", "0.01", "--steps", "3", "--repeat", "1",
+         "--store", str(tmp_path / "store")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["library pull", "floor: decompress + fused apply", "floor + checksum in the same pass"], rows
