@@ -45,22 +45,21 @@ import deltastore as ds  # noqa: E402
 from deltastore import tracking  # noqa: E402
 from deltastore.checksum import tensor_keys  # noqa: E402
 from deltastore.codecs._common import read_header, unpack_frames, zstd_decompress  # noqa: E402
-from deltastore.kernels.bitstream import _applied, _ordered, _plane_step, _step_range  # noqa: E402
+from deltastore.kernels.bitstream import (_RING_MASK, _STEP_AHEAD, _applied, _gap_offsets, _leb128, _ordered,  # noqa: E402
+                                          _plane_step, _step_range)
 from deltastore.kernels.checksum import C1, _fmix  # noqa: E402
 from deltastore.kernels.diff import _at, _prefetch_for_write  # noqa: E402
 from deltastore.kernels.parallel import each  # noqa: E402
 
-#: positions read ahead for the prefetch of the element they name (as the library's in-place kernel)
-_AHEAD = 32
-PREFETCH = [os.environ.get('FLOOR_PREFETCH', '1') == '1']
-
-
 @njit(nogil=True)
-def _fused(like, ptr, lens, counts, keys, s0, s1, gaps, i0, e0, planes, fmag, lo, hi, hashed, sums, ahead_on):
+def _fused(like, ptr, lens, counts, keys, s0, s1, gaps, i0, e0, planes, fmag, lo, hi, hashed, sums):
     # segment s: lens[s] elements at ptr[s], counts[s] positions from byte i0 of the LEB128 gap stream and
-    # value steps from column e0 of the planes; with ``hashed``, sums[s] gains (new - old) checksum terms
+    # value steps from column e0 of the planes; positions decoded _STEP_AHEAD items ahead into a ring (their
+    # cache lines fetched meanwhile), as the library's kernel; with ``hashed``, sums[s] gains the checksum
+    # change. Returns the first segment that is off, or -1.
     npl = planes.shape[0]
     width = like.itemsize
+    ring = np.empty(_RING_MASK + 1, np.int64)
     i = i0
     e = e0
     n = gaps.size
@@ -68,49 +67,20 @@ def _fused(like, ptr, lens, counts, keys, s0, s1, gaps, i0, e0, planes, fmag, lo
         a = _at(ptr[s], lens[s], like)
         lim = np.int64(lens[s])
         key = keys[s]
-        p = np.int64(-1)
-        ahead = i  # the byte reader for the prefetch runs _AHEAD positions in front
-        q = p
-        for _ in range(min(_AHEAD, counts[s]) if ahead_on else 0):
-            x = np.int64(0)
-            j = 0
-            while True:
-                b = np.int64(gaps[ahead])
-                ahead += 1
-                x |= (b & 0x7F) << (7 * j)
-                j += 1
-                if b < 0x80:
-                    break
-            q = q + x + 1
+        m = counts[s]
+        q = np.int64(-1)
+        got = 0
         total = np.uint64(0)
-        for c in range(counts[s]):
-            if ahead_on and c + _AHEAD < counts[s] and ahead < n:
-                x = np.int64(0)
-                j = 0
-                while True:
-                    b = np.int64(gaps[ahead])
-                    ahead += 1
-                    x |= (b & 0x7F) << (7 * j)
-                    j += 1
-                    if b < 0x80:
-                        break
-                q = q + x + 1
-                if q < lim:
-                    _prefetch_for_write(ptr[s] + q * width)
-            x = np.int64(0)
-            j = 0
-            while True:
-                if i >= n or j >= 10:
+        for c in range(m):
+            while got < m and got <= c + _STEP_AHEAD:
+                x, i, st = _leb128(gaps, i, n)
+                q += np.int64(x) + 1
+                if st or q >= lim:
                     return s
-                b = np.int64(gaps[i])
-                i += 1
-                x |= (b & 0x7F) << (7 * j)
-                j += 1
-                if b < 0x80:
-                    break
-            p = p + x + 1
-            if p >= lim:
-                return s
+                ring[got & _RING_MASK] = q
+                _prefetch_for_write(ptr[s] + q * width)
+                got += 1
+            p = ring[c & _RING_MASK]
             old = a[p]
             o = _applied(_plane_step(planes, npl, e), np.int64(old), fmag)
             if o < lo or o > hi:
@@ -123,18 +93,6 @@ def _fused(like, ptr, lens, counts, keys, s0, s1, gaps, i0, e0, planes, fmag, lo
             e += 1
         sums[s] += total
     return -1
-
-
-@njit(nogil=True)
-def _gap_bytes(gaps, counts, s1):
-    # bytes of the LEB128 stream taken by the positions of segments [0, s1)
-    i = 0
-    for s in range(s1):
-        for _ in range(counts[s]):
-            while gaps[i] >= 0x80:
-                i += 1
-            i += 1
-    return i
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             "ulp": ulp, "raw_len": raw_len, "nplanes": nplanes, "total": total, "counts": counts_a,
             "ptr": np.array([t.data_ptr() for t in ts], np.int64), "lens": np.array([t.numel() for t in ts], np.int64),
             "keys": tensor_keys(names, len(names)),
-            "runs": [(0, half, 0, 0), (half, len(names), int(_gap_bytes(gaps, counts_a, half)),
+            "runs": [(0, half, 0, 0), (half, len(names), int(_gap_offsets(gaps, np.array([counts_a[:half].sum()], np.int64))[0]),
                                         int(counts_a[:half].sum()))]})
     changes = sum(o["total"] for o in objects)
 
@@ -203,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         sums = np.zeros(len(o["ptr"]), np.uint64)
         runs = o["runs"]
         bad = each(2, lambda k: _fused(like, o["ptr"], o["lens"], o["counts"], o["keys"], runs[k][0], runs[k][1],
-                                       box[0], runs[k][2], runs[k][3], planes, fmag, lo, hi, hashed, sums, PREFETCH[0]))
+                                       box[0], runs[k][2], runs[k][3], planes, fmag, lo, hi, hashed, sums))
         assert all(b == -1 for b in bad), bad
 
     def one(hashed: bool) -> float:

@@ -722,8 +722,8 @@ class SparseOverlay:
         return [tensors for _, tensors, _ in self._in_place]
 
     def undo_in_place(self) -> int:
-        """Put back what decoders wrote in place (newest first: the bits they found, at the positions of
-        every tensor they finished); returns how many writes refused. Afterwards nothing is left to undo."""
+        """Put back what decoders wrote in place (newest first, each by the ``undo`` its decoder set, for the
+        tensors it finished); returns how many writes refused. Afterwards nothing is left to undo."""
         failed = 0
         for _, _, target in reversed(self._in_place):
             try:
