@@ -594,9 +594,9 @@ def _apply_gaps_at(like, ptr, lens, keys, slot, counts, s0, s1, gaps, i0, e0, pl
     # with t = slot[s] >= 0 is tensor t: lens[t] elements of like's dtype at ptr[t]; each of its items is
     # read, stepped and written back, the checksum change summed in sums[t]; it is written whole (done[t])
     # or, at a bad item, put back as it was (each written item stepped back) before returning. A segment
-    # with slot -1 is only read past. Returns (status, segment, byte after the
-    # run): 0 ok; 1 truncated stream; 2 a value over 10 bytes; 3 a position past its tensor; 4 a value out of
-    # the dtype's range (statuses 1 and 2 of skipped segments too).
+    # with slot -1 is only read past. Returns (status, segment, byte after the run): 0 ok; 1 truncated
+    # stream; 2 a value over 10 bytes; 3 a position past its tensor; 4 a value out of the dtype's range
+    # (statuses 1 and 2 of skipped segments too).
     npl = planes.shape[0]
     width = like.itemsize
     n = gaps.size
