@@ -175,13 +175,13 @@ class UlpCodec(ZstdLevel, Codec):
 
         kinds = _kinds(specs)
         counts_a = np.asarray(counts, np.int64)
-        targets = []
-        for f, idxs in kinds if in_place and total else ():  # each kind's tensors, if the receiver lets them
-            b = np.zeros(len(idxs) + 1, np.int64)
-            np.cumsum(counts_a[idxs], out=b[1:])
-            targets.append(write_in_place(old, [specs[i].name for i in idxs], b))
-        if targets and all(t is not None for t in targets):  # decode, step and write in one pass
-            return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, targets)
+        if in_place and total:  # each kind's tensors, if the receiver lets them: decode, step and write in one pass
+            kind_bounds = [np.concatenate([[0], np.cumsum(counts_a[idxs])]).astype(np.int64) for _, idxs in kinds]
+            targets = [write_in_place(old, [specs[i].name for i in idxs], b)
+                       for (_, idxs), b in zip(kinds, kind_bounds)]
+            if all(t is not None for t in targets):
+                return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, kind_bounds,
+                                            targets)  # type: ignore[arg-type]
         # the value planes decompress on another thread while this one decodes the positions (zstd and the
         # kernels release the GIL)
         _, (flat, bounds) = each(2, lambda k: unpack_planes() if k == 0 else
@@ -209,8 +209,9 @@ class UlpCodec(ZstdLevel, Codec):
 
     def _write_in_place(self, raw: dict[str, memoryview], specs: list[TensorSpec], counts: np.ndarray, raw_len: int,
                         unpack_planes: Callable[[], None], planes: np.ndarray, kinds: list[tuple[bool, list[int]]],
-                        targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
-        """The object's changes written into the receiver's tensors (``targets``: one per element kind) by
+                        kind_bounds: list[np.ndarray], targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
+        """The object's changes written into the receiver's tensors (``targets``: one per element kind, its
+        tensors' counts laid out by ``kind_bounds``) by
         :class:`deltastore.kernels.bitstream.StepsInPlace`: the position stream and the value planes
         decompressed on two threads at once, then per kind one pass over the stream that reads each gap,
         steps the value there and writes it back, on every kernel thread."""
@@ -219,7 +220,7 @@ class UlpCodec(ZstdLevel, Codec):
              stream.append(position_stream(raw, counts.tolist(), raw_len, self.codec_id)))
         gaps = np.frombuffer(stream[0], np.uint8)
         out: list[UpdateBatch | WrittenBatch] = []
-        for (f, idxs), target in zip(kinds, targets):
+        for (f, idxs), b, target in zip(kinds, kind_bounds, targets):
             slot = None
             if len(kinds) > 1:  # the other kinds' segments are read past
                 slot = np.full(len(specs), -1, np.int64)
@@ -237,7 +238,5 @@ class UlpCodec(ZstdLevel, Codec):
                         4: f"a decoded value is out of range for its {target.dtype} dtype",
                         5: "position stream has trailing bytes"}.get(status, f"in-place decode failed ({status})")
                 raise CorruptObjectError(f"ulp: {what} (tensor {specs[seg].name!r} of the object)")
-            b = np.zeros(len(idxs) + 1, np.int64)
-            np.cumsum(counts[idxs], out=b[1:])
             out.append(WrittenBatch([specs[i] for i in idxs], b, target))
         return out
