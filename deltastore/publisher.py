@@ -60,7 +60,7 @@ from .publish.upload import Job, store_jobs
 from .pull.anchor import stream_anchor
 from .quantize import get_quantizer
 from .store import DeltaStore, open_store, version_key
-from .tensors import StateLike, bits_view, dtype_name, named_tensors
+from .tensors import StateLike, dtype_name, named_tensors
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
@@ -321,8 +321,6 @@ class Publisher:
             captured = _Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
         elif same_layout:
             assert mirror is not None
-            if background:
-                self._pending.prune(mirror.version)  # what the writer has written in already
             diff = mirror.diff(tensors, chunk_elems=self.chunk_elems, pending=self._pending if background else None)
             captured = _Captured(step, specs, aliases, mirror, diff, time.time())
         else:  # a new chain: a private copy of every tensor, which becomes the mirror
@@ -340,7 +338,7 @@ class Publisher:
             self._capture_mirror = captured.mirror
             self._pending.clear()
         if captured.diff is not None:
-            self._pending.add(captured.diff.changes, step)
+            self._pending.add(captured.diff, step)
         future: Future[VersionInfo] = Future()
         total = sum(sp.numel for sp in specs.values())
         changed = total if captured.diff is None else captured.diff.changed + sum(
@@ -540,12 +538,16 @@ class Publisher:
                         f"version {captured.step} was dropped: an earlier background publish failed"))
                     continue
                 try:
-                    future.set_result(self._write(captured))
+                    info = self._write(captured)
                 except BaseException as e:  # surfaced to the caller by the next publish/flush/close
                     self._bg_error = e
                     future.set_exception(e)
+                else:
+                    self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
+                    future.set_result(info)
             finally:
                 self._queue.task_done()
+                item = captured = future = None  # nothing of a written version waits here for the next
 
     def _raise_background_error(self) -> None:
         error = self._bg_error

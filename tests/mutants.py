@@ -199,6 +199,12 @@ MUTANTS = [
     Mutant("fresh-dict-untracked", "the dict a pull returns is not tracked (its next pull takes an anchor)",
            [("deltastore/subscriber.py", "            tracking.set_version(result, ref)  # tracked weakly", "            pass  # tracked weakly")],
            ["tests/test_follower_loop.py"]),
+    Mutant("pending-kept-after-write", "a background publisher keeps a written version's changes until the next publish",
+           [("deltastore/publisher.py", "                    self._pending.prune(captured.step)", "                    pass")],
+           ["tests/test_background.py"]),
+    Mutant("writer-holds-last-version", "the background writer holds the last version it wrote while it waits",
+           [("deltastore/publisher.py", "                item = captured = future = None", "                pass")],
+           ["tests/test_background.py"]),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ import torch
 import deltastore as ds
 from conftest import bits_equal
 from deltastore.backends.memory import MemoryBackend
+from deltastore.publish.mirror import Diff
 from deltastore.store import DeltaStore
 
 
@@ -97,6 +99,37 @@ def test_background_publish_keeps_order_and_loses_nothing():
     target = sub.pull(step=0).state
     for i, s in enumerate(states):
         assert bits_equal(sub.pull(step=i).state, s)  # each version is what was captured, not the live tensors
+        sub.pull(target, step=i)
+        assert bits_equal(target, s)
+    pub.close()
+
+
+def _diffs_alive():
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if type(o) is Diff}
+
+
+def test_nothing_of_a_written_version_outlives_its_commit():
+    """Once the writer has committed what was queued, no captured change is kept (the capture side's record
+    of queued versions and the writer's last item included): background memory at rest is the mirror's."""
+    before = _diffs_alive()
+    backend = GatedBackend()
+    pub = ds.Publisher(DeltaStore(backend), background=True, max_pending=3, anchor_every=100)
+    states = _states(5)
+    pub.publish(states[0], step=0)
+    assert backend.entered.wait(timeout=30)
+    for i in range(1, 4):  # queued behind the blocked writer: each compare is corrected by the ones before
+        pub.publish(states[i], step=i)
+    assert len(_diffs_alive() - before) >= 3
+    backend.gate.set()
+    pub.flush()
+    assert _diffs_alive() - before == set()
+    pub.publish(states[4], step=4)
+    pub.flush()
+    assert _diffs_alive() - before == set()
+    sub = ds.Subscriber(DeltaStore(backend))
+    target = sub.pull(step=0).state
+    for i, s in enumerate(states):
         sub.pull(target, step=i)
         assert bits_equal(target, s)
     pub.close()

@@ -181,7 +181,7 @@ def test_pending_overlay_gives_the_changes_against_the_last_captured_version():
             assert torch.equal(got.positions, ref.positions), (step, k)
             assert torch.equal(got.new_bits, ref.new_bits) and torch.equal(got.old_bits, ref.old_bits), (step, k)
             assert diff.sums[k] == _sum_delta(k, ref)
-        pending.add(diff.changes, step)
+        pending.add(diff, step)
         states.append(nxt)
         if step % 2 == 0:  # the "writer" catches up on every version but the newest
             for s in range(mirror.version + 1, step):

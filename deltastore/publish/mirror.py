@@ -22,14 +22,17 @@ publish leaves the mirror as it was without a second copy.
 Background publishing (:class:`Pending`): the writer thread owns the mirror
 and advances it after each commit, while the caller already captures later
 versions. The capture side compares against the mirror (which may be some
-versions behind) and corrects the result with :class:`Pending`: for every
-position a queued version changed, the newest bits. A position outside it
-holds the same bits in the mirror and in the last captured version, so only
-the pending positions need a second look, O(changed) per version.
+versions behind) and corrects the result with the diffs of the versions
+still queued: for every position one of them changed, the newest bits. A
+position outside them holds the same bits in the mirror and in the last
+captured version, so only the pending positions need a second look,
+O(changed) per version. The writer drops a version from :class:`Pending`
+once the mirror holds it, so nothing of it outlives its commit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -68,7 +71,7 @@ class Diff:
     ``loose`` holds the changes of the tensors compared one by one.
     :attr:`changes` (a :class:`~deltastore.diff.Change` per tensor: views,
     a few microseconds each) is built on first use; once it is modified
-    (:meth:`Pending.correct`), ``flat`` is dropped.
+    (by a background compare, :class:`Pending`), ``flat`` is dropped.
     """
 
     def __init__(self, sums: dict[str, int], flat: Sequence[tuple[list[str], segments.FlatChanges]] = (),
@@ -277,6 +280,8 @@ class Mirror:
         just those tensors are compared (``tensors`` needs no others) and the
         Diff holds just them (a streamed capture diffs a model piece by piece).
         """
+        # taken before the compare: the writer may advance the mirror and prune what it wrote meanwhile
+        overlay = pending.snapshot() if pending is not None else ()
         loose: dict[str, Change] = {}  # the tensors compared one by one
         sums: dict[str, int] = {}
         flat: list[tuple[list[str], segments.FlatChanges]] = []
@@ -317,8 +322,8 @@ class Mirror:
         out = Diff({n: sums[n] for n in order}, flat, loose)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
-        if pending is not None and pending.entries:
-            pending.correct(out, tensors, self)
+        if overlay:
+            _correct(out, overlay, tensors, self)
         return out
 
     # -- moving ----------------------------------------------------------------------
@@ -366,83 +371,94 @@ def _sum_delta(name: str, ch: Change) -> int:
 
 
 class Pending:
-    """Positions changed by versions captured but not yet written into the mirror, with their newest bits.
+    """Versions captured but not yet written into the mirror (background mode), oldest first.
 
-    Kept by the capture side only. Per tensor: sorted positions, the bits of
-    the last captured version there, and the step that last changed each
-    (entries of steps the mirror already holds are dropped by :meth:`prune`).
+    The capture side adds each version it captures (:meth:`add`) and the
+    compare reads a :meth:`snapshot` before it starts; the writer forgets a
+    version as soon as the mirror holds it (:meth:`prune`, after the commit).
+    A version is kept as its captured :class:`Diff`, the very object queued
+    for the writer, so a queued version costs no memory beyond its diff and a
+    written one none at all. Safe to share between those two threads.
     """
 
     def __init__(self) -> None:
-        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._versions: tuple[tuple[int, Diff], ...] = ()
 
     def clear(self) -> None:
-        self.entries = {}
+        with self._lock:
+            self._versions = ()
 
     def prune(self, upto: int | None) -> None:
         """Forget what versions up to ``upto`` changed (the mirror holds them now)."""
         if upto is None:
             return
-        out = {}
-        for name, (pos, bits, steps) in self.entries.items():
-            keep = steps > upto
-            if bool(keep.all()):
-                out[name] = (pos, bits, steps)
-            elif bool(keep.any()):
-                out[name] = (pos[keep], bits[keep], steps[keep])
-        self.entries = out
+        with self._lock:
+            self._versions = tuple(v for v in self._versions if v[0] > upto)
 
-    def add(self, changes: Mapping[str, Change], step: int) -> None:
-        """Record version ``step``'s changes (after it was captured)."""
-        for name, ch in changes.items():
-            if not ch.count:
-                continue
-            stamp = torch.full((ch.count,), step, dtype=torch.int64)
-            prev = self.entries.get(name)
-            if prev is None:
-                self.entries[name] = (ch.positions, ch.new_bits, stamp)
-                continue
-            pos, bits, steps = prev
-            union, inverse = torch.unique(torch.cat([pos, ch.positions]), sorted=True, return_inverse=True)
-            n = pos.numel()
-            ub = torch.empty(union.numel(), dtype=bits.dtype)
-            us = torch.empty(union.numel(), dtype=torch.int64)
-            ub[inverse[:n]] = bits
-            us[inverse[:n]] = steps
-            ub[inverse[n:]] = ch.new_bits  # the newer version wins
-            us[inverse[n:]] = step
-            self.entries[name] = (union, ub, us)
+    def add(self, diff: Diff, step: int) -> None:
+        """Record version ``step``'s changes, against the version captured before it (after it was captured)."""
+        with self._lock:
+            self._versions += ((step, diff),)
 
-    def correct(self, diff: Diff, tensors: Mapping[str, torch.Tensor], mirror: Mirror) -> None:
-        """Turn ``diff`` (against the mirror) into the changes against the last captured version."""
-        touched = False
-        for name, (pos, bits, _) in self.entries.items():
-            ch = diff.changes[name]
-            spec = mirror.specs[name]
-            cand = torch.unique(torch.cat([ch.positions, pos]), sorted=True)
-            in_p, ip = _member(pos, cand)
-            in_d, id_ = _member(ch.positions, cand)
-            old = torch.empty(cand.numel(), dtype=bits.dtype)
-            old[in_p] = bits[ip[in_p]]
-            rest = ~in_p  # not pending: the mirror's bits there are stable, read by the compare
-            old[rest] = ch.old_bits[id_[rest]]
-            new = torch.empty_like(old)
-            new[in_d] = ch.new_bits[id_[in_d]]
-            miss = ~in_d  # pending but equal to the mirror in the compare: read the new bits themselves
-            if bool(miss.any()):
-                t = tensors[name].detach().reshape(-1)
-                at = cand[miss]
-                vals = t[at.to(t.device)]
-                if vals.dtype != spec.dtype:
-                    vals = vals.to(spec.dtype)
-                new[miss] = bits_view(vals.contiguous()).cpu()
-            keep = new != old
-            fixed = Change(cand[keep], new[keep], old[keep])
-            diff.changes[name] = fixed
-            diff.sums[name] = _sum_delta(name, fixed)
-            touched = True
-        if touched:
-            diff.flat = []
+    def snapshot(self) -> tuple[tuple[int, Diff], ...]:
+        """The pending versions now, ``(step, diff)`` oldest first (an immutable tuple)."""
+        return self._versions
+
+
+def _newest_bits(versions: Sequence[tuple[int, Diff]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per tensor that a pending version changed: the positions they changed (sorted) and the newest bits there."""
+    changed: dict[str, list[Change]] = {}
+    for _, d in versions:
+        for name, n in d.counts().items():
+            if n:
+                changed.setdefault(name, []).append(d.changes[name])
+    out = {}
+    for name, chs in changed.items():
+        if len(chs) == 1:
+            out[name] = (chs[0].positions, chs[0].new_bits)
+            continue
+        union, inverse = torch.unique(torch.cat([c.positions for c in chs]), sorted=True, return_inverse=True)
+        bits = torch.empty(union.numel(), dtype=chs[0].new_bits.dtype)
+        at = 0
+        for c in chs:  # oldest first: a newer version's bits overwrite an older one's
+            bits[inverse[at:at + c.count]] = c.new_bits
+            at += c.count
+        out[name] = (union, bits)
+    return out
+
+
+def _correct(diff: Diff, versions: Sequence[tuple[int, Diff]], tensors: Mapping[str, torch.Tensor],
+             mirror: Mirror) -> None:
+    """Turn ``diff`` (against the mirror) into the changes against the last captured version."""
+    touched = False
+    for name, (pos, bits) in _newest_bits(versions).items():
+        ch = diff.changes[name]
+        spec = mirror.specs[name]
+        cand = torch.unique(torch.cat([ch.positions, pos]), sorted=True)
+        in_p, ip = _member(pos, cand)
+        in_d, id_ = _member(ch.positions, cand)
+        old = torch.empty(cand.numel(), dtype=bits.dtype)
+        old[in_p] = bits[ip[in_p]]
+        rest = ~in_p  # not pending: the mirror's bits there are stable, read by the compare
+        old[rest] = ch.old_bits[id_[rest]]
+        new = torch.empty_like(old)
+        new[in_d] = ch.new_bits[id_[in_d]]
+        miss = ~in_d  # pending but equal to the mirror in the compare: read the new bits themselves
+        if bool(miss.any()):
+            t = tensors[name].detach().reshape(-1)
+            at = cand[miss]
+            vals = t[at.to(t.device)]
+            if vals.dtype != spec.dtype:
+                vals = vals.to(spec.dtype)
+            new[miss] = bits_view(vals.contiguous()).cpu()
+        keep = new != old
+        fixed = Change(cand[keep], new[keep], old[keep])
+        diff.changes[name] = fixed
+        diff.sums[name] = _sum_delta(name, fixed)
+        touched = True
+    if touched:
+        diff.flat = []
 
 
 def _member(sorted_values: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
