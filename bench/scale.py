@@ -18,7 +18,9 @@ about ``--tensors-mb`` / ``--tensors`` bytes (norm vectors stay whole) and
 replicates them the same way until there are ``--tensors`` tensors.
 
 Every case runs in a fresh child process, forked from this one before any tensor
-work, so that each measures its own memory and none pollutes another.
+work, so that none pollutes another; the memory cases run in a new interpreter
+instead (spawned), because a forked child counts as its own every page of
+library code it touches that this process had resident already.
 References are timed in the same child as what they are compared with, step by
 step, interleaved. Each delta figure is the median over ``--repeat`` steps after
 one warm-up step; anchor figures repeat the anchor ``--repeat`` times
@@ -516,19 +518,24 @@ def _child(conn, fn, args, kwargs, threads):
 
 
 class Runner:
-    """Runs each case in a child forked from this (tensor-free) process; collects results and errors."""
+    """Runs each case in a child forked from this (tensor-free) process, or with ``fresh=True`` in a new
+    interpreter (the memory cases: a forked child counts as its own every page of library code it touches
+    that this process already had resident, a new process only what it maps or touches beyond its
+    imports); collects results and errors."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.ctx = mp.get_context("fork")
+        self.fresh_ctx = mp.get_context("spawn")
         self.errors: list[str] = []
         self.t0 = time.perf_counter()
         self.loads: list[float] = [os.getloadavg()[0]]
 
-    def __call__(self, label, fn, *args, **kwargs):
+    def __call__(self, label, fn, *args, fresh=False, **kwargs):
         t = time.perf_counter()
-        here, there = self.ctx.Pipe(duplex=False)
-        p = self.ctx.Process(target=_child, args=(there, fn, (self.cfg, *args), kwargs, self.cfg["threads"]))
+        ctx = self.fresh_ctx if fresh else self.ctx
+        here, there = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(there, fn, (self.cfg, *args), kwargs, self.cfg["threads"]))
         p.start()
         there.close()
         try:
@@ -912,7 +919,7 @@ def main(argv=None) -> int:
             if res["publish", run]:
                 res["pull", run] = run_case(f"pull {r}", case_pull, run, "model", store, load_ref=sref)
                 if "memory" not in a.skip:
-                    res["rss_sub", run] = run_case(f"subscriber RSS {r}", case_rss_subscriber, store)
+                    res["rss_sub", run] = run_case(f"subscriber RSS {r}", case_rss_subscriber, store, fresh=True)
             shutil.rmtree(store, ignore_errors=True)
             if os.path.exists(sref):
                 os.remove(sref)
@@ -924,11 +931,11 @@ def main(argv=None) -> int:
                 for mode in ("sync", "background"):
                     d = os.path.join(work, f"{r}-rss-{mode}")
                     res["rss_pub", mode, run] = run_case(f"publisher RSS {mode} {r}", case_rss_publisher, run, d,
-                                                         mode=mode)
+                                                         mode=mode, fresh=True)
                     shutil.rmtree(d, ignore_errors=True)
                 d = os.path.join(work, f"{r}-rss-every")  # informational: a policy that tracks no drift
                 res["rss_pub", "every", run] = run_case(f"publisher RSS sync every(10) {r}", case_rss_publisher, run,
-                                                        d, policy=10)
+                                                        d, policy=10, fresh=True)
                 shutil.rmtree(d, ignore_errors=True)
             if "codecs" not in a.skip:
                 for codec in a.codecs:
@@ -942,7 +949,7 @@ def main(argv=None) -> int:
                                                                                  paths=False)
                     shutil.rmtree(d, ignore_errors=True)
         if "memory" not in a.skip:
-            res["runtime"] = run_case("runtime memory of a fresh process", case_runtime)
+            res["runtime"] = run_case("runtime memory of a fresh process", case_runtime, fresh=True)
             res["fresh_memory"] = run_case("what fresh memory costs here", case_fresh_memory)
         many_run = "dither-lr1e-5" if "dither-lr1e-5" in a.runs else a.runs[-1]
         res["many_run"] = many_run
