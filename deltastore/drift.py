@@ -10,9 +10,13 @@ chain. An element that changes back to the anchor's bits leaves the set.
 Layout: one compressed-row table per element width (:class:`_Table`): tensor
 ``k`` of the table owns ``positions[bounds[k]:bounds[k + 1]]`` (sorted) and the
 anchor's bits there. A version's changes are merged into a table by one
-kernel call (:func:`deltastore.kernels.diff.drift_merge_rows`) whatever the
-tensor count, so the cost follows the drifted and changed elements, not the
-number of tensors.
+kernel call (:func:`deltastore.kernels.diff.drift_merge_rows`) per run of
+rows (:func:`~deltastore.kernels.diff.merge_runs`, one per kernel thread)
+whatever the tensor count, so the cost follows the drifted and changed
+elements, not the number of tensors. The count that decides the anchor
+policy and a merge into fresh buffers run on every thread; a merge into the
+committed table's own buffers (it writes over rows other runs still read)
+on one.
 """
 
 from __future__ import annotations
@@ -27,16 +31,22 @@ import torch
 from . import segments
 from .diff import Change
 from ._memory import discard
-from .kernels.diff import drift_merge_rows, drift_merge_rows_in_place
+from .kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs
+from .kernels.parallel import each, threads
 from .segments import FlatChanges
 
 if TYPE_CHECKING:
     from .publish.mirror import Diff
 
+#: a version's changes as rows of a table: names, name -> row, row bounds in the change stream, and the stream's
+#: parts (positions, old bits, new bits)
+_Rows = tuple[tuple[str, ...], dict[str, int], np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]
 #: ``read(name, positions) -> bits`` of the current version at those flat positions
 Read = Callable[[str, torch.Tensor], torch.Tensor]
 
 _INT32_MAX = 2**31 - 1
+#: elements (previous and changed) below which a merge runs on one thread
+_MIN_MERGE_WORK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -174,16 +184,33 @@ class _Merge:
         self.lens = np.fromiter((pos.size for pos, _, _ in self.parts), np.int64, len(self.parts))
         assert int(self.lens.sum()) == int(self.c_bounds[-1])
         self.at = [np.fromiter((a[j].ctypes.data for a in self.parts), np.int64, len(self.parts)) for j in range(3)]
-        self.count = self._run(self.p_pos[:0], self.p_anchor[:0], np.empty(0, np.int64), write=False)
+        self.runs = merge_runs(self.p_bounds, self.c_bounds, self.lens, threads(), _MIN_MERGE_WORK)
+        # counted on every kernel thread (the count decides the anchor policy: it is on the publish path)
+        self.run_counts = self._each(self.p_pos[:0], self.p_anchor[:0], np.empty(0, np.int64), [0] * len(self.runs),
+                                     write=False)
+        self.count = sum(self.run_counts)
 
     @property
     def size(self) -> int:
         """Elements the merge may write (before dropping those back at the anchor's bits)."""
         return self.p_pos.size + int(self.lens.sum())
 
-    def _run(self, out_pos: np.ndarray, out_anchor: np.ndarray, out_bounds: np.ndarray, *, write: bool) -> int:
-        return drift_merge_rows(self.p_anchor[:0], np.empty(0, np.int64), self.p_bounds, self.p_pos, self.p_anchor,
-                                self.c_bounds, *self.at, self.lens, out_bounds, out_pos, out_anchor, write)
+    def _each(self, out_pos: np.ndarray, out_anchor: np.ndarray, out_bounds: np.ndarray, starts: list[int], *,
+              write: bool) -> list[int]:
+        """Each run of rows merged (or counted) on its own thread, its output from ``starts[r]`` on."""
+        def run(r: int) -> int:
+            k0, k1, q0, base0 = self.runs[r]
+            return drift_merge_rows(self.p_anchor[:0], np.empty(0, np.int64), self.p_bounds, self.p_pos,
+                                    self.p_anchor, self.c_bounds, *self.at, self.lens, out_bounds, out_pos,
+                                    out_anchor, write, k0, k1, q0, base0, starts[r])
+        return each(len(self.runs), run)
+
+    def _run(self, out_pos: np.ndarray, out_anchor: np.ndarray, out_bounds: np.ndarray) -> int:
+        """The merged table written to ``out_*`` (every run at its place, on every kernel thread)."""
+        out_bounds[0] = 0
+        starts = np.concatenate([[0], np.cumsum(self.run_counts)]).astype(np.int64).tolist()
+        self._each(out_pos, out_anchor, out_bounds, starts[:-1], write=True)
+        return self.count
 
     def _table(self, bounds: np.ndarray, pos: np.ndarray, anchor: np.ndarray, used: int, *, room: bool) -> _Table:
         return _Table(self.names, self.index, bounds, pos[:used], anchor[:used], (pos, anchor) if room else None)
@@ -193,7 +220,7 @@ class _Merge:
         out_pos = np.empty(self.size, np.int64 if self.wide else np.int32)
         out_anchor = np.empty(self.size, self.p_anchor.dtype)
         out_bounds = np.empty(len(self.names) + 1, np.int64)
-        used = self._run(out_pos, out_anchor, out_bounds, write=True)
+        used = self._run(out_pos, out_anchor, out_bounds)
         out_pos.resize(used, refcheck=False)  # in place: no second copy of the drift at its peak
         out_anchor.resize(used, refcheck=False)
         return self._table(out_bounds, out_pos, out_anchor, used, room=False)
@@ -214,7 +241,7 @@ class _Merge:
         else:  # room for a few more versions like this one: untouched pages cost no memory
             capacity = self.size + 2 * int(self.lens.sum()) + 4096
             pos, anchor = np.empty(capacity, pdt), np.empty(capacity, self.p_anchor.dtype)
-            used = self._run(pos, anchor, bounds, write=True)
+            used = self._run(pos, anchor, bounds)
             touched = used
         for a in (pos, anchor):  # what lies beyond the merged table goes back to the system
             discard(a, used, touched)

@@ -205,6 +205,19 @@ MUTANTS = [
     Mutant("writer-holds-last-version", "the background writer holds the last version it wrote while it waits",
            [("deltastore/publisher.py", "                item = captured = future = None", "                pass")],
            ["tests/test_background.py"]),
+    Mutant("drift-merge-keeps-returned", "an element that changes back to the anchor's bits stays in the drift "
+           "(the committed merge)",
+           [("deltastore/kernels/diff.py", "        keep = np.int64(a != x) | np.int64(anc != cn[j])\n        pos[w - 1]",
+             "        keep = np.int64(1)\n        pos[w - 1]")],
+           ["tests/test_drift.py"]),
+    Mutant("drift-count-keeps-returned", "an element that changes back to the anchor's bits is still counted as drift",
+           [("deltastore/kernels/diff.py", "        keep = np.int64(a != x) | np.int64(anc != cn[j])\n        if write:",
+             "        keep = np.int64(1)\n        if write:")],
+           ["tests/test_drift.py"]),
+    Mutant("drift-runs-overlap", "runs of rows merged on several threads start their output at the wrong place",
+           [("deltastore/drift.py", "self._each(out_pos, out_anchor, out_bounds, starts[:-1], write=True)",
+             "self._each(out_pos, out_anchor, out_bounds, [0] * len(self.runs), write=True)")],
+           ["tests/test_drift.py"]),
 ]
 
 

@@ -6,12 +6,21 @@ import numpy as np
 import pytest
 import torch
 
+from deltastore import drift
 from deltastore.diff import find_changes
 from deltastore.drift import DriftTracker
 
 
+@pytest.fixture(params=["one thread", "runs of rows on three threads"])
+def merge_threads(request, monkeypatch):
+    """Merges on one thread (these tables are small), or cut into runs of a row or a few on three threads."""
+    if request.param != "one thread":
+        monkeypatch.setattr(drift, "_MIN_MERGE_WORK", 1)
+        monkeypatch.setenv("DELTASTORE_THREADS", "3")
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_drift_matches_a_direct_compare_with_the_anchor(seed):
+def test_drift_matches_a_direct_compare_with_the_anchor(seed, merge_threads):
     g = torch.Generator().manual_seed(seed)
     # mixed widths (two tables), a tensor that only appears later, and elements that change back
     anchor = {"a": torch.randint(-5, 5, (4000,), dtype=torch.int16, generator=g),
@@ -89,7 +98,7 @@ def test_flat_changes_give_the_same_drift_as_per_tensor_changes(monkeypatch):
                 assert (got is None and not want.numel()) or torch.equal(got.positions.to(torch.int64), want)
 
 
-def test_flat_changes_held_in_many_parts_merge_as_one_stream():
+def test_flat_changes_held_in_many_parts_merge_as_one_stream(merge_threads):
     """The compare's buffers are merged as they are, never joined: a tensor's changes may straddle parts,
     and a part may be empty."""
     from deltastore import segments
@@ -134,7 +143,7 @@ def _step(state, g, share=0.05):
     return {k: find_changes(before[k], state[k]) for k in state}
 
 
-def test_commits_merge_into_the_committed_buffers_and_stay_exact():
+def test_commits_merge_into_the_committed_buffers_and_stay_exact(merge_threads):
     """A commit writes the merged table over the committed one (its buffers have room), and a
     proposal read before its commit (a differential) is built apart: both give the direct compare."""
     g = torch.Generator().manual_seed(3)

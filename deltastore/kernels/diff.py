@@ -19,6 +19,9 @@ takes a contiguous run of items (:func:`split_items`).
 * :func:`check_segments` — positions strictly increasing and in range, per segment.
 * :func:`take_stream` — chosen segments of a stream held in parts, in any order, back to back
   (a reorder or a subset with no index array).
+* :func:`drift_merge_rows` / :func:`drift_merge_rows_in_place` — a version's changes merged into the
+  drift tracker's rows (:mod:`deltastore.drift`), branch-free; :func:`merge_runs` cuts the rows into
+  runs for several threads.
 
 Callers validate addresses and sizes (the kernels trust them) and pass
 unsigned bit arrays (``np.uint8/16/32/64``), so widening zero-extends as the
@@ -289,54 +292,71 @@ def zero_flags(like, ptrs, lens, out):
         out[i] = all_zero(like, ptrs[i], lens[i])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _merge_up(p_pos, p_anchor, i, n_p, cp, co, cn, j, j1, out_pos, out_anchor, c, write):
+    """Changes ``j .. j1 - 1`` of one part merged with the row's previous elements from ``i`` (below ``n_p``)
+    that lie below them; returns the new ``(i, c)``. Each step emits one element (a previous one below
+    the change, or the change itself, dropped when it is back at the anchor's bits) without a branch on
+    the data: the comparisons select what is written and advance the indices. The element is written at
+    ``out[c]`` even when dropped (``c`` does not move): that slot is free."""
+    while j < j1:
+        if i >= n_p:  # the row's previous elements are used up: the rest are first changes
+            for jj in range(j, j1):
+                if write:
+                    out_pos[c] = cp[jj]
+                    out_anchor[c] = co[jj]
+                c += 1
+            return i, c
+        a = np.int64(p_pos[i])
+        x = cp[j]
+        anc = p_anchor[i]
+        lt = np.int64(a < x)
+        le = np.int64(a <= x)
+        keep = np.int64(a != x) | np.int64(anc != cn[j])
+        if write:
+            out_pos[c] = a if lt else x
+            out_anchor[c] = anc if le else co[j]
+        c += keep
+        i += le
+        j += 1 - lt
+    return i, c
+
+
 @njit(nogil=True, cache=True)
 def drift_merge_rows(like, lpos, p_bounds, p_pos, p_anchor, c_bounds, c_pos_at, c_old_at, c_new_at, c_lens,
-                     out_bounds, out_pos, out_anchor, write):
-    """Merge one version's changes into the positions that differ from the anchor, every row at once.
+                     out_bounds, out_pos, out_anchor, write, k0, k1, q0, base0, c0):
+    """Merge one version's changes into the positions that differ from the anchor, rows ``k0 .. k1 - 1``.
 
     Rows are tensors; within a row positions are sorted. Row ``k`` of the previous table is
     ``p_pos/p_anchor[p_bounds[k]:p_bounds[k + 1]]``; of the version's changes, elements
     ``c_bounds[k]:c_bounds[k + 1]`` of a stream held in parts (the compare's buffers, never joined):
     part ``q`` is ``c_lens[q]`` int64 positions (``lpos``'s dtype) and old and new bits (``like``'s
     dtype, the table's) at the addresses ``c_pos_at/c_old_at/c_new_at[q]``, back to back in stream
-    order. Both tables have the same rows. Writes the merged table to ``out_*`` (``out_bounds``: same
-    length as the inputs') and returns its element count; with ``write`` false, only counts (the
-    ``out_*`` arrays are not touched). An element that changes back to the anchor's bits leaves the set.
+    order; part ``q0``, whose first element is element ``base0`` of the stream, holds (or comes
+    before the part holding) row ``k0``'s first change. Both tables have the same rows. Writes the
+    merged rows to ``out_*`` from element ``c0`` on (``out_bounds``: same length as the inputs', its
+    entries ``k0 .. k1``) and returns how many elements they hold; with ``write`` false, only counts
+    (the ``out_*`` arrays are not touched). An element that changes back to the anchor's bits leaves
+    the set. Disjoint row ranges can run on several threads at once.
     """
-    c = 0
-    q = 0
-    base = 0  # stream index of part q's first element
-    cp, co, cn = _at(c_pos_at[0], c_lens[0], lpos), _at(c_old_at[0], c_lens[0], like), _at(c_new_at[0], c_lens[0], like)
+    c = c0
+    q = q0
+    base = base0  # stream index of part q's first element
     if write:
-        out_bounds[0] = 0
-    for k in range(p_bounds.size - 1):
+        out_bounds[k0] = c0
+    for k in range(k0, k1):
         i, n_p = p_bounds[k], p_bounds[k + 1]
-        for j in range(c_bounds[k], c_bounds[k + 1]):
-            while j - base >= c_lens[q]:  # the row goes on in the next part
+        j, j_end = c_bounds[k], c_bounds[k + 1]
+        while j < j_end:  # the row's changes, a part at a time
+            while j - base >= c_lens[q]:
                 base += c_lens[q]
                 q += 1
-                cp, co, cn = (_at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like),
-                              _at(c_new_at[q], c_lens[q], like))
-            x = cp[j - base]
-            while i < n_p and p_pos[i] < x:
-                if write:
-                    out_pos[c] = p_pos[i]
-                    out_anchor[c] = p_anchor[i]
-                c += 1
-                i += 1
-            if i < n_p and p_pos[i] == x:
-                a = p_anchor[i]
-                if a != cn[j - base]:
-                    if write:
-                        out_pos[c] = x
-                        out_anchor[c] = a
-                    c += 1
-                i += 1
-            else:  # first change since the anchor: the old bits are the anchor's
-                if write:
-                    out_pos[c] = x
-                    out_anchor[c] = co[j - base]
-                c += 1
+            stop = min(j_end, base + c_lens[q])
+            cp, co, cn = _at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like), \
+                _at(c_new_at[q], c_lens[q], like)
+            i, c = _merge_up(p_pos, p_anchor, i, n_p, cp, co, cn, j - base, stop - base, out_pos, out_anchor,
+                             c, write)
+            j = stop
         if write:
             for e in range(n_p - i):
                 out_pos[c + e] = p_pos[i + e]
@@ -344,7 +364,52 @@ def drift_merge_rows(like, lpos, p_bounds, p_pos, p_anchor, c_bounds, c_pos_at, 
         c += n_p - i
         if write:
             out_bounds[k + 1] = c
-    return c
+    return c - c0
+
+
+def merge_runs(p_bounds: np.ndarray, c_bounds: np.ndarray, c_lens: np.ndarray, pieces: int,
+               min_work: int = 1 << 18) -> list[tuple[int, int, int, int]]:
+    """Row ranges of about equal work (previous elements plus changes) for :func:`drift_merge_rows` on
+    ``pieces`` threads: ``(k0, k1, q0, base0)`` each, in row order, covering every row."""
+    rows = p_bounds.size - 1
+    work = p_bounds + c_bounds  # cumulative, per row boundary
+    total = int(work[-1])
+    pieces = max(1, min(pieces, rows, total // max(1, min_work)))
+    cuts = np.unique(np.concatenate([[0], np.searchsorted(work, np.arange(1, pieces) * (total / pieces)), [rows]]))
+    starts = np.zeros(c_lens.size, np.int64)
+    np.cumsum(c_lens[:-1], out=starts[1:])
+    out = []
+    for k0, k1 in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        q0 = max(0, int(np.searchsorted(starts, c_bounds[k0], side="right")) - 1)
+        out.append((k0, k1, q0, int(starts[q0])))
+    return out
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _merge_down(pos, anchor, i, i0, cp, co, cn, j, j0, w):
+    """:func:`_merge_up` from the top: changes ``j`` down to ``j0`` of one part merged with the row's
+    previous elements from ``i`` down to ``i0`` that lie above them, written downwards below ``w``;
+    returns the new ``(i, w)``. The slot ``w - 1`` is always above ``i`` (the room left above the
+    previous table is at least the changes still to merge), so it is written even for a dropped element."""
+    while j >= j0:
+        if i < i0:  # the row's previous elements are used up: the rest are first changes
+            for jj in range(j, j0 - 1, -1):
+                w -= 1
+                pos[w] = cp[jj]
+                anchor[w] = co[jj]
+            return i, w
+        a = np.int64(pos[i])
+        x = cp[j]
+        anc = anchor[i]
+        gt = np.int64(a > x)
+        ge = np.int64(a >= x)
+        keep = np.int64(a != x) | np.int64(anc != cn[j])
+        pos[w - 1] = a if gt else x
+        anchor[w - 1] = anc if ge else co[j]
+        w -= keep
+        i -= ge
+        j -= 1 - gt
+    return i, w
 
 
 @njit(nogil=True, cache=True)
@@ -362,33 +427,19 @@ def drift_merge_rows_in_place(like, lpos, p_bounds, pos, anchor, c_bounds, c_pos
     w = end  # the next element is written at w - 1
     q = c_lens.size - 1
     base = c_bounds[nrows] - c_lens[q]  # stream index of part q's first element
-    cp, co, cn = _at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like), _at(c_new_at[q], c_lens[q], like)
     for k in range(nrows - 1, -1, -1):
         out_bounds[k + 1] = w
         i, i0 = p_bounds[k + 1] - 1, p_bounds[k]
-        for j in range(c_bounds[k + 1] - 1, c_bounds[k] - 1, -1):
-            while j < base:  # the row goes on in the part before
+        j, j_start = c_bounds[k + 1] - 1, c_bounds[k]
+        while j >= j_start:  # the row's changes, a part at a time, from the last
+            while j < base:
                 q -= 1
                 base -= c_lens[q]
-                cp, co, cn = (_at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like),
-                              _at(c_new_at[q], c_lens[q], like))
-            x = cp[j - base]
-            while i >= i0 and pos[i] > x:
-                w -= 1
-                pos[w] = pos[i]
-                anchor[w] = anchor[i]
-                i -= 1
-            if i >= i0 and pos[i] == x:
-                a = anchor[i]
-                i -= 1
-                if a != cn[j - base]:
-                    w -= 1
-                    pos[w] = x
-                    anchor[w] = a
-            else:  # first change since the anchor: the old bits are the anchor's
-                w -= 1
-                pos[w] = x
-                anchor[w] = co[j - base]
+            first = max(j_start, base)
+            cp, co, cn = _at(c_pos_at[q], c_lens[q], lpos), _at(c_old_at[q], c_lens[q], like), \
+                _at(c_new_at[q], c_lens[q], like)
+            i, w = _merge_down(pos, anchor, i, i0, cp, co, cn, j - base, first - base, w)
+            j = first - 1
         while i >= i0:
             w -= 1
             pos[w] = pos[i]
