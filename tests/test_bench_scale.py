@@ -123,3 +123,14 @@ def test_pull_floor_runs_bit_exact(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["library pull", "floor: decompress + fused apply", "floor + checksum in the same pass"], rows
+
+
+def test_drift_bench_runs_bit_exact(tmp_path):
+    """bench/drift.py at a tiny size: it times every step's drift count and merge and ends bit-exact."""
+    _trace_module()
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "drift.py"), "--size", "0.01", "--steps", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2", "3"] and "bit-exact" in proc.stdout.splitlines()
