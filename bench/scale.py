@@ -45,6 +45,7 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -443,7 +444,26 @@ def case_runtime(cfg):
         sub.pull(target, step=0)
         sub.pull(target, step=1)
         sub.close()
-    return {"publish": published - base, "pull": baseline() - published}
+    return {"publish": published - base, "pull": baseline() - published, "import": _import_cost()}
+
+
+_IMPORT_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from _rss import baseline
+import torch
+before = baseline()
+import deltastore
+print(baseline() - before)
+"""
+
+
+def _import_cost():
+    """What ``import deltastore`` adds to a process that has imported torch (numba and llvmlite, mostly):
+    paid before any figure's baseline is taken, so part of none of them."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
 
 
 def case_fresh_memory(cfg):
@@ -818,7 +838,9 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
     rt = extra.get("runtime")
     if rt:
         print(f"- fixed runtime memory of a fresh process (a tiny model's first publish / first pull): "
-              f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above")
+              f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above; "
+              f"before them, `import deltastore` itself: {rt['import'] / MB:.0f} MB (numba and llvmlite, mostly; "
+              "in no figure's baseline-relative count)")
     fm = extra.get("fresh_memory")
     if fm:
         reporting = {True: "on", False: "off", None: "no balloon device"}[fm["reports_free_pages"]]

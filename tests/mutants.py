@@ -218,6 +218,13 @@ MUTANTS = [
            [("deltastore/drift.py", "self._each(out_pos, out_anchor, out_bounds, starts[:-1], write=True)",
              "self._each(out_pos, out_anchor, out_bounds, [0] * len(self.runs), write=True)")],
            ["tests/test_drift.py"]),
+    Mutant("runtime-object-unchecked", "the runtime's cached object code is loaded without checking its digest",
+           [("deltastore/kernels/jit.py", "            or hashlib.sha256(rest).hexdigest() != digest):", "            ):")],
+           ["tests/test_kernels_jit.py"]),
+    Mutant("lean-load-refreshes", "a cached kernel's load makes numba's compiler ready first (numba's own load)",
+           [("deltastore/kernels/jit.py", "            ensure_runtime(target_context, self._cache_path)\n",
+             "            target_context.refresh()\n")],
+           ["tests/test_kernels_jit.py"]),
 ]
 
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numba
 import numpy as np
-from numba import njit
 
 from .checksum import C1, _fmix
 from .diff import _at, _prefetch_for_write, _voidptr, segment_runs  # address -> array, for data where it lies
+from .jit import njit
 from .parallel import chunked, each, threads
 
 _U64 = np.uint64

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit
 
+from .jit import njit
 from .planes import _p8, _p16, _p32, _p64  # 64-bit address -> typed pointer (for numba.carray)
 
 C1 = np.uint64(0x9E3779B97F4A7C15)

@@ -33,11 +33,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .checksum import mix_sum_dense, mix_sum_sparse
+from .jit import njit
 
 
 @intrinsic

@@ -20,7 +20,7 @@ Callers pass int64 positions and unsigned bit arrays of one width, and validate 
 
 from __future__ import annotations
 
-from numba import njit
+from .jit import njit
 
 
 @njit(nogil=True, cache=True)

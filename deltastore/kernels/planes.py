@@ -26,8 +26,10 @@ from collections.abc import Sequence
 
 import numba
 import numpy as np
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from .jit import njit
 
 _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 

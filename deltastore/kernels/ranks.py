@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from numba import njit, types
+from numba import types
 from numba.extending import overload
 
+from .jit import njit
 from .parallel import bounds, each
 
 _MIN_CHUNK = 1 << 20
