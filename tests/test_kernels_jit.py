@@ -76,7 +76,10 @@ def _runtime_files(folder: Path) -> list[Path]:
 def test_a_cached_kernel_loads_without_the_compiler(folder: Path) -> None:
     first = _probe(folder)  # compiles, saves the kernel and the runtime's object code
     assert first["got"] == EXPECT and first["cache"] == "LeanFunctionCache" and first["cache_hits"] == 0
-    assert len(_runtime_files(folder)) == 1
+    (path,) = _runtime_files(folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "the runtime file ignores the umask"
     second = _probe(folder)
     assert second["got"] == EXPECT and second["cache_hits"] == 1 and second["runtime_ready"]
     assert not second["lowering_imported"], "a cached load imported numba's lowering modules"

@@ -31,7 +31,7 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -142,7 +142,10 @@ def _write_runtime(path: str, header: dict[str, Any], library: Any) -> None:
     head = dict(header, object=len(obj), bitcode=len(bitcode), sha256=hashlib.sha256(body).hexdigest())
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".nrt-", dir=os.path.dirname(path))
+        tmp = os.path.join(os.path.dirname(path), f".nrt-{uuid.uuid4().hex}")
+        # os.open applies the umask, as numba's own cache files do (mkstemp would force 0600: a cache shared by
+        # several users would then be unreadable, and recompiled, for all but its writer)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_MAGIC + json.dumps(head, sort_keys=True).encode() + b"\n" + body)
