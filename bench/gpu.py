@@ -9,7 +9,8 @@ is a warm-up; default 5 on cuda, 2 on cpu), ``--budget S`` (default 400 s: the w
 minutes), ``--tensors N`` (tensor count of the replicated model, default 291 = Llama-7B's),
 ``--codec`` (the Publisher's delta codec, default ``auto`` = the library default), ``--trace-steps K``
 (use only the trace's first K steps: what ``bench/gpu_wheels.sh`` copies for the device machine),
-``--vllm tiny|medium`` (size of the vLLM-style fake model), ``--workdir DIR``, ``--json PATH``.
+``--vllm tiny|medium`` (size of the vLLM-style fake model), ``--profile N`` (one extra, unmeasured step per
+run under cProfile: its N costliest functions, printed and kept in the JSON), ``--workdir DIR``, ``--json PATH``.
 
 Data: the real SmolLM2 trace (env ``DELTASTORE_TRACES``, default ``../shared/traces``). Its recorded
 tensors are replicated as cloned tensors under new names until the model reaches ``--size`` GB, on the
@@ -50,12 +51,15 @@ would not fit. The JSON is rewritten after every phase, so a kill still leaves t
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import importlib.util
+import io
 import json
 import math
 import os
 import platform
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -644,11 +648,28 @@ def phase_vllm(rep: Report, a, dev: Dev, work: Path) -> None:
     shutil.rmtree(uri, ignore_errors=True)
 
 
+def profiled(fn, top: int) -> str:
+    """``fn()`` under cProfile: its ``top`` functions by cumulative time, as text."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def phase_checkpoint(rep: Report, cur: dict, dev: Dev, work: Path) -> None:
     """The reload reference: the step's whole checkpoint as one safetensors file, loaded onto the device."""
     path = str(work / "step.safetensors")
     _, save_s = dev.timed(lambda: save_file(cur, path))
     size = os.path.getsize(path)
+    if dev.cuda and torch.cuda.mem_get_info(dev.device)[0] < 1.05 * size:  # an 80 GB card at 14 GB: no room
+        os.remove(path)
+        raise RuntimeError(f"no room on the device for the checkpoint ({size / GB:.1f} GB) beside the run's "
+                           f"{torch.cuda.memory_allocated(dev.device) / GB:.1f} GB; use a larger card or --size")
     dropped = drop_cache(path)
     loaded, cold = dev.timed(lambda: load_file(path, device=str(dev.device)))
     check_equal(loaded, cur, "checkpoint loaded from disk")
@@ -783,9 +804,20 @@ def _run(rep: Report, a, dev: Dev, work: Path, run: str, share: float, with_chec
         if t < a.steps and used + nxt > share and (t >= 2 or used + nxt > share * 1.25):
             log(f"{r}: stopping after step {t} of {a.steps} (time budget: {used:.0f} s used of {share:.0f} s)")
             break
+    last = rows[-1]["step"]
+    if a.profile:  # one more step, not measured: where a publish and a pull spend their time
+        last += 1
+        src.advance()
+        raw["profile"] = {"publish": profiled(lambda: pub.publish(cur, step=last), a.profile),
+                          "pull": profiled(lambda: sub.pull(target, step=last), a.profile)}
+        bg.publish(cur, step=last).result()
+        bg.flush()
+        check_equal(target, cur, f"{r}: pull of the profiled step {last}")
+        for what, text in raw["profile"].items():
+            print(f"\n## {r}: profile of one {what} (cProfile, cumulative; step {last})\n{text}", flush=True)
     # the background store's last version against the source (full checksums, on the device)
     with ds.Subscriber(str(store_bg)) as check:
-        check.verify(cur, step=rows[-1]["step"])
+        check.verify(cur, step=last)
     tracking.set_version(target, None)  # the tracking table would keep the target alive
     for k in ("pub", "bg", "sub"):
         held.pop(k).close()
@@ -859,6 +891,8 @@ def main(argv=None) -> int:
     ap.add_argument("--codec", default="auto", help="the Publisher's delta codec (default auto)")
     ap.add_argument("--trace-steps", type=int, default=0, help="use only the trace's first K steps (0: all)")
     ap.add_argument("--vllm", choices=["tiny", "medium"], default=None, help="fake model size (cuda: medium)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the measured steps, one more step profiled: print its N costliest functions")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write every figure here (JSON)")
     a = ap.parse_args(argv)

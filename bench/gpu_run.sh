@@ -9,7 +9,8 @@
 # which shadows the image's packages on PYTHONPATH and survives between calls on a warm machine, so a first
 # call that carries only bench/.wheels/numba (too large to travel with the trace) can install numba ahead.
 # Writes $OUT/gpu.json (every figure) and $OUT/gpu.log. Env: PYTHON (default python3), GPU_BUDGET (seconds
-# bench/gpu.py plans for, default 330), GPU_TIMEOUT (hard stop, default 390), WHEELS=none (skip the install).
+# bench/gpu.py plans for, default 330), GPU_TIMEOUT (hard stop, default 390), GPU_PROFILE (functions printed
+# from the profiled extra step of each run, default 30; 0: none), WHEELS=none (skip the install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -55,7 +56,7 @@ if [ -z "${DELTASTORE_TRACES:-}" ] && [ -f bench/.gpu-trace/weight_trace.py ]; t
 fi
 echo "trace: ${DELTASTORE_TRACES:-../shared/traces}"
 timeout -k 15 "${GPU_TIMEOUT:-390}" "$PY" bench/gpu.py --json "$OUT/gpu.json" --budget "${GPU_BUDGET:-330}" \
-  "${ARGS[@]}" "$@" 2>&1 | tee "$OUT/gpu.log"
+  --profile "${GPU_PROFILE:-30}" "${ARGS[@]}" "$@" 2>&1 | tee "$OUT/gpu.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" = 124 ] && echo "gpu_run.sh: bench/gpu.py was stopped at ${GPU_TIMEOUT:-390} s; $OUT/gpu.json holds the phases it finished"
 echo "gpu_run.sh: exit $rc"

@@ -19,7 +19,6 @@ version.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -41,12 +40,12 @@ from .tensors import bits_dtype, bits_view
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-@functools.lru_cache(maxsize=1 << 18)
 def plain_cpu(t: torch.Tensor) -> bool:
     """Whether the kernels may read and write ``t`` by address: a plain (not subclassed) CPU tensor.
 
     Subclasses (DTensor, fakes, instrumented tensors) always go through torch
-    ops, so whatever they intercept still sees every write.
+    ops, so whatever they intercept still sees every write. Never cached: a cache keyed by the tensor
+    would keep every tensor ever asked about (a whole model's targets) alive.
     """
     return type(t) in _PLAIN and t.is_cpu
 

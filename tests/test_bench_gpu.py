@@ -35,7 +35,7 @@ def test_gpu_bench_cpu_smoke_reports_every_figure(tmp_path):
     env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--size", "0.05", "--json", str(out),
-         "--workdir", str(tmp_path)],
+         "--workdir", str(tmp_path), "--profile", "5"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "RESULT ok" in proc.stdout and "CPU SMOKE TEST" in proc.stdout
@@ -54,6 +54,9 @@ def test_gpu_bench_cpu_smoke_reports_every_figure(tmp_path):
         # extra resident memory can legitimately round to ~0; everything else is a positive time, rate or ratio
         assert v >= 0 if "rss" in key else v > 0, (key, v)
         assert f["label"] and f"| {f['label']} |" in proc.stdout  # printed in the table
+    for r in RUNS:  # --profile: one more step per run, profiled, and still bit-exact (checked in the script)
+        assert "publisher.py" in doc["raw"]["runs"][r]["profile"]["publish"]
+        assert "subscriber.py" in doc["raw"]["runs"][r]["profile"]["pull"]
     assert figures["vllm_tp1_versions_exact"]["value"] == 10 and figures["vllm_tp2_versions_exact"]["value"] == 10
     # no device memory on cpu: skipped, with the reason, never a made-up number
     for r in RUNS:
