@@ -69,7 +69,7 @@ def main() -> int:
                 info = pub.publish(src.state, step=t)
                 wall = time.perf_counter() - t0
                 print(f"| {t} | {wall * 1e3:.0f} | {log.get('propose', 0) * 1e3:.0f} | {log.get('commit', 0) * 1e3:.0f} "
-                      f"| {info.differential} | {pub._drift.nbytes / 1e6:.1f} |")  # private: the tracker's own count
+                      f"| {info.differential} | {pub.head.drift.nbytes / 1e6:.1f} |")  # the tracker's own count
         ok = scale.bits_equal(ds.Subscriber(store).pull(step=a.steps).state, src.state)
     print("bit-exact" if ok else "NOT bit-exact")
     return 0 if ok else 1

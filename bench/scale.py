@@ -422,7 +422,7 @@ def case_rss_publisher(cfg, run, store, *, mode="sync", policy=None):
         out["peak"].append(rss.peak() - base)
         out["steady"].append(Rss.now() - base)
         out.setdefault("steady_anon", []).append(Rss.anonymous() - base_anon)
-        out["drift"].append(pub._drift.nbytes)  # private: the tracker's own count of what it holds
+        out["drift"].append(pub.head.drift.nbytes)  # the tracker's own count of what it holds
     out["steady_trimmed"] = baseline() - base  # what stays once freed memory goes back to the OS
     pub.close()
     return out

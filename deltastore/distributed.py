@@ -27,21 +27,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._gc import paused
-from .anchors import ChainState
 from .checksum import format_checksum, full_checksum, sparse_sum, tensor_key
 from .codecs import TensorSpec
 from .diff import Change
 from .drift import DriftTracker
-from .errors import DeltaStoreError, StepOrderError, TargetMismatchError, VersionExistsError
-from .manifest import (COLUMNS_FORMAT_VERSION, MAX_STEP, Manifest, ObjectRecord, Part, TensorRecord, VersionRef,
-                       check_tensor_name)
+from .errors import TargetMismatchError
+from .manifest import COLUMNS_FORMAT_VERSION, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
+from .publish.chain import Decision, check_step
+from .publish.collective import Collective
+from .publish.commit import commit_manifest, post_commit, producer
 from .publish.mirror import Diff, Mirror
-from .publish.upload import Job, store_jobs
+from .publish.objects import Whole
+from .publish.upload import Job
 from .publisher import Publisher, VersionInfo
-from .tensors import dtype_name
+from .store import DeltaStore
+from .tensors import dtype_name, published_dtype
 
 _M64 = (1 << 64) - 1
 
@@ -55,160 +57,114 @@ class _Shard:
     dtype: str
 
 
+@dataclass
+class _Compared:
+    """What one rank's compare found: per owned tensor ``(changed, checksum contribution)``, the drift it
+    proposes, and the mirror it compared against (or a new one, holding this version)."""
+
+    summary: dict[str, tuple[int, int]]
+    changes: dict[str, Change]
+    diff: Diff | None
+    mirror: Mirror
+    proposed: Any
+
+
 class ShardedPublisher:
     """One logical Publisher spread over the ranks of a process group.
 
     Every rank constructs it with the same arguments (those of
-    :class:`Publisher`, except ``background``) and calls :meth:`publish` with
-    the same steps. Returns the same :class:`VersionInfo` on every rank.
-    Raises the errors of :meth:`Publisher.publish`; a failure on any rank
-    aborts the version on all ranks (nothing is committed).
+    :class:`Publisher`, except ``background`` and ``resume``) and calls
+    :meth:`publish` with the same steps. Returns the same :class:`VersionInfo`
+    on every rank. Raises the errors of :meth:`Publisher.publish`; a failure on
+    any rank aborts the version on all ranks (nothing is committed): the rank
+    that failed raises its own error, the others a
+    :class:`~deltastore.publish.collective.CollectiveError` naming it.
+
+    Each rank composes the same stages a :class:`Publisher` does (its
+    ``planner``, chain ``head``, ``uploader`` and ``retainer``) and one
+    :class:`~deltastore.publish.collective.Collective`: without an initialised
+    process group (or with ``group=LOCAL``) it runs as a single rank, through
+    the same code.
     """
 
-    def __init__(self, uri: Any, *, group: dist.ProcessGroup | None = None, **publisher_kwargs: Any):
+    def __init__(self, uri: Any, *, group: Any = None, **publisher_kwargs: Any):
         if publisher_kwargs.get("background"):
             raise ValueError("ShardedPublisher does not run in the background")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        # The per-rank engine: its mirror, drift tracker, codecs and upload pool hold this rank's shards.
-        self._engine = Publisher(uri, resume=False, **publisher_kwargs)
+        if publisher_kwargs.pop("resume", False):
+            raise ValueError("ShardedPublisher does not resume a chain: its first publish writes an anchor")
+        self.collective = Collective(group)
+        self.rank, self.world = self.collective.rank, self.collective.world
+        # This rank's stages (its shards' codecs, chain head, uploads); the Publisher only configures them.
+        self._stages = Publisher(uri, resume=False, **publisher_kwargs)
+        self._mirror: Mirror | None = None
         self._layout: list[_Shard] | None = None
-        self._last_step = self._engine.store.latest()
+        self._last_step = self.store.latest()
 
     @property
-    def store(self):  # noqa: ANN201 - DeltaStore
-        return self._engine.store
+    def store(self) -> DeltaStore:
+        """The store every rank writes to."""
+        return self._stages.store
 
     @paused
     def publish(self, state: Any, *, step: int) -> VersionInfo:
         """Publish this rank's shards of version ``step``; collective over the group."""
-        e = self._engine
-        local = _normalise_shards(state, self.rank, self.group)
-        meta = [_Shard(n, off, t.numel(), shape, dtype_name(e._dtype_of(t))) for n, (t, off, shape) in local.items()]
-        everyone: list[list[_Shard]] = [[] for _ in range(self.world)]
-        dist.all_gather_object(everyone, meta, group=self.group)
+        st, coll = self._stages, self.collective
+        what = f"version {step}"
+        local: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]] = {}
+
+        def describe_shards() -> list[_Shard]:
+            local.update(_normalise_shards(state))
+            return [_Shard(n, off, t.numel(), shape, dtype_name(published_dtype(t, st.dtype)))
+                    for n, (t, off, shape) in local.items()]
+
+        everyone = coll.reduce(describe_shards, lambda xs: xs, what=f"{what}: shard layout")
         layout, owned = _plan_layout(everyone, self.rank)
-        specs = {n: TensorSpec(n, e._dtype_of(local[n][0]), (local[n][0].numel(),)) for n in owned}
-        same_layout = e._mirror is not None and layout == self._layout
+        specs = {n: TensorSpec(n, published_dtype(local[n][0], st.dtype), (local[n][0].numel(),)) for n in owned}
+        same_layout = self._mirror is not None and layout == self._layout
+        total = sum(math.prod(shape) for shape, _ in _tensors(layout).values())
+        compared: list[_Compared] = []
 
-        error: BaseException | None = None
-        summary: dict[str, tuple[int, int]] = {}
-        changes: dict[str, Change] = {}
-        diff: Diff | None = None
-        mirror = e._mirror
-        proposed = None
-        try:
-            self._check_step(step)
-            mine = {n: local[n][0] for n in owned}
-            if same_layout:
-                assert mirror is not None
-                diff = mirror.diff(mine, chunk_elems=e.chunk_elems)
-                changes = diff.changes
-            else:
-                mirror = Mirror.capture(mine, specs, e.mirror_device)
-            for n in owned:
-                off = local[n][1]
-                if diff is None:
-                    summary[n] = (specs[n].numel, _partial_full(n, mirror.view(n), off))
-                elif off == 0:
-                    summary[n] = (changes[n].count, diff.sums[n])
-                else:
-                    ch = changes[n]
-                    k = tensor_key(n)
-                    summary[n] = (ch.count, (sparse_sum(k, ch.positions + off, ch.new_bits)
-                                             - sparse_sum(k, ch.positions + off, ch.old_bits)) & _M64)
-            if same_layout and e.policy.tracks_drift:
-                proposed = e._drift.propose(changes)
-        except BaseException as exc:  # keep taking part in the collectives, then raise
-            error = exc
-        drift = DriftTracker.count(proposed) if proposed is not None else 0
-        gathered = self._gather((summary, drift, _describe(error)))
+        def compare() -> int:  # this rank's drift: rank 0 decides from the ranks' sum
+            check_step(step, self.store if self.rank == 0 else None, self._last_step)
+            compared.append(self._compare({n: local[n][0] for n in owned}, {n: local[n][1] for n in owned},
+                                          specs, same_layout))
+            return self._drift_count(compared[0])
 
-        decision: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                decision[0] = self._decide(gathered, layout, same_layout)
-            except BaseException as exc:  # never leave the other ranks waiting
-                decision[0] = (False, False, f"rank 0: {_describe(exc)}")
-        dist.broadcast_object_list(decision, src=0, group=self.group)
-        is_anchor, with_diff, failed = decision[0]
-        if failed:
-            raise error if error is not None else DeltaStoreError(f"version {step} aborted: {failed}")
+        def decide(drifts: list[int]) -> Decision:
+            return st.head.decide(same_layout=same_layout, drift_elements=sum(drifts), total=total,
+                                  tracking=same_layout and st.head.tracks_drift())
 
-        records: list[ObjectRecord] = []
-        parts: list[tuple[str, str, Part]] = []  # (role, name, part with a local object index)
-        diff_changes: dict[str, Change] = {}
+        decision = coll.reduce(compare, decide, what=f"{what}: compare")
+        c = compared[0]
         advanced = False
-        assert mirror is not None
-        try:
-            whole: list[tuple[str, dict[str, list[Part]]]] = []
-            delta_of: dict[str, list[Part]] = {}
-            diff_of: dict[str, list[Part]] = {}
-            full_of: dict[str, list[Part]] = {}
-            if same_layout:
-                jobs = e._sparse_jobs(specs, changes, mirror, delta_of, whole, None)
-                records += store_jobs(e._pool, e.store, jobs, inflight=e.max_workers, first_index=len(records))
-            if diff is not None:
-                mirror.advance(diff)
-                advanced = True
-            later: list[Job] = []
-            if with_diff:  # anchor -> now, read from the mirror (which holds "now")
-                assert proposed is not None
-                diff_changes = DriftTracker.differential(proposed, mirror.gather)
-                later += e._sparse_jobs(specs, diff_changes, mirror, diff_of, whole, proposed)
-            object_bytes, inflight = e._anchor_streaming(specs)
-            for index_of in (delta_of, diff_of):
-                names = [n for n, ix in whole if ix is index_of]
-                if names:
-                    later += e._dense_jobs(specs, names, mirror, index_of, object_bytes)
-            if is_anchor:
-                later += e._dense_jobs(specs, list(specs), mirror, full_of, object_bytes)
-            records += store_jobs(e._pool, e.store, later, inflight=inflight, first_index=len(records))
-            for role, index_of in (("delta", delta_of), ("diff", diff_of), ("full", full_of)):
-                for n, plist in index_of.items():
-                    parts += [(role, n, Part(p.object, p.offset + local[n][1], p.numel)) for p in plist]
-        except BaseException as exc:
-            error = exc
-        diff_counts = {n: ch.count for n, ch in diff_changes.items()}
-        uploads = self._gather((records, parts, diff_counts, _describe(error)))
 
-        outcome: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                outcome[0] = self._commit(step, layout, gathered, uploads, same_layout, is_anchor, with_diff)
-            except BaseException as exc:
-                outcome[0] = ("error", f"{type(exc).__name__}: {exc}", exc if isinstance(exc, DeltaStoreError)
-                              else None)
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        if outcome[0][0] == "error":
-            if advanced:
-                assert diff is not None
-                mirror.revert(diff)
-            if error is not None:
-                raise error
-            exc = outcome[0][2]
-            raise exc if isinstance(exc, BaseException) else DeltaStoreError(f"version {step}: {outcome[0][1]}")
-        info: VersionInfo = outcome[0][1]
-        last: VersionRef = outcome[0][2]
-        anchor: VersionRef | None = outcome[0][3]
-        # Committed everywhere: this rank's mirror (already advanced) and drift move forward.
-        mirror.version = step
-        e._mirror = mirror
-        if diff is None:
-            e._drift.reset()
-        elif is_anchor:
-            e._drift.reset()
-        elif proposed is not None:
-            e._drift.commit(proposed)
+        def upload() -> tuple[Any, ...]:
+            nonlocal advanced
+            records, parts, diff_counts, advanced = self._upload(specs, c, decision, local)
+            # rank 0 assembles the manifest from every rank's objects, parts, counts and checksum sums
+            return records, parts, diff_counts, c.summary, self._drift_count(c)
+
+        try:
+            info, last, anchor = coll.reduce(
+                upload, lambda uploads: self._commit(step, layout, uploads, same_layout, decision),
+                what=f"{what}: upload and commit")
+        except BaseException:
+            if advanced:  # the version failed somewhere: this rank's mirror goes back to the parent
+                assert c.diff is not None
+                c.mirror.revert(c.diff)
+            raise
+        # Committed everywhere: this rank's mirror (already advanced) and head move forward.
+        c.mirror.version = step
+        self._mirror = c.mirror
+        st.head.adopt(last, anchor, decision, c.proposed)
         self._layout = layout
         self._last_step = step
-        e._last, e._anchor = last, anchor
         return info
 
     def close(self) -> None:
         """Release this rank's mirror and store connection."""
-        self._engine.close()
+        self._mirror = None
+        self._stages.close()
 
     def __enter__(self) -> ShardedPublisher:
         return self
@@ -216,86 +172,127 @@ class ShardedPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- rank 0 ----------------------------------------------------------------------
-    def _decide(self, gathered: list[Any], layout: list[_Shard], same_layout: bool) -> tuple[bool, bool, str]:
-        failed = "; ".join(f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err)
-        if failed:
-            return False, False, failed
-        e = self._engine
-        total = sum(math.prod(shape) for shape, _ in _tensors(layout).values())
-        drift = sum(d for _, d, _ in gathered)
-        chain_now = ChainState(**{**e._chain.__dict__, "drift": drift / max(total, 1), "drift_elements": drift})
-        is_anchor = not same_layout or e.policy.should_anchor(chain_now)
-        with_diff = (same_layout and e.policy.tracks_drift and not is_anchor and e._anchor is not None
-                     and e.policy.should_differential(chain_now))
-        return is_anchor, with_diff, ""
+    # -- every rank ------------------------------------------------------------------
+    def _compare(self, mine: dict[str, torch.Tensor], offsets: dict[str, int], specs: dict[str, TensorSpec],
+                 same_layout: bool) -> _Compared:
+        """Diff this rank's shards against its mirror (or capture them into a new one)."""
+        st = self._stages
+        summary: dict[str, tuple[int, int]] = {}
+        if not same_layout:
+            mirror = Mirror.capture(mine, specs, st.mirror_device)
+            for n in mine:
+                summary[n] = (specs[n].numel, _partial_full(n, mirror.view(n), offsets[n]))
+            return _Compared(summary, {}, None, mirror, None)
+        mirror = self._mirror
+        assert mirror is not None
+        diff = mirror.diff(mine, chunk_elems=st.chunk_elems)
+        changes = diff.changes
+        for n in mine:
+            off, ch = offsets[n], changes[n]
+            if off == 0:
+                summary[n] = (ch.count, diff.sums[n])
+            else:
+                k = tensor_key(n)
+                summary[n] = (ch.count, (sparse_sum(k, ch.positions + off, ch.new_bits)
+                                         - sparse_sum(k, ch.positions + off, ch.old_bits)) & _M64)
+        proposed = st.head.drift.propose(changes) if st.head.tracks_drift() else None
+        return _Compared(summary, changes, diff, mirror, proposed)
 
-    def _commit(self, step: int, layout: list[_Shard], gathered: list[Any], uploads: list[Any], same_layout: bool,
-                is_anchor: bool, with_diff: bool) -> tuple[str, VersionInfo, VersionRef, VersionRef | None]:
-        failed = "; ".join(f"rank {r}: {err}" for r, (*_, err) in enumerate(uploads) if err)
-        if failed:
-            return ("error", failed, None)  # type: ignore[return-value]
-        e = self._engine
+    @staticmethod
+    def _drift_count(c: _Compared) -> int:
+        return DriftTracker.count(c.proposed) if c.proposed is not None else 0
+
+    def _upload(self, specs: dict[str, TensorSpec], c: _Compared, decision: Decision,
+                local: Mapping[str, tuple[torch.Tensor, int, tuple[int, ...]]]
+                ) -> tuple[list[ObjectRecord], list[tuple[str, str, Part]], dict[str, int], bool]:
+        """Encode and upload this rank's objects; returns their records, their parts (``(role, name, part)``
+        with a local object index and the shard's offset added), the differential's counts, and whether
+        the mirror was advanced to this version (moved back by the caller if the version fails)."""
+        st = self._stages
+        planner, uploader = st.planner, st.uploader
+        records: list[ObjectRecord] = []
+        delta_of: dict[str, list[Part]] = {}
+        diff_of: dict[str, list[Part]] = {}
+        full_of: dict[str, list[Part]] = {}
+        whole: Whole = []
+        diff_changes: dict[str, Change] = {}
+        if c.diff is not None:
+            jobs = planner.sparse_jobs(specs, c.changes, c.mirror, delta_of, whole, None)
+            records += uploader.run(jobs, first_index=len(records))
+            c.mirror.advance(c.diff)
+        advanced = c.diff is not None
+        try:
+            later: list[Job] = []
+            object_bytes, inflight = planner.anchor_streaming(specs)
+            if decision.with_diff:  # anchor -> now, read from the mirror (which holds "now")
+                assert c.proposed is not None
+                diff_changes = DriftTracker.differential(c.proposed, c.mirror.gather)
+                later += planner.sparse_jobs(specs, diff_changes, c.mirror, diff_of, whole, c.proposed)
+            later += planner.whole_jobs(specs, whole, c.mirror, object_bytes)
+            if decision.is_anchor:
+                later += planner.dense_jobs(specs, list(specs), c.mirror, full_of, object_bytes)
+            records += uploader.run(later, inflight=inflight, first_index=len(records))
+        except BaseException:
+            if advanced:
+                assert c.diff is not None
+                c.mirror.revert(c.diff)
+            raise
+        parts = [(role, n, Part(p.object, p.offset + local[n][1], p.numel))
+                 for role, index_of in (("delta", delta_of), ("diff", diff_of), ("full", full_of))
+                 for n, plist in index_of.items() for p in plist]
+        return records, parts, {n: ch.count for n, ch in diff_changes.items()}, advanced
+
+    # -- rank 0 ----------------------------------------------------------------------
+    def _commit(self, step: int, layout: list[_Shard], uploads: list[Any], same_layout: bool, decision: Decision
+                ) -> tuple[VersionInfo, VersionRef, VersionRef | None]:
+        """Assemble every rank's objects, parts and checksum contributions into one manifest and commit it."""
+        st = self._stages
+        head = st.head
         objects: list[ObjectRecord] = []
         roles: dict[tuple[str, str], list[Part]] = {}
         diff_changed: dict[str, int] = {}
-        for records, parts, diff_counts, _ in uploads:
+        changed: dict[str, int] = {}
+        partial: dict[str, int] = {}
+        drift = 0
+        for records, parts, diff_counts, summary, rank_drift in uploads:
             base = len(objects)
             objects += records
             for role, name, p in parts:
                 roles.setdefault((role, name), []).append(Part(p.object + base, p.offset, p.numel))
-            for n, c in diff_counts.items():
-                diff_changed[n] = diff_changed.get(n, 0) + c
-        changed: dict[str, int] = {}
-        partial: dict[str, int] = {}
-        for summary, _, _ in gathered:
-            for n, (c, cs) in summary.items():
-                changed[n] = changed.get(n, 0) + c
+            for n, cnt in diff_counts.items():
+                diff_changed[n] = diff_changed.get(n, 0) + cnt
+            for n, (cnt, cs) in summary.items():
+                changed[n] = changed.get(n, 0) + cnt
                 partial[n] = (partial.get(n, 0) + cs) & _M64
+            drift += rank_drift
         records = []
         checksums = {}
         for name, (shape, dtype) in _tensors(layout).items():
-            cs = partial[name] if not same_layout else (e._checksums[name] + partial[name]) & _M64
+            cs = partial[name] if not same_layout else (head.checksums[name] + partial[name]) & _M64
             checksums[name] = cs
             records.append(TensorRecord(
                 name, dtype, shape, changed[name], format_checksum(cs),
                 tuple(sorted(roles.get(("delta", name), []), key=lambda p: p.offset)),
                 tuple(sorted(roles.get(("full", name), []), key=lambda p: p.offset)),
                 tuple(sorted(roles.get(("diff", name), []), key=lambda p: p.offset)), diff_changed.get(name, 0)))
-        manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
-                            parent=e._last if same_layout else None, tensors=tuple(records), objects=tuple(objects),
-                            created=time.time(), producer={**e._producer(), "ranks": self.world},
-                            metadata=e.metadata, differential=e._anchor if with_diff else None, files=e._files,
+        manifest = Manifest(step=step, kind="anchor" if decision.is_anchor else "delta",
+                            parent=head.last if same_layout else None, tensors=tuple(records),
+                            objects=tuple(objects), created=time.time(),
+                            producer={**producer(st.writer_id), "ranks": self.world}, metadata=st.metadata,
+                            differential=head.anchor if decision.with_diff else None, files=st.files,
                             format_version=COLUMNS_FORMAT_VERSION)
-        data, digest = e.store.commit(manifest)
-        e._checksums = checksums
-        e._last = VersionRef(step, digest)
-        drift = sum(d for _, d, _ in gathered)
-        e._advance_chain(manifest, is_anchor, with_diff, None, drift, manifest.total)
-        if e.retention is not None:
-            e._apply_retention()
+        data, digest, notes = commit_manifest(self.store, manifest, st.writer_id)
+        head.advance(manifest, digest, decision, checksums=checksums, drift_elements=drift)
+        if st.retainer is not None:
+            try:
+                st.retainer.after_commit()
+            except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
+                notes.append(post_commit(f"retention after version {step} failed: {e!r}"))
         info = VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
-                           differential=with_diff)
-        return ("ok", info, e._last, e._anchor)
-
-    # -- helpers -------------------------------------------------------------------
-    def _check_step(self, step: int) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-            raise StepOrderError(f"step must be an integer in [0, {MAX_STEP}], got {step!r}")
-        if self.rank == 0 and self.store.has_version(step):
-            raise VersionExistsError(f"version {step} already exists in {self.store.uri}")
-        if self._last_step is not None and step <= self._last_step:
-            raise StepOrderError(f"step {step} is not above the last published step {self._last_step}")
-
-    def _gather(self, item: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(item, out, dst=0, group=self.group)
-        return out
-
-
-def _describe(error: BaseException | None) -> str:
-    return "" if error is None else f"{type(error).__name__}: {error}"
+                           differential=decision.with_diff, warnings=tuple(notes))
+        assert head.last is not None
+        return info, head.last, head.anchor
 
 
 def _partial_full(name: str, bits: torch.Tensor, offset: int) -> int:
@@ -339,7 +336,7 @@ def _plan_layout(everyone: list[list[_Shard]], rank: int) -> tuple[list[_Shard],
     return layout, mine
 
 
-def _normalise_shards(state: Any, rank: int, group: Any) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
+def _normalise_shards(state: Any) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
     """``name -> (local contiguous tensor, flat offset in the full tensor, full shape)``."""
     from torch.distributed.tensor import DTensor
 

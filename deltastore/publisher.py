@@ -26,14 +26,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import uuid
 import queue
-import warnings
 import threading
-from collections.abc import Collection, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,36 +40,29 @@ import torch
 from ._gc import paused
 from ._memory import pin_allocator, release_memory
 from . import progress as _progress
-from ._version import __version__
 from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
-from .codecs import Codec, TensorSpec, Update, UpdateBatch, get_codec
+from .codecs import Codec, TensorSpec, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker
-from .errors import ManifestError, PostCommitWarning, StepOrderError, TargetMismatchError, VersionExistsError
-from .gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from .manifest import (COLUMNS_FORMAT_VERSION, MAX_STEP, Manifest, Part, TensorRecord, VersionRef,
-                       check_tensor_name, sha256_digest)
+from .errors import ManifestError, TargetMismatchError
+from .gc import Retention
+from .manifest import COLUMNS_FORMAT_VERSION, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
+from .publish.chain import ChainHead, check_step
+from .publish.commit import Retainer, commit_manifest, post_commit, producer
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
+from .publish.objects import ObjectPlanner, Whole
 from .publish.stream import diff_stream
-from .publish.upload import Job, store_jobs
+from .publish.upload import Job, Uploader
 from .pull.anchor import stream_anchor
 from .quantize import get_quantizer
-from .store import DeltaStore, open_store, version_key
+from .store import DeltaStore, open_store
 from .tensors import StateLike, dtype_name, named_tensors
 
 _log = logging.getLogger(__name__)
 DEFAULT_MAX_OBJECT_BYTES = 1 << 30
-#: whole tensors (anchors) are cut into objects of about model / 64 bytes, within these bounds, so that
-#: an anchor streams through memory (encode, upload, free) a few objects at a time
-ANCHOR_OBJECT_MIN = 16 << 20
-ANCHOR_OBJECT_MAX = 256 << 20
-#: changed elements of a version above which its objects break where the compare's buffers do
-#: (``Diff.part_breaks``): below, one object's copy (12 B a change) costs less than the bytes a
-#: follower downloads for another object (a cold 1 GB step: 1.42 -> 1.55 B a change, ``docs/benchmarks.md``)
-_SPLIT_AT_BUFFERS_ABOVE = 1 << 22
 _M64 = (1 << 64) - 1
 #: anchors: exponent and mantissa byte planes, zstd-compressed (~68 % of raw bf16)
 DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True}}
@@ -102,11 +93,6 @@ class _Captured:
     @property
     def fresh(self) -> bool:
         return self.diff is None
-
-
-def _post_commit(message: str) -> str:
-    warnings.warn(message, PostCommitWarning, stacklevel=3)
-    return message
 
 
 def _check_name(name: str) -> None:
@@ -177,41 +163,32 @@ class Publisher:
                  adapter_only: bool = False):
         pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
-        self.codec = get_codec(codec)
-        self.anchor_codec = get_codec(anchor_codec)
-        if self.codec.dense:
-            raise ValueError(f"codec {self.codec.codec_id!r} stores whole tensors; pass it as anchor_codec")
-        if not self.anchor_codec.dense:
-            raise ValueError(f"anchor_codec {self.anchor_codec.codec_id!r} does not store whole tensors")
+        #: the stages (also what :class:`~deltastore.ShardedPublisher` composes per rank): object planning,
+        #: the chain's committed head and the anchor policy's decision, retention after each commit
+        self.planner = ObjectPlanner(get_codec(codec), get_codec(anchor_codec), max_object_bytes=max_object_bytes,
+                                     max_workers=max_workers)
         if anchor is not None:
-            self.policy = get_anchor_policy(anchor)
+            policy = get_anchor_policy(anchor)
         elif anchor_every is not None:
-            self.policy = Every(anchor_every)
+            policy = Every(anchor_every)
         else:
-            self.policy = get_anchor_policy("adaptive")
+            policy = get_anchor_policy("adaptive")
+        self.head = ChainHead(policy)
         self.metadata = dict(metadata or {})
         json.dumps(self.metadata, allow_nan=False)  # fail now, not at the first commit
-        self.max_object_bytes = max_object_bytes
         self.chunk_elems = chunk_elems
         self.dtype = dtype
         if dtype is not None:
             dtype_name(dtype)
         self.retention = retention
-        self.gc_grace = gc_grace
+        self.retainer = Retainer(self.store, retention, gc_grace) if retention is not None else None
         self.writer_id = uuid.uuid4().hex
-        self.max_workers = max(1, max_workers)
-        self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="deltastore-put")
+        self.uploader = Uploader(self.store, self.planner.max_workers)
         self._mirror: Mirror | None = None  # the committed version's bits (the writer's, in background mode)
         self._specs: dict[str, TensorSpec] = {}
         self._aliases: dict[str, str] = {}
-        self._checksums: dict[str, int] = {}
-        self._last: VersionRef | None = None
-        self._anchor: VersionRef | None = None
-        self._chain = ChainState()
-        self._drift = DriftTracker()
-        self._relaid_since_anchor = False  # a layout change since the last anchor (no drift, no differentials)
-        self._files: dict[str, dict[str, Any]] = {}
-        self._gc_pending: list[tuple[float, list[str]]] = []
+        #: version files recorded in every manifest (``source_dir``'s config and tokenizer, an adapter's config)
+        self.files: dict[str, dict[str, Any]] = {}
         self._closed = False
         self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
         self.quantizer = get_quantizer(quantize)
@@ -229,7 +206,7 @@ class Publisher:
         if resume and self._last_step is not None:
             self._resume(self._last_step)
         if source_dir is not None:
-            self._files = self._record_files(source_dir)
+            self.files = self._record_files(source_dir)
         self._capture_specs, self._capture_aliases = self._specs, self._aliases
         if background:
             self._capture_mirror = self._mirror
@@ -240,12 +217,27 @@ class Publisher:
     @property
     def last(self) -> VersionRef | None:
         """The last version this Publisher committed or resumed from."""
-        return self._last
+        return self.head.last
 
     @property
     def chain(self) -> ChainState:
         """The measured chain state since the last anchor (what the anchor policy sees)."""
-        return self._chain
+        return self.head.state
+
+    @property
+    def policy(self) -> AnchorPolicy:
+        """The anchor policy."""
+        return self.head.policy
+
+    @property
+    def codec(self) -> Codec:
+        """The codec of delta objects."""
+        return self.planner.codec
+
+    @property
+    def anchor_codec(self) -> Codec:
+        """The codec of whole tensors (anchors)."""
+        return self.planner.anchor_codec
 
     @paused
     def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
@@ -296,7 +288,7 @@ class Publisher:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
             self._raise_background_error()
-        self._check_step(step)
+        check_step(step, self.store, self._last_step)
         if (self._writer is None and self._mirror is not None and self.quantizer is None and not self.adapter_only
                 and not isinstance(state, (Mapping, torch.nn.Module))):
             # an iterator on a known chain: compared piece by piece as it arrives (publish/stream.py)
@@ -354,7 +346,7 @@ class Publisher:
         try:
             return self._write(captured)
         except BaseException:
-            self._last_step = self._last.step if self._last is not None else self.store.latest()
+            self._last_step = self.head.last.step if self.head.last is not None else self.store.latest()
             self._capture_specs, self._capture_aliases = self._specs, self._aliases
             raise
 
@@ -378,8 +370,9 @@ class Publisher:
             self._writer.join()
             error, self._bg_error = self._bg_error, None
         self._closed = True
-        self._collect_pending()
-        self._pool.shutdown(wait=True)
+        if self.retainer is not None:
+            self.retainer.collect_due()
+        self.uploader.close()
         self._mirror = self._capture_mirror = None
         self.store.close()
         if error is not None:
@@ -409,31 +402,31 @@ class Publisher:
         counts = c.diff.counts() if c.diff is not None else {}
         total = sum(s.numel for s in specs.values())
         # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
-        tracks = self.policy.tracks_drift and c.layout is None and not self._relaid_since_anchor
-        proposed = self._drift.propose(c.diff) if c.diff is not None and tracks else None
+        head = self.head
+        proposed = head.drift.propose(c.diff) if c.diff is not None and head.tracks_drift(c.layout is not None) \
+            else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
-        chain_now = ChainState(**{**self._chain.__dict__, "drift": drift_elements / max(total, 1),
-                                  "drift_elements": drift_elements})
-        is_anchor = not same_layout or self.policy.should_anchor(chain_now)
-        with_diff = (proposed is not None and not is_anchor and self._anchor is not None
-                     and self.policy.should_differential(chain_now))
+        decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
+                               tracking=proposed is not None)
+        is_anchor, with_diff = decision.is_anchor, decision.with_diff
+        planner = self.planner
 
         delta_of: dict[str, list[Part]] = {}
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
         diff_counts: dict[str, int] = {}
-        whole: list[tuple[str, dict[str, list[Part]]]] = []  # tensors stored whole, and in which role
+        whole: Whole = []  # tensors stored whole, and in which role
         jobs: list[Job] = []
         if same_layout:
-            jobs += self._sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
-        objects = store_jobs(self._pool, self.store, jobs, inflight=self.max_workers)
+            jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
+        objects = self.uploader.run(jobs)
         advanced = False
         try:
             if c.diff is not None:
                 mirror.advance(c.diff)  # from here on the mirror holds this version
                 advanced = True
             later: list[Job] = []
-            object_bytes, inflight = self._anchor_streaming(specs)
+            object_bytes, inflight = planner.anchor_streaming(specs)
             if with_diff:  # anchor -> now, read from the mirror (which holds "now")
                 assert proposed is not None
                 differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) \
@@ -441,17 +434,15 @@ class Publisher:
                 diff_counts = differential.counts()
                 # the drift can be a large part of the model: objects no larger than an anchor's, read from
                 # the drift as each is encoded, so memory follows the objects in flight
-                later += self._sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed,
-                                           limit=object_bytes)
-            for role_index in {id(ix): ix for _, ix in whole}.values():
-                names = [n for n, ix in whole if ix is role_index]
-                later += self._dense_jobs(specs, names, mirror, role_index, object_bytes)
+                later += planner.sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed,
+                                             limit=object_bytes)
+            later += planner.whole_jobs(specs, whole, mirror, object_bytes)
             if new:  # stored whole, in objects of their own (a follower reads them and nothing else whole)
-                later += self._dense_jobs(specs, list(new), mirror, full_of, object_bytes)
+                later += planner.dense_jobs(specs, list(new), mirror, full_of, object_bytes)
             if is_anchor:
-                later += self._dense_jobs(specs, [n for n in specs if n not in relaid], mirror, full_of,
-                                          object_bytes)
-            objects += store_jobs(self._pool, self.store, later, inflight=inflight, first_index=len(objects))
+                later += planner.dense_jobs(specs, [n for n in specs if n not in relaid], mirror, full_of,
+                                            object_bytes)
+            objects += self.uploader.run(later, inflight=inflight, first_index=len(objects))
             checksums = self._new_checksums(c)
             records = []
             for name, spec in specs.items():
@@ -461,15 +452,15 @@ class Publisher:
                                             format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
                                             tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
             manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
-                                parent=self._last if same_layout else None, tensors=tuple(records),
+                                parent=head.last if same_layout else None, tensors=tuple(records),
                                 objects=tuple(objects), created=time.time(),
-                                producer={**self._producer(), "captured": c.captured},
+                                producer={**producer(self.writer_id), "captured": c.captured},
                                 metadata=self.metadata, aliases=aliases,
-                                differential=self._anchor if with_diff else None, files=self._files,
+                                differential=head.anchor if with_diff else None, files=self.files,
                                 new_tensors=new, dropped_tensors=dropped,
                                 format_version=COLUMNS_FORMAT_VERSION,
                                 quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
-            data, digest, notes = self._commit(manifest)
+            data, digest, notes = commit_manifest(self.store, manifest, self.writer_id)
         except BaseException:
             if advanced:
                 assert c.diff is not None
@@ -480,50 +471,20 @@ class Publisher:
         mirror.version = step
         if c.fresh or c.layout is not None:
             self._specs, self._aliases = specs, aliases
-        self._relaid_since_anchor = not is_anchor and (self._relaid_since_anchor or c.layout is not None)
         self._mirror = mirror
-        self._checksums = checksums
-        self._last = VersionRef(step, digest)
-        self._advance_chain(manifest, is_anchor, with_diff, proposed, drift_elements, total)
+        head.advance(manifest, digest, decision, checksums=checksums, proposed=proposed,
+                     drift_elements=drift_elements, relaid=c.layout is not None)
         _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
                   manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
-        if self.retention is not None:
+        if self.retainer is not None:
             try:
-                self._apply_retention()
+                self.retainer.after_commit()
             except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
-                notes.append(_post_commit(f"retention after version {step} failed: {e!r}"))
+                notes.append(post_commit(f"retention after version {step} failed: {e!r}"))
         release_memory()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                            differential=with_diff, warnings=tuple(notes))
-
-    def _commit(self, manifest: Manifest) -> tuple[bytes, str, list[str]]:
-        """Commit ``manifest``; returns its bytes, digest and what failed after the commit point.
-
-        The commit point is the create-only write of the manifest. If
-        :meth:`DeltaStore.commit` raises after it (the store marker, the
-        ``refs/latest`` hint), the manifest is read back: when it is ours (this
-        writer's id and creation time; the store may add to the producer
-        record) the version is committed and the failure is returned as a
-        warning; otherwise (another writer's version, nothing there, the read
-        fails too) the error stands and nothing moves forward.
-        """
-        try:
-            data, digest = self.store.commit(manifest)
-            return data, digest, []
-        except VersionExistsError:
-            raise
-        except Exception as e:
-            try:  # ours: this writer's id and creation time (the store may add to the producer record)
-                data = self.store.backend.get(version_key(manifest.step))
-                theirs = Manifest.from_json(data)
-                landed = theirs.producer.get("writer") == self.writer_id and theirs.created == manifest.created
-            except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
-                landed = False
-            if not landed:
-                raise
-            return data, sha256_digest(data), [_post_commit(f"version {manifest.step} is committed, but a step "
-                                                            f"after its commit point failed: {e!r}")]
 
     def _run_writer(self) -> None:
         """Background thread: commit queued versions in order; after a failure, fail the rest."""
@@ -559,25 +520,17 @@ class Publisher:
         self._capture_mirror = None
         self._mirror = None
         self._pending.clear()
-        self._drift.reset()
+        self.head.reset()
         self._last_step = self.store.latest()
         raise error
 
     # -- inputs ------------------------------------------------------------------
-    def _check_step(self, step: int) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-            raise StepOrderError(f"step must be an integer in [0, {MAX_STEP}], got {step!r}")
-        if self.store.has_version(step):
-            raise VersionExistsError(f"version {step} already exists in {self.store.uri}")
-        if self._last_step is not None and step <= self._last_step:
-            raise StepOrderError(f"step {step} is not above the last published step {self._last_step}")
-
     def _normalise(self, state: StateLike
                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorSpec], dict[str, str]]:
         aliases: dict[str, str] = {}
         if self.adapter_only:  # the adapter's tensors, and its config as a version file
             state, config = peft_adapter(state)
-            self._files = record_config(self.store, self._files, config)
+            self.files = record_config(self.store, self.files, config)
         tensors = named_tensors(state, aliases)
         produced: set[str] = set()  # quantized tensors and their scales: never cast
         if self.quantizer is not None:
@@ -597,150 +550,14 @@ class Publisher:
             _check_name(name)
         return tensors, specs, aliases
 
-    def _dtype_of(self, t: torch.Tensor) -> torch.dtype:  # noqa: D102 - also used by ShardedPublisher
-        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
-
-    # -- objects -----------------------------------------------------------------
-    def _sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change] | Diff, mirror: Mirror,
-                     index_of: dict[str, list[Part]], whole: list[tuple[str, dict[str, list[Part]]]],
-                     base: Any, limit: int | None = None) -> list[Job]:
-        """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
-
-        For a delta ``mirror`` still holds the parent version; for a
-        differential (``base``: the drift) it holds this version. A tensor whose
-        sparse form would be larger than the whole tensor is added to
-        ``whole`` instead (stored with the anchor codec once the mirror holds
-        this version). A group of tensors that lie in one flat group of
-        ``changes`` (a :class:`Diff`: the compare, or a differential from the
-        drift) is handed to the codec as one :class:`UpdateBatch`
-        (:meth:`Codec.encode_batch`) with the old tensors only of those whose
-        encoding reads them, not as an :class:`Update` per tensor. ``limit``: the estimated bytes
-        of one object (default ``max_object_bytes``).
-        """
-        diff = changes if isinstance(changes, Diff) else None
-        counts = diff.counts() if diff is not None else {n: ch.count for n, ch in changes.items()}
-        sparse: list[tuple[int, str]] = []
-        codec, dense = self.codec, self.anchor_codec
-        for name, count in counts.items():
-            if not count:
-                continue
-            spec = specs[name]
-            sparse_bytes = codec.estimate_size(spec, count)  # each codec sizes its own layout
-            if sparse_bytes < dense.estimate_size(spec, count):
-                sparse.append((sparse_bytes, name))
-            else:
-                whole.append((name, index_of))
-
-        def old_tensor(name: str) -> torch.Tensor:
-            if base is None:
-                return mirror.host_view(name)  # a view of the parent's bits: the codec only reads it
-            # the anchor's tensor: the mirror (this version) with the anchor's bits where they differ
-            since = base.get(name)
-            return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
-                else mirror.host_view(name)
-
-        def needs_old(name: str) -> bool:  # what the encoder reads for this tensor (auto: only some)
-            return codec.needs_for(specs[name], counts[name]) == "old_tensor"
-
-        jobs: list[Job] = []
-        # an object per compare buffer only where the copy it saves outweighs an object's fixed bytes
-        breaks = diff.part_breaks() if diff is not None and diff.changed >= _SPLIT_AT_BUFFERS_ABOVE else set()
-        for group in self._groups(sparse, limit or self.max_object_bytes, breaks):
-            def make(group: list[str] = group) -> list[tuple[int, Update]] | UpdateBatch:
-                olds = [needs_old(n) for n in group]
-                if diff is not None:  # in name order, the order the built-in layouts store (no reorder there)
-                    batch = diff.batch([specs[n] for n in sorted(group)],
-                                       {n: old_tensor(n) for n, o in zip(group, olds) if o})
-                    if batch is not None:
-                        return batch
-                ch = diff.changes if diff is not None else changes
-                return [(0, Update(specs[n], ch[n].new_bits, ch[n].positions, ch[n].old_bits,
-                                   old_tensor(n) if o else None)) for n, o in zip(group, olds)]
-            jobs.append((codec, make, index_of))
-        return jobs
-
-    def _dense_jobs(self, specs: Mapping[str, TensorSpec], names: list[str], mirror: Mirror,
-                    index_of: dict[str, list[Part]], object_bytes: int) -> list[Job]:
-        """Whole tensors (views of the mirror) with the anchor codec; a tensor larger than an object is cut
-        into flat slices."""
-        items: list[tuple[int, tuple[str, int, int]]] = []
-        for name in names:
-            spec = specs[name]
-            item = spec.bits_dtype.itemsize
-            step = max(1, object_bytes // item)
-            if spec.numel <= step:
-                items.append((spec.numel * item, (name, 0, spec.numel)))
-                continue
-            for offset in range(0, spec.numel, step):
-                numel = min(step, spec.numel - offset)
-                items.append((numel * item, (name, offset, numel)))
-
-        def make(group: list[tuple[str, int, int]]) -> list[tuple[int, Update]]:
-            out = []
-            for name, offset, numel in group:
-                spec = specs[name]
-                bits = mirror.host_view(name)
-                if numel == spec.numel:
-                    out.append((0, Update(spec, bits)))
-                else:
-                    out.append((offset, Update(TensorSpec(name, spec.dtype, (numel,)), bits[offset:offset + numel])))
-            return out
-
-        return [(self.anchor_codec, lambda group=group: make(group), index_of)
-                for group in self._groups(items, object_bytes)]
-
-    def _anchor_streaming(self, specs: Mapping[str, TensorSpec]) -> tuple[int, int]:
-        """``(object bytes, objects in flight)`` for whole tensors: small enough objects, few enough at once
-        that an anchor streams through a bounded amount of memory (about a tenth of the model; at least two
-        objects, so that one encodes while another uploads)."""
-        total = sum(s.numel * s.bits_dtype.itemsize for s in specs.values())
-        object_bytes = min(self.max_object_bytes, max(ANCHOR_OBJECT_MIN, min(ANCHOR_OBJECT_MAX, total // 64)))
-        inflight = max(min(2, self.max_workers), min(self.max_workers, int(0.1 * total) // max(1, object_bytes)))
-        return object_bytes, inflight
-
-    @staticmethod
-    def _groups(items: list[tuple[int, Any]], limit: int, breaks: Collection[Any] = ()) -> Iterator[list[Any]]:
-        """Runs of ``items`` (in order) of about ``limit`` bytes; an item in ``breaks`` starts a new run."""
-        group: list[Any] = []
-        size = 0
-        for nbytes, item in items:
-            if group and (size + nbytes > limit or item in breaks):
-                yield group
-                group, size = [], 0
-            group.append(item)
-            size += nbytes
-        if group:
-            yield group
-
     # -- chain state -----------------------------------------------------------------
     def _new_checksums(self, c: _Captured) -> dict[str, int]:
         """Every tensor's checksum after version ``c`` (the mirror already holds it)."""
         if c.diff is None:
             return c.mirror.checksums()
         new = c.mirror.checksums(c.layout[0]) if c.layout is not None else {}
-        return {name: new[name] if name in new else (self._checksums[name] + delta) & _M64
+        return {name: new[name] if name in new else (self.head.checksums[name] + delta) & _M64
                 for name, delta in c.diff.sums.items()}
-
-    def _advance_chain(self, manifest: Manifest, is_anchor: bool, with_diff: bool, proposed: Any,
-                       drift_elements: int, total: int) -> None:
-        delta_bytes = manifest.object_bytes(manifest.step_objects)
-        c = self._chain
-        per_element = delta_bytes / manifest.changed if manifest.parent is not None and manifest.changed \
-            else c.bytes_per_element
-        if is_anchor:
-            self._anchor = self._last
-            self._drift.reset()
-            self._chain = ChainState(anchor_bytes=manifest.object_bytes(manifest.full_objects),
-                                     bytes_per_element=per_element)
-            return
-        if proposed is not None:
-            self._drift.commit(proposed)
-        self._chain = ChainState(
-            versions_since_anchor=c.versions_since_anchor + 1,
-            delta_bytes_since_anchor=c.delta_bytes_since_anchor + delta_bytes,
-            anchor_bytes=c.anchor_bytes, drift=drift_elements / max(total, 1), drift_elements=drift_elements,
-            delta_bytes_since_differential=0 if with_diff else c.delta_bytes_since_differential + delta_bytes,
-            bytes_per_element=per_element)
 
     def _resume(self, latest: int) -> None:
         with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
@@ -757,34 +574,35 @@ class Publisher:
         sub._pull_scratch({n: self._mirror.view(n) for n in self._specs}, latest)
         self._mirror.version = latest
         self._aliases = dict(manifest.aliases)
-        self._checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
-        self._files = dict(manifest.files)
-        self._last = self.store.ref(latest)
+        head = self.head
+        head.checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
+        self.files = dict(manifest.files)
+        head.last = self.store.ref(latest)
         # Walk back to the last anchor to rebuild what the policy measures.
         since, delta_bytes, changed, since_diff, m = 0, 0, 0, None, manifest
         while m.kind != "anchor" and m.parent is not None:
             since += 1
             if since_diff is None and m.differential is not None:
                 since_diff = delta_bytes
-            self._relaid_since_anchor = self._relaid_since_anchor or m.changes_layout
+            head.relaid_since_anchor = head.relaid_since_anchor or m.changes_layout
             delta_bytes += m.object_bytes(m.step_objects)
             changed += m.changed
             m = self.store.manifest(m.parent.step)
         if m.kind != "anchor":
             return  # no anchor on the chain: the policy will ask for one
-        self._anchor = self.store.ref(m.step)
+        head.anchor = self.store.ref(m.step)
         drift_elements = 0
-        if self.policy.tracks_drift and since and not self._relaid_since_anchor:
+        if head.tracks_drift() and since:
             # the anchor streamed tensor by tensor against the mirror: a few objects in memory, not the model
             mirror = self._mirror
             changes: dict[str, Change] = {}
             stream_anchor(self.store, m, workers=sub.max_workers, ahead=1, verify=sub.verify_anchors,
                           sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
-            proposed = self._drift.propose({n: changes[n] for n in self._specs})
-            self._drift.commit(proposed)
+            proposed = head.drift.propose({n: changes[n] for n in self._specs})
+            head.drift.commit(proposed)
             drift_elements = DriftTracker.count(proposed)
         total = sum(s.numel for s in self._specs.values())
-        self._chain = ChainState(
+        head.state = ChainState(
             versions_since_anchor=since, delta_bytes_since_anchor=delta_bytes,
             anchor_bytes=m.object_bytes(m.full_objects), drift=drift_elements / max(total, 1),
             drift_elements=drift_elements,
@@ -802,23 +620,3 @@ class Publisher:
         if not files:
             raise FileNotFoundError(f"source_dir {source_dir} holds none of {', '.join(SOURCE_FILES[:3])}, ...")
         return files
-
-    # -- retention -------------------------------------------------------------------
-    def _apply_retention(self) -> None:
-        assert self.retention is not None
-        plan = plan_gc(self.store, self.retention)
-        delete_versions(self.store, plan.delete_versions)
-        if plan.delete_objects:
-            self._gc_pending.append((time.monotonic(), plan.delete_objects))
-        self._collect_pending()
-
-    def _collect_pending(self) -> None:
-        now = time.monotonic()
-        due = [d for t, ds in self._gc_pending if now - t >= self.gc_grace for d in ds]
-        self._gc_pending = [(t, ds) for t, ds in self._gc_pending if now - t < self.gc_grace]
-        if due:
-            delete_unreferenced(self.store, due, grace=self.gc_grace)
-
-    def _producer(self) -> dict[str, Any]:
-        return {"library": "deltastore", "version": __version__, "writer": self.writer_id,
-                "host": socket.gethostname(), "pid": os.getpid()}

@@ -42,6 +42,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 _BITS_OF: dict[torch.dtype, torch.dtype] = {}
 
 
+def published_dtype(t: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is published in: ``cast`` (a Publisher's ``dtype=``) for a floating-point tensor, else
+    its own."""
+    return cast if cast is not None and t.is_floating_point() else t.dtype
+
+
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype with the same element size as ``dtype``."""
     b = _BITS_OF.get(dtype)

@@ -12,6 +12,9 @@ import torch.multiprocessing as mp
 
 import deltastore as ds
 from conftest import bits_equal
+from deltastore.distributed import ShardedPublisher
+from deltastore.errors import TargetMismatchError
+from deltastore.publish.collective import LOCAL, CollectiveError
 from deltastore.verify import verify_store
 
 
@@ -41,8 +44,6 @@ def _rank_main(rank, world, port, uri, mode, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from deltastore.distributed import ShardedPublisher
-
         pub = ShardedPublisher(uri, **kwargs)
         mesh = None
         if mode == "dtensor":
@@ -65,6 +66,18 @@ def _rank_main(rank, world, port, uri, mode, kwargs):
                     row0 = sum(c.shape[0] for c in state[name].chunk(world)[:rank])
                     shards.append((name, rows.contiguous(), row0 * state[name].shape[1], tuple(state[name].shape)))
                 shards.append(("norm", state["norm"], 0))
+            if mode == "bad" and step == 2:  # rank 1 hands a non-contiguous shard: every rank must fail
+                if rank == 1:
+                    shards[0] = (shards[0][0], shards[0][1].t(), *shards[0][2:])
+                with pytest.raises(Exception) as err:
+                    pub.publish(shards, step=step)
+                if rank == 1:
+                    assert isinstance(err.value, TargetMismatchError), err.value
+                else:
+                    assert isinstance(err.value, CollectiveError) and "rank 1: TargetMismatchError" in str(err.value)
+                assert pub.store.latest() == 1  # nothing committed
+                if rank == 1:
+                    shards[0] = (shards[0][0], shards[0][1].t().contiguous(), *shards[0][2:])
             info = pub.publish(shards, step=step)
             assert info.step == step
         pub.close()
@@ -114,3 +127,41 @@ def test_sharded_adaptive_policy_with_differentials(tmp_path):
     assert any(sub.manifest(i).differential is not None for i in sub.versions())
     for i, s in enumerate(states):
         assert bits_equal(sub.pull(step=i).state, s)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_version_on_every_rank_and_the_next_try_commits(tmp_path):
+    uri = str(tmp_path / "s")
+    _run(2, uri, "bad", anchor_every=3)  # the assertions run in the ranks: a failed one fails the spawn
+    sub = ds.Subscriber(uri)
+    assert sub.versions() == list(range(6))
+    for i, s in enumerate(_states()):
+        assert bits_equal(sub.pull(step=i).state, s)
+
+
+@pytest.mark.parametrize("policy", [{"anchor_every": 3}, {"anchor": ds.anchors.Adaptive(differential_gain=0.2,
+                                                                                          budget=10.0)}])
+def test_one_rank_without_a_process_group_runs_the_same_code_and_matches_a_publisher(tmp_path, policy):
+    """No init_process_group (and ``group=LOCAL``): the Collective is this process alone; the versions equal
+    a Publisher's, tensor for tensor, and the chain decisions are the same."""
+    sharded, single = str(tmp_path / "sharded"), str(tmp_path / "single")
+    states = _states()
+    with ShardedPublisher(sharded, group=LOCAL, codec="auto", **policy) as spub, \
+            ds.Publisher(single, codec="auto", **policy) as pub:
+        assert (spub.rank, spub.world) == (0, 1)
+        for i, s in enumerate(states):
+            a = spub.publish(s, step=i)
+            b = pub.publish(s, step=i)
+            assert (a.kind, a.changed, a.total, a.differential) == (b.kind, b.changed, b.total, b.differential)
+        for bad, error in ((2, ds.errors.VersionExistsError), (-1, ds.errors.StepOrderError)):
+            with pytest.raises(error):
+                spub.publish(states[-1], step=bad)
+    a, b = ds.Subscriber(sharded), ds.Subscriber(single)
+    for i, s in enumerate(states):
+        ma, mb = a.manifest(i), b.manifest(i)
+        assert (ma.kind, ma.differential is None) == (mb.kind, mb.differential is None)
+        assert sorted((t.name, t.changed, t.checksum) for t in ma.tensors) == sorted(
+            (t.name, t.changed, t.checksum) for t in mb.tensors)
+        assert bits_equal(a.pull(step=i).state, s)
+    if "anchor" in policy:
+        assert any(a.manifest(i).differential is not None for i in a.versions())

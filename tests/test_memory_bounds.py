@@ -13,7 +13,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import deltastore as ds
-import deltastore.publisher as publisher_mod
+import deltastore.publish.objects as objects_mod
 from conftest import bits_equal
 from deltastore import tracking
 from deltastore.backends.memory import MemoryBackend
@@ -124,7 +124,7 @@ def test_nothing_keeps_a_models_tensors_once_its_publisher_and_subscriber_are_go
 
 def test_anchor_objects_are_encoded_a_few_at_a_time(memory_uri, monkeypatch):
     """A large anchor becomes many objects; no more than the in-flight bound are encoded at once."""
-    monkeypatch.setattr(publisher_mod, "ANCHOR_OBJECT_MIN", 60_000)
+    monkeypatch.setattr(objects_mod, "ANCHOR_OBJECT_MIN", 60_000)
     states = _states(2, size=30_000, tensors=40)  # 2.4 MB of bf16: 40 objects of 60 kB
     live = 0
     peak = 0
@@ -143,7 +143,7 @@ def test_anchor_objects_are_encoded_a_few_at_a_time(memory_uri, monkeypatch):
                     live -= 1
 
     pub = ds.Publisher(memory_uri, anchor_codec=Counting(planes=True), max_workers=8)
-    object_bytes, inflight = pub._anchor_streaming(pub._normalise(states[0])[1])
+    object_bytes, inflight = pub.planner.anchor_streaming(pub._normalise(states[0])[1])
     info = pub.publish(states[0], step=0)
     pub.close()
     m = ds.Subscriber(memory_uri).manifest(0)

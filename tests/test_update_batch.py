@@ -200,9 +200,9 @@ def test_differential_flat_matches_the_per_tensor_differential():
 def test_a_differential_larger_than_an_object_is_split_and_a_joiner_reads_it(memory_uri, monkeypatch):
     """A differential is cut into objects of the anchor's object size, not ``max_object_bytes`` (each read
     from the drift as it is encoded), and a joiner that takes it is bit-exact."""
-    from deltastore import publisher as publisher_module
+    from deltastore.publish import objects as objects_module
 
-    monkeypatch.setattr(publisher_module, "ANCHOR_OBJECT_MIN", 4096)  # this model's anchor objects: 4 KiB
+    monkeypatch.setattr(objects_module, "ANCHOR_OBJECT_MIN", 4096)  # this model's anchor objects: 4 KiB
     g = torch.Generator().manual_seed(13)
     state = {f"block.{i}.w": (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16) for i in range(24)}
     pub = ds.Publisher(memory_uri, anchor=Adaptive(budget=100.0, max_drift=1.0, differential_gain=0.2))

@@ -89,3 +89,21 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
         for plist in index_of.values():
             plist.sort(key=lambda p: p.offset)
     return objects
+
+
+class Uploader:
+    """:func:`store_jobs` into ``store`` on a pool of its own ``workers`` threads (a publisher's, or one
+    rank's); :meth:`close` waits for the threads."""
+
+    def __init__(self, store: DeltaStore, workers: int):
+        self.store = store
+        self.workers = max(1, workers)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="deltastore-put")
+
+    def run(self, jobs: Sequence[Job], *, inflight: int | None = None, first_index: int = 0) -> list[ObjectRecord]:
+        """:func:`store_jobs` of ``jobs``, at most ``inflight`` (default: every worker) at once."""
+        return store_jobs(self._pool, self.store, jobs, inflight=inflight or self.workers, first_index=first_index)
+
+    def close(self) -> None:
+        """Wait for the running jobs and stop the threads."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,93 @@
+"""The commit point of a version, and what runs after it.
+
+:func:`commit_manifest` writes a version's manifest create-only (the commit
+point) and tells a failure after that point (the store marker, the
+``refs/latest`` hint) from one before it. :class:`Retainer` applies a
+:class:`~deltastore.gc.Retention` after each commit, deleting unreferenced
+objects only once their grace has passed. Both are shared by
+:class:`~deltastore.Publisher` and :class:`~deltastore.ShardedPublisher`
+(rank 0 commits).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from typing import Any
+
+from .._version import __version__
+from ..errors import PostCommitWarning, VersionExistsError
+from ..gc import Retention, delete_unreferenced, delete_versions, plan_gc
+from ..manifest import Manifest, sha256_digest
+from ..store import DeltaStore, version_key
+
+
+def post_commit(message: str) -> str:
+    """Warn (:class:`PostCommitWarning`) about a failure after the commit point; returns ``message`` for the
+    version's ``warnings``."""
+    warnings.warn(message, PostCommitWarning, stacklevel=3)
+    return message
+
+
+def producer(writer_id: str) -> dict[str, Any]:
+    """The manifest's ``producer`` record of this process as writer ``writer_id``."""
+    return {"library": "deltastore", "version": __version__, "writer": writer_id,
+            "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def commit_manifest(store: DeltaStore, manifest: Manifest, writer_id: str) -> tuple[bytes, str, list[str]]:
+    """Commit ``manifest``; returns its bytes, digest and what failed after the commit point.
+
+    The commit point is the create-only write of the manifest. If
+    :meth:`DeltaStore.commit` raises after it, the manifest is read back: when
+    it is ours (``writer_id`` and the creation time; the store may add to the
+    producer record) the version is committed and the failure is returned as a
+    warning; otherwise (another writer's version, nothing there, the read fails
+    too) the error stands. Raises :class:`VersionExistsError` when the version
+    is already there.
+    """
+    try:
+        data, digest = store.commit(manifest)
+        return data, digest, []
+    except VersionExistsError:
+        raise
+    except Exception as e:
+        try:
+            data = store.backend.get(version_key(manifest.step))
+            theirs = Manifest.from_json(data)
+            landed = theirs.producer.get("writer") == writer_id and theirs.created == manifest.created
+        except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
+            landed = False
+        if not landed:
+            raise
+        return data, sha256_digest(data), [post_commit(f"version {manifest.step} is committed, but a step "
+                                                       f"after its commit point failed: {e!r}")]
+
+
+class Retainer:
+    """Keeps ``store`` within ``retention`` after each commit; an object is deleted ``grace`` seconds after
+    the versions that used it, so a reader that planned a pull before still finds it."""
+
+    def __init__(self, store: DeltaStore, retention: Retention, grace: float):
+        self.store = store
+        self.retention = retention
+        self.grace = grace
+        self._pending: list[tuple[float, list[str]]] = []
+
+    def after_commit(self) -> None:
+        """Delete the versions ``retention`` drops now, and the objects whose grace has passed."""
+        plan = plan_gc(self.store, self.retention)
+        delete_versions(self.store, plan.delete_versions)
+        if plan.delete_objects:
+            self._pending.append((time.monotonic(), plan.delete_objects))
+        self.collect_due()
+
+    def collect_due(self) -> None:
+        """Delete the objects whose grace has passed (those still unreferenced)."""
+        now = time.monotonic()
+        due = [d for t, ds in self._pending if now - t >= self.grace for d in ds]
+        self._pending = [(t, ds) for t, ds in self._pending if now - t < self.grace]
+        if due:
+            delete_unreferenced(self.store, due, grace=self.grace)

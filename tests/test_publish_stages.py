@@ -1,0 +1,93 @@
+"""The publish path's stages, each alone: the chain head's decision and advance, object planning, the
+collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import deltastore as ds
+from deltastore.anchors import Every
+from deltastore.codecs import TensorSpec, get_codec
+from deltastore.errors import DeltaStoreError, TargetMismatchError
+from deltastore.publish.chain import ChainHead, Decision
+from deltastore.publish.collective import LOCAL, Collective
+from deltastore.publish.mirror import Mirror
+from deltastore.publish.objects import ObjectPlanner
+
+
+def _manifests(uri: str, n: int) -> list:
+    g = torch.Generator().manual_seed(0)
+    s = {"a": torch.randn(4000, generator=g).bfloat16()}
+    with ds.Publisher(uri, anchor_every=100) as pub:
+        for i in range(n):
+            pub.publish(s, step=i)
+            bits = s["a"].view(torch.int16).clone()
+            bits[i * 10:(i + 1) * 10] += 1
+            s = {"a": bits.view(torch.bfloat16)}
+    sub = ds.Subscriber(uri)
+    return [sub.manifest(i) for i in range(n)]
+
+
+def test_chain_head_decides_without_moving_and_advances_only_when_told():
+    anchor, delta = _manifests(f"memory://{uuid.uuid4().hex}", 2)
+    head = ChainHead(Every(3))
+    assert head.decide(same_layout=False, drift_elements=0, total=10, tracking=False) == Decision(True, False)
+    head.advance(anchor, "d0", Decision(True, False), checksums={"a": 1})
+    assert head.last.step == 0 and head.anchor == head.last and head.checksums == {"a": 1}
+    assert head.state.anchor_bytes == anchor.object_bytes(anchor.full_objects)
+    before = (head.last, head.anchor, head.state, dict(head.checksums))
+    d = head.decide(same_layout=True, drift_elements=5, total=10, tracking=False)
+    assert d == Decision(False, False)
+    assert (head.last, head.anchor, head.state, head.checksums) == before  # deciding moves nothing
+    head.advance(delta, "d1", d, checksums={"a": 2}, drift_elements=5)
+    assert head.last.step == 1 and head.anchor.step == 0 and head.state.versions_since_anchor == 1
+    assert head.state.drift == 5 / delta.total
+    # Every(3): the anchor and two deltas, then an anchor
+    assert head.decide(same_layout=True, drift_elements=0, total=10, tracking=False).is_anchor is False
+    head.advance(delta, "d2", Decision(False, False), checksums={"a": 3})
+    assert head.decide(same_layout=True, drift_elements=0, total=10, tracking=False).is_anchor is True
+
+
+def test_planner_sets_aside_what_is_cheaper_whole_and_cuts_whole_tensors_into_objects():
+    specs = {"small": TensorSpec("small", torch.bfloat16, (64,)), "big": TensorSpec("big", torch.bfloat16, (5000,))}
+    g = torch.Generator().manual_seed(1)
+    tensors = {n: torch.randn(sp.shape, generator=g).bfloat16() for n, sp in specs.items()}
+    mirror = Mirror.capture(tensors, specs, None)
+    new = {"small": torch.randn(64, generator=g).bfloat16(),  # every element changed, to unrelated values
+           "big": tensors["big"].clone()}
+    new["big"].view(torch.int16)[:5] += 1
+    diff = mirror.diff(new)
+    # raw estimates 6 B a change: 64 changes of 64 elements are cheaper whole (dense estimates <= 2 B each)
+    planner = ObjectPlanner(get_codec("raw"), get_codec("dense"), max_object_bytes=1 << 20, max_workers=2)
+    delta_of: dict = {}
+    whole: list = []
+    jobs = planner.sparse_jobs(specs, diff, mirror, delta_of, whole)
+    assert whole == [("small", delta_of)] and len(jobs) == 1  # all changed: the whole tensor is smaller
+    full_of: dict = {}
+    dense = planner.dense_jobs(specs, ["big"], mirror, full_of, object_bytes=4000)
+    assert len(dense) == 3  # 10,000 B cut at 4,000 B
+    pieces = [u for _, make, _ in dense for u in make()]
+    assert [(off, u.spec.numel) for off, u in pieces] == [(0, 2000), (2000, 2000), (4000, 1000)]
+    with pytest.raises(ValueError, match="whole tensors"):
+        ObjectPlanner(get_codec("dense"), get_codec("dense"), max_object_bytes=1, max_workers=1)
+
+
+def test_collective_on_one_rank_reduces_and_raises_the_failing_steps_own_error():
+    coll = Collective(LOCAL)
+    assert (coll.rank, coll.world, coll.local) == (0, 1, True)
+    assert coll.reduce(lambda: 3, lambda xs: sum(xs) * 2, what="x") == 6
+
+    def bad() -> int:
+        raise TargetMismatchError("shard of 'w' is not contiguous")
+
+    with pytest.raises(TargetMismatchError, match="not contiguous"):
+        coll.reduce(bad, lambda xs: xs, what="x")
+
+    def reduction_fails(xs: list) -> None:
+        raise DeltaStoreError("rank 0 could not commit")
+
+    with pytest.raises(DeltaStoreError, match="could not commit"):
+        coll.reduce(lambda: 1, reduction_fails, what="x")
