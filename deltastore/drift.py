@@ -1,4 +1,4 @@
-"""Elements that differ from the last anchor, tracked in O(drift) memory.
+"""Elements that differ from the last anchor, tracked in O(drift) memory, within a budget.
 
 The Publisher keeps the flat positions whose bits differ from the last
 anchor's now, and the anchor's bits there (6 bytes per drifted bf16 element
@@ -6,6 +6,17 @@ with 32-bit positions; nothing else: the current bits are the mirror's). From
 it come the *drift* (how many elements differ from the anchor) and the
 *differential* (anchor -> now) that a joiner can use instead of replaying the
 chain. An element that changes back to the anchor's bits leaves the set.
+
+**Sampling.** A proposal may be given a memory budget. While the drift fits,
+every position is tracked (the drift is *exact*, and so is the differential it
+gives). When it would not fit, the tracker keeps only the positions whose hash
+falls in a fraction ``2**-rate_log2`` of the hash space (:func:`sampled`:
+Fibonacci hashing of the position, so the positions kept at a higher rate are a
+subset of those kept at a lower one, and raising the rate only drops entries),
+and :meth:`DriftTracker.count` scales the sample back up: an estimate for the
+anchor policy, in bounded memory. A sampled drift cannot give the
+differential: the Publisher then rebuilds it from the stored anchor
+(``Publisher._differential_from_anchor``). An anchor resets the rate.
 
 Layout: one compressed-row table per element width (:class:`_Table`): tensor
 ``k`` of the table owns ``positions[bounds[k]:bounds[k + 1]]`` (sorted) and the
@@ -21,6 +32,7 @@ on one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,6 +57,11 @@ _Rows = tuple[tuple[str, ...], dict[str, int], np.ndarray, list[tuple[np.ndarray
 Read = Callable[[str, torch.Tensor], torch.Tensor]
 
 _INT32_MAX = 2**31 - 1
+#: 2**64 / golden ratio: a position is sampled at rate ``2**-k`` when the top ``k`` bits of ``position * _GOLDEN``
+#: (mod 2**64) are zero
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+#: the highest sampling rate (one position in 2**24): beyond it the budget is not kept
+_MAX_RATE_LOG2 = 24
 #: elements (previous and changed) below which a merge runs on one thread
 _MIN_MERGE_WORK = 1 << 18
 
@@ -81,19 +98,58 @@ class _Table:
         return _Since(torch.from_numpy(self.positions[a:b]), torch.from_numpy(self.anchor[a:b]))
 
 
+def sampled(positions: np.ndarray, rate_log2: int) -> np.ndarray:
+    """Boolean mask of the ``positions`` a drift sampled at ``rate_log2`` keeps (all of them at 0)."""
+    if rate_log2 <= 0:
+        return np.ones(positions.shape, dtype=bool)
+    h = positions.astype(np.uint64) * _GOLDEN  # wraps mod 2**64, as Fibonacci hashing wants
+    return (h >> np.uint64(64 - rate_log2)) == 0
+
+
+def _kept_bounds(bounds: np.ndarray, masks: Sequence[np.ndarray]) -> np.ndarray:
+    """Row bounds over the stream ``masks`` (concatenated) keeps, from the bounds over the whole stream."""
+    kept = np.zeros(int(bounds[-1]) + 1, np.int64)
+    if kept.size > 1:
+        np.cumsum(np.concatenate(masks) if len(masks) != 1 else masks[0], out=kept[1:])
+    return kept[bounds]
+
+
+def _sample_table(t: _Table, rate_log2: int) -> _Table:
+    """``t`` with only the positions sampled at ``rate_log2`` (fresh buffers)."""
+    m = sampled(t.positions, rate_log2)
+    return _Table(t.names, t.index, _kept_bounds(t.bounds, [m]), t.positions[m], t.anchor[m])
+
+
+def _sample_rows(rows: _Rows, rate_log2: int) -> _Rows:
+    """A version's changes with only the positions sampled at ``rate_log2`` (copies of those)."""
+    if rate_log2 <= 0:
+        return rows
+    names, index, c_bounds, parts = rows
+    masks = [sampled(pos, rate_log2) for pos, _, _ in parts]
+    return names, index, _kept_bounds(c_bounds, masks), [(pos[m], old[m], new[m])
+                                                          for (pos, old, new), m in zip(parts, masks)]
+
+
 class Drift:
     """A drift state (proposed or committed): per tensor, the elements that differ from the anchor.
 
     A proposal holds its merges prepared and counted (:attr:`count` needs no table); the first read
     of its elements (:meth:`get`, :meth:`items`, :attr:`nbytes`) builds them in fresh buffers, else
-    :meth:`DriftTracker.commit` merges them into the committed table's own buffers.
+    :meth:`DriftTracker.commit` merges them into the committed table's own buffers. ``rate_log2``: the
+    positions held are a sample of one in ``2**rate_log2`` (0: every one, :attr:`exact`).
     """
 
     def __init__(self, tables: Mapping[np.dtype, _Table], merges: Mapping[np.dtype, _Merge] | None = None,
-                 generation: int = 0):
+                 generation: int = 0, rate_log2: int = 0):
         self._built = dict(tables)
         self._merges = dict(merges or {})
         self.generation = generation
+        self.rate_log2 = rate_log2
+
+    @property
+    def exact(self) -> bool:
+        """Whether every drifted position is held (else a sample: no differential from it)."""
+        return self.rate_log2 == 0
 
     @property
     def tables(self) -> dict[np.dtype, _Table]:
@@ -114,8 +170,19 @@ class Drift:
 
     @property
     def count(self) -> int:
+        """Positions held (the drift itself when :attr:`exact`, else the sample's size)."""
         return sum(int(t.bounds[-1]) for dt, t in self._built.items() if dt not in self._merges) + \
             sum(m.count for m in self._merges.values())
+
+    def held_bytes(self) -> int:
+        """Bytes the held positions and anchor bits take (counted, nothing built)."""
+        out = 0
+        for dt, t in self._built.items():
+            if dt not in self._merges:
+                out += int(t.bounds[-1]) * (t.positions.itemsize + t.anchor.itemsize)
+        for m in self._merges.values():
+            out += m.count * ((8 if m.wide else 4) + m.p_anchor.itemsize)
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -270,8 +337,13 @@ class DriftTracker:
         """Host bytes of the committed drift (the one piece of publisher memory that grows along a chain)."""
         return self._drift.nbytes
 
+    @property
+    def rate_log2(self) -> int:
+        """The committed drift holds one drifted position in ``2**rate_log2`` (0: every one, exact)."""
+        return self._drift.rate_log2
+
     def propose(self, changes: Mapping[str, Change] | Diff,
-                flat: Sequence[tuple[list[str], FlatChanges]] = ()) -> Drift:
+                flat: Sequence[tuple[list[str], FlatChanges]] = (), *, budget_bytes: int | None = None) -> Drift:
         """The drift after ``changes`` (nothing is modified until :meth:`commit`); one merge per element width.
 
         ``flat``: the compare's flat changes (:attr:`deltastore.publish.mirror.Diff.flat`); when they
@@ -279,9 +351,11 @@ class DriftTracker:
         ``changes`` may be the compare's :class:`~deltastore.publish.mirror.Diff` itself: its flat
         changes are used, and its per-tensor changes only when those do not cover every tensor.
         The arrays of ``changes`` must stay as they are until the proposal is committed or dropped.
+        ``budget_bytes``: the most the drift may hold (see the module's "Sampling"); None: exact, unbounded.
         """
-        tables = self._drift.tables
-        merges: dict[np.dtype, _Merge] = {}
+        committed = self._drift
+        tables = committed.tables
+        staged: list[tuple[np.dtype, _Rows]] | None = None
         if isinstance(changes, Mapping):
             n_tensors = len(changes)
         else:  # a Diff
@@ -294,17 +368,25 @@ class DriftTracker:
                 dt = fc.parts[0][2].numpy().dtype
                 rows = _flat_rows(tables.get(dt), names, fc)
                 if rows is None:
+                    staged = None
                     break
                 staged.append((dt, rows))
-            else:
-                merges = {dt: _Merge(tables.get(dt), rows) for dt, rows in staged}
-                return Drift(tables, merges, self._generation)
-        groups: dict[np.dtype, list[tuple[str, Change]]] = {}
-        for name, ch in (changes if isinstance(changes, Mapping) else changes.changes).items():
-            if ch.count:
-                groups.setdefault(ch.old_bits.numpy().dtype, []).append((name, ch))
-        merges = {dt: _Merge(tables.get(dt), _rows(tables.get(dt), group)) for dt, group in groups.items()}
-        return Drift(tables, merges, self._generation)
+        if staged is None:
+            groups: dict[np.dtype, list[tuple[str, Change]]] = {}
+            for name, ch in (changes if isinstance(changes, Mapping) else changes.changes).items():
+                if ch.count:
+                    groups.setdefault(ch.old_bits.numpy().dtype, []).append((name, ch))
+            staged = [(dt, _rows(tables.get(dt), group)) for dt, group in groups.items()]
+        rate = committed.rate_log2
+        while True:
+            base = tables if rate == committed.rate_log2 else {dt: _sample_table(t, rate) for dt, t in tables.items()}
+            merges = {dt: _Merge(base.get(dt), _sample_rows(rows, rate)) for dt, rows in staged}
+            proposed = Drift(base, merges, self._generation, rate)
+            held = proposed.held_bytes()
+            if budget_bytes is None or held <= budget_bytes or rate >= _MAX_RATE_LOG2:
+                return proposed
+            # a sample of one in 2**k more holds about held / 2**k: a little under the budget
+            rate = min(_MAX_RATE_LOG2, rate + max(1, math.ceil(math.log2(held / max(1, budget_bytes))) + 1))
 
     def commit(self, proposed: Drift) -> None:
         """Make ``proposed`` the committed drift; it stays valid as that. Raises ``RuntimeError`` for a
@@ -319,14 +401,17 @@ class DriftTracker:
 
     @staticmethod
     def count(proposed: Drift) -> int:
-        return proposed.count
+        """Elements that differ from the anchor: exact, or the sample scaled up (an estimate)."""
+        return proposed.count << proposed.rate_log2
 
     @staticmethod
     def differential(proposed: Drift, read: Read) -> dict[str, Change]:
         """Per tensor, the elements that differ from the anchor: positions, current bits, anchor bits.
 
         ``read`` gives the current version's bits (the publisher's mirror once it holds this version).
+        Raises ``ValueError`` for a sampled drift (it holds only some of the positions).
         """
+        _require_exact(proposed)
         out = {}
         for name, s in proposed.items():
             pos = s.positions.to(torch.int64)
@@ -340,9 +425,22 @@ class DriftTracker:
 
         ``views(name)``: the current version's flat bits as a CPU tensor (the mirror's view). Nothing
         is read here: each :class:`DifferentialRows` reads its tensors' rows when an encoder selects
-        them. Tensors without drift have empty rows.
+        them. Tensors without drift have empty rows. Raises ``ValueError`` for a sampled drift.
         """
+        _require_exact(proposed)
         return [(list(t.names), DifferentialRows(t, views)) for t in proposed.tables.values()]
+
+
+def _require_exact(proposed: Drift) -> None:
+    if not proposed.exact:
+        raise ValueError(f"the drift is a sample (one position in {1 << proposed.rate_log2}): it gives no "
+                         "differential; rebuild it from the stored anchor")
+
+
+def anchored(differential: Mapping[str, Change]) -> dict[str, _Since]:
+    """A differential's changes (current bits new, the anchor's old) as what the drift gives per tensor:
+    positions and the anchor's bits there (``ObjectPlanner.sparse_jobs(base=)`` reads these)."""
+    return {n: _Since(ch.positions, ch.old_bits) for n, ch in differential.items() if ch.count}
 
 
 class DifferentialRows:

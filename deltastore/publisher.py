@@ -45,7 +45,7 @@ from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
 from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
-from .drift import DriftTracker
+from .drift import DriftTracker, anchored
 from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
 from .manifest import COLUMNS_FORMAT_VERSION, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
@@ -403,8 +403,8 @@ class Publisher:
         total = sum(s.numel for s in specs.values())
         # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
         head = self.head
-        proposed = head.drift.propose(c.diff) if c.diff is not None and head.tracks_drift(c.layout is not None) \
-            else None
+        proposed = head.drift.propose(c.diff, budget_bytes=head.drift_budget(specs)) \
+            if c.diff is not None and head.tracks_drift(c.layout is not None) else None
         drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
         decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
                                tracking=proposed is not None)
@@ -429,12 +429,18 @@ class Publisher:
             object_bytes, inflight = planner.anchor_streaming(specs)
             if with_diff:  # anchor -> now, read from the mirror (which holds "now")
                 assert proposed is not None
-                differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view)) \
-                    if mirror.device.type == "cpu" else Diff({}, loose=DriftTracker.differential(proposed, mirror.gather))
+                base: Any = proposed
+                if not proposed.exact:  # a sampled drift: the differential comes from the stored anchor
+                    loose = self._differential_from_anchor(mirror)
+                    differential, base = Diff({}, loose=loose), anchored(loose)
+                elif mirror.device.type == "cpu":
+                    differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view))
+                else:
+                    differential = Diff({}, loose=DriftTracker.differential(proposed, mirror.gather))
                 diff_counts = differential.counts()
                 # the drift can be a large part of the model: objects no larger than an anchor's, read from
                 # the drift as each is encoded, so memory follows the objects in flight
-                later += planner.sparse_jobs(specs, differential, mirror, diff_of, whole, base=proposed,
+                later += planner.sparse_jobs(specs, differential, mirror, diff_of, whole, base=base,
                                              limit=object_bytes)
             later += planner.whole_jobs(specs, whole, mirror, object_bytes)
             if new:  # stored whole, in objects of their own (a follower reads them and nothing else whole)
@@ -559,6 +565,18 @@ class Publisher:
         return {name: new[name] if name in new else (self.head.checksums[name] + delta) & _M64
                 for name, delta in c.diff.sums.items()}
 
+    def _differential_from_anchor(self, mirror: Mirror) -> dict[str, Change]:
+        """The differential (anchor -> the version ``mirror`` holds) by streaming the chain's anchor back from
+        the store and comparing it with the mirror, tensor by tensor (a few anchor objects in memory; the
+        differential itself, 12 B per drifted element, while the version is written). What a sampled drift
+        cannot give. Raises what an anchor pull raises (:class:`ChecksumMismatchError`, a corrupt object)."""
+        assert self.head.anchor is not None
+        am = self.store.manifest(self.head.anchor.step)
+        changes: dict[str, Change] = {}
+        stream_anchor(self.store, am, workers=self.planner.max_workers, ahead=1, verify=True,
+                      sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
+        return changes
+
     def _resume(self, latest: int) -> None:
         with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
             self._resume_held(latest)
@@ -598,7 +616,8 @@ class Publisher:
             changes: dict[str, Change] = {}
             stream_anchor(self.store, m, workers=sub.max_workers, ahead=1, verify=sub.verify_anchors,
                           sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
-            proposed = head.drift.propose({n: changes[n] for n in self._specs})
+            proposed = head.drift.propose({n: changes[n] for n in self._specs},
+                                          budget_bytes=head.drift_budget(self._specs))
             head.drift.commit(proposed)
             drift_elements = DriftTracker.count(proposed)
         total = sum(s.numel for s in self._specs.values())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
+import deltastore.publish.chain as chain_mod
 from conftest import bits_equal
 from deltastore.anchors import Adaptive, ChainState, Every, get_anchor_policy
 from deltastore.chains import extend_trace, trace_steps
@@ -102,9 +103,22 @@ def test_join_at_every_step_of_a_long_chain(chain64, tmp_path, policy):
     assert verify_store(ds.open_store(uri)).ok
 
 
-def test_differential_path_is_bit_exact_and_cheaper(chain64, memory_uri):
+@pytest.fixture(params=["exact drift", "sampled drift"])
+def drift_memory(request, monkeypatch):
+    """The drift tracker's budget: the default (this model's drift fits: exact), or 20 kB (it samples, and
+    differentials are rebuilt from the stored anchor)."""
+    sampled = request.param == "sampled drift"
+    if sampled:
+        monkeypatch.setattr(chain_mod, "DRIFT_MEMORY_MIN", 20_000)
+        monkeypatch.setattr(chain_mod, "DRIFT_MEMORY_FRACTION", 0.0)
+    return sampled
+
+
+def test_differential_path_is_bit_exact_and_cheaper(chain64, memory_uri, drift_memory):
     with ds.Publisher(memory_uri, anchor=Adaptive(max_chain=1000, budget=100, differential_gain=0.5)) as pub:
         infos = [pub.publish(s, step=i) for i, s in enumerate(chain64[:30])]
+        assert pub.head.drift.nbytes <= 20_000 if drift_memory else pub.head.drift.nbytes > 20_000
+        assert (pub.head.drift.rate_log2 > 0) == drift_memory
     diffs = [i.step for i in infos if i.differential]
     assert diffs, "adaptive wrote no differential"
     sub = ds.Subscriber(memory_uri)
@@ -124,7 +138,7 @@ def test_differential_path_is_bit_exact_and_cheaper(chain64, memory_uri):
     assert res.path == "delta" and res.versions_applied[0] == d and bits_equal(target, chain64[29])
 
 
-def test_resume_rebuilds_the_measured_chain(chain64, tmp_path):
+def test_resume_rebuilds_the_measured_chain(chain64, tmp_path, drift_memory):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     straight = ds.Publisher(a)
     for i, s in enumerate(chain64[:12]):
@@ -137,6 +151,7 @@ def test_resume_rebuilds_the_measured_chain(chain64, tmp_path):
     for i in range(7, 12):
         restarted.publish(chain64[i], step=i)
     assert restarted.chain.drift_elements == straight.chain.drift_elements
+    assert (restarted.head.drift.rate_log2 > 0) == (straight.head.drift.rate_log2 > 0) == drift_memory
     assert restarted.chain.versions_since_anchor == straight.chain.versions_since_anchor
     assert [ds.Subscriber(b).manifest(i).kind for i in range(12)] == [ds.Subscriber(a).manifest(i).kind
                                                                         for i in range(12)]

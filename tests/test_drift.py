@@ -204,3 +204,44 @@ def test_an_uncommitted_proposal_leaves_the_committed_drift_alone():
     tracker.commit(proposed)
     w = torch.nonzero(anchor["a"] != state["a"]).reshape(-1)
     assert torch.equal(proposed.get("a").positions.to(torch.int64), w)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_drift_over_its_budget_is_a_sample_of_the_exact_drift_and_estimates_it(seed, merge_threads):
+    """Within budget the drift is exact; past it, the held positions are exactly the sampled subset of the
+    exact drift (with the anchor's bits), held in the budget, and the scaled count estimates the drift."""
+    g = torch.Generator().manual_seed(seed)
+    anchor = {"a": torch.randint(-50, 50, (200_000,), dtype=torch.int16, generator=g),
+              "f": torch.randint(-50, 50, (50_000,), dtype=torch.int32, generator=g)}
+    state = {k: v.clone() for k, v in anchor.items()}
+    tracker = DriftTracker()
+    budget = 40_000
+    rates = []
+    for step in range(8):
+        before = {k: v.clone() for k, v in state.items()}
+        for t in state.values():
+            hit = torch.rand(t.numel(), generator=g) < 0.02
+            t[hit] = torch.randint(-50, 50, (int(hit.sum()),), dtype=t.dtype, generator=g)
+        proposed = tracker.propose({k: find_changes(before[k], state[k]) for k in state}, budget_bytes=budget)
+        tracker.commit(proposed)
+        rates.append(proposed.rate_log2)
+        want = {k: torch.nonzero(anchor[k] != state[k]).reshape(-1) for k in state}
+        exact = sum(int(w.numel()) for w in want.values())
+        assert proposed.held_bytes() <= budget or proposed.rate_log2 == 0 and exact * 6 <= budget
+        for k, w in want.items():
+            keep = torch.from_numpy(drift.sampled(w.numpy(), proposed.rate_log2))
+            since = proposed.get(k)
+            got = since.positions.to(torch.int64) if since is not None else torch.zeros(0, dtype=torch.int64)
+            assert torch.equal(got, w[keep])
+            if since is not None:
+                assert torch.equal(since.anchor_bits, anchor[k][w[keep]])
+        est = DriftTracker.count(proposed)
+        if proposed.exact:
+            assert est == exact
+        else:
+            assert abs(est - exact) < 0.25 * exact, (est, exact, proposed.rate_log2)
+            with pytest.raises(ValueError, match="sample"):
+                DriftTracker.differential(proposed, lambda n, p: state[n][p])
+    assert rates[0] == 0 and rates[-1] > 0 and rates == sorted(rates)  # exact first, sampled once it grew
+    tracker.reset()
+    assert tracker.propose({k: find_changes(anchor[k], state[k]) for k in state}).rate_log2 == 0

@@ -19,14 +19,22 @@ the other ranks' heads with :meth:`ChainHead.adopt`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..anchors import AnchorPolicy, ChainState
+from ..codecs import TensorSpec
 from ..drift import DriftTracker
 from ..errors import StepOrderError, VersionExistsError
 from ..manifest import MAX_STEP, Manifest, VersionRef
 from ..store import DeltaStore
+
+
+#: the drift tracker holds at most this fraction of the model's bytes (then it samples: ``deltastore.drift``),
+#: and never less than ``DRIFT_MEMORY_MIN`` bytes' worth exactly
+DRIFT_MEMORY_FRACTION = 1 / 256
+DRIFT_MEMORY_MIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,16 @@ class ChainHead:
         self.checksums: dict[str, int] = {}
         #: a layout change since the last anchor: drift and differentials are off until the next anchor
         self.relaid_since_anchor = False
+        self._budget_for: Mapping[str, TensorSpec] | None = None
+        self._budget = DRIFT_MEMORY_MIN
+
+    def drift_budget(self, specs: Mapping[str, TensorSpec]) -> int:
+        """Bytes the drift may hold for a model of ``specs``: ``DRIFT_MEMORY_FRACTION`` of its bytes, at least
+        ``DRIFT_MEMORY_MIN`` (sized once per layout)."""
+        if self._budget_for is not specs:
+            model = sum(s.numel * s.bits_dtype.itemsize for s in specs.values())
+            self._budget_for, self._budget = specs, max(DRIFT_MEMORY_MIN, int(model * DRIFT_MEMORY_FRACTION))
+        return self._budget
 
     def tracks_drift(self, relaid_now: bool = False) -> bool:
         """Whether the version being written measures drift: the policy asks for it and no layout change
