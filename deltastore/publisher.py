@@ -344,11 +344,13 @@ class Publisher:
         self._capture_specs, self._capture_aliases = captured.specs, captured.aliases
         self._last_step = captured.step
         try:
-            return self._write(captured)
+            info = self._write(captured)
         except BaseException:
             self._last_step = self.head.last.step if self.head.last is not None else self.store.latest()
             self._capture_specs, self._capture_aliases = self._specs, self._aliases
             raise
+        release_memory()  # once _write's temporaries (a differential, encoded objects) are freed, not before
+        return info
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
@@ -487,7 +489,6 @@ class Publisher:
                 self.retainer.after_commit()
             except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
                 notes.append(post_commit(f"retention after version {step} failed: {e!r}"))
-        release_memory()
         return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                            differential=with_diff, warnings=tuple(notes))
@@ -512,6 +513,7 @@ class Publisher:
                 else:
                     self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
                     future.set_result(info)
+                    release_memory()
             finally:
                 self._queue.task_done()
                 item = captured = future = None  # nothing of a written version waits here for the next
