@@ -512,8 +512,8 @@ class Publisher:
                     future.set_exception(e)
                 else:
                     self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
+                    release_memory()  # before the caller hears of the commit: what it measures then is settled
                     future.set_result(info)
-                    release_memory()
             finally:
                 self._queue.task_done()
                 item = captured = future = None  # nothing of a written version waits here for the next
