@@ -33,7 +33,7 @@ from ..store import DeltaStore
 
 #: the drift tracker holds at most this fraction of the model's bytes (then it samples: ``deltastore.drift``),
 #: and never less than ``DRIFT_MEMORY_MIN`` bytes' worth exactly
-DRIFT_MEMORY_FRACTION = 1 / 256
+DRIFT_MEMORY_FRACTION = 1 / 1024
 DRIFT_MEMORY_MIN = 1 << 20
 
 
