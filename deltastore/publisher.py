@@ -497,6 +497,7 @@ class Publisher:
         """Background thread: commit queued versions in order; after a failure, fail the rest."""
         while True:
             item = self._queue.get()
+            committed: tuple[Future[VersionInfo], VersionInfo] | None = None
             try:
                 if item is None:
                     return
@@ -512,11 +513,14 @@ class Publisher:
                     future.set_exception(e)
                 else:
                     self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
-                    release_memory()  # before the caller hears of the commit: what it measures then is settled
-                    future.set_result(info)
+                    committed = (future, info)
             finally:
-                self._queue.task_done()
                 item = captured = future = None  # nothing of a written version waits here for the next
+                if committed is not None:  # told once the version's changes are freed and the heap trimmed,
+                    release_memory()       # so what a caller measures after wait() or flush() is settled
+                    committed[0].set_result(committed[1])
+                    committed = None
+                self._queue.task_done()
 
     def _raise_background_error(self) -> None:
         error = self._bg_error
