@@ -226,6 +226,14 @@ MUTANTS = [
            [("deltastore/kernels/jit.py", "            ensure_runtime(target_context, self._cache_path)\n",
              "            target_context.refresh()\n")],
            ["tests/test_kernels_jit.py"]),
+    Mutant("drift-budget-ignored", "the drift tracker keeps every drifted position whatever its budget",
+           [("deltastore/drift.py", "            if budget_bytes is None or held <= budget_bytes or rate >= _MAX_RATE_LOG2:",
+             "            if True:")],
+           ["tests/test_drift.py", "tests/test_anchors_gc.py"]),
+    Mutant("failing-rank-raises-collective-error", "a rank whose own step failed raises the others' CollectiveError "
+           "instead of its own error",
+           [("deltastore/publish/collective.py", "        if mine is not None:\n            raise mine\n", "")],
+           ["tests/test_publish_stages.py", "tests/test_distributed.py"]),
 ]
 
 
