@@ -1,8 +1,17 @@
-"""Pieces of the publish path used by :class:`deltastore.Publisher` and :class:`deltastore.ShardedPublisher`.
+"""The stages of the publish path, composed by :class:`deltastore.Publisher` and, per rank, by
+:class:`deltastore.ShardedPublisher`.
 
 * :mod:`.mirror` — the last published bits (one flat buffer per element
   width), the compare against a new state, advance / revert, and the pending
   overlay that lets a background writer own the only copy;
+* :mod:`.chain` — the committed head of the chain (parent, anchor, checksums,
+  drift) and the anchor policy's decision for the next version;
+* :mod:`.objects` — object planning: sparse or whole per tensor, grouping,
+  anchors cut to stream;
 * :mod:`.upload` — encode and upload object jobs with a bounded number in
-  flight (anchors stream object by object).
+  flight (anchors stream object by object);
+* :mod:`.commit` — the create-only commit and its read-back, retention after it;
+* :mod:`.collective` — one code path for one rank or many;
+* :mod:`.stream` — an iterator compared piece by piece as it arrives;
+* :mod:`.info` — what ``publish()`` returns, committed or pending.
 """
