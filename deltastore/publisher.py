@@ -595,7 +595,7 @@ class Publisher:
         manifest = self.store.manifest(latest)
         self._specs = {t.name: t.spec for t in manifest.tensors}
         self._mirror = Mirror(self._specs, self.mirror_device)
-        sub._pull_scratch({n: self._mirror.view(n) for n in self._specs}, latest)
+        sub.fill({n: self._mirror.view(n) for n in self._specs}, step=latest)
         self._mirror.version = latest
         self._aliases = dict(manifest.aliases)
         head = self.head

@@ -517,11 +517,13 @@ class Subscriber:
         journal.close()
         return fetched
 
-    def _pull_scratch(self, dests: dict[str, torch.Tensor], step: int) -> None:
-        """Write version ``step`` into ``dests`` (flat bit views whose current content does not matter).
+    def fill(self, dests: dict[str, torch.Tensor], *, step: int) -> None:
+        """Write version ``step`` into ``dests``: per tensor a flat bit view (the integer dtype of its width)
+        whose current content does not matter.
 
-        No undo journal and no tracking: for buffers that are filled from
-        scratch (the Publisher's mirror on resume). Raises what :meth:`pull` raises.
+        The anchor path, with no undo journal and no version tracking: for buffers filled from scratch
+        (a resuming Publisher's mirror). ``dests`` must name every tensor of the version. Raises what
+        :meth:`pull` raises; on an error the buffers hold anything.
         """
         plan = self._plan_for(step, None, True, frozenset())
         assert plan.anchor is not None

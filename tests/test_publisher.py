@@ -51,6 +51,20 @@ def test_resume_continues_the_chain(store_uri):
         assert bits_equal(sub.pull(step=step).state, states[step])
 
 
+def test_fill_writes_a_version_into_fresh_buffers(store_uri):
+    """What a resuming Publisher builds its mirror with: flat bit views filled from scratch, untracked."""
+    states = _states(4)
+    with ds.Publisher(store_uri, anchor_every=10) as pub:
+        for i, s in enumerate(states):
+            pub.publish(s, step=i)
+    sub = ds.Subscriber(store_uri)
+    bufs = {k: torch.full((v.numel(),), 7, dtype=torch.int16) for k, v in states[0].items()}
+    sub.fill(bufs, step=2)
+    for k, v in states[2].items():
+        assert torch.equal(bufs[k], v.view(torch.int16).reshape(-1))
+    assert ds.tracking.get_version(bufs) is None
+
+
 def test_resume_false_starts_a_new_chain(store_uri):
     states = _states(3)
     with ds.Publisher(store_uri) as pub:
