@@ -21,7 +21,6 @@ Together the shards must tile every tensor exactly.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,15 +28,15 @@ from typing import Any
 import torch
 
 from ._gc import paused
-from .checksum import format_checksum, full_checksum, sparse_sum, tensor_key
+from .checksum import full_checksum, sparse_sum, tensor_key
 from .codecs import TensorSpec
 from .diff import Change
 from .drift import DriftTracker
 from .errors import TargetMismatchError
-from .manifest import COLUMNS_FORMAT_VERSION, Manifest, ObjectRecord, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import ObjectRecord, Part, VersionRef, check_tensor_name
 from .publish.chain import Decision, check_step
 from .publish.collective import Collective
-from .publish.commit import commit_manifest, post_commit, producer
+from .publish.commit import commit_manifest, post_commit, producer, tensor_record, version_manifest
 from .publish.mirror import Diff, Mirror
 from .publish.objects import Whole
 from .publish.upload import Job
@@ -270,17 +269,12 @@ class ShardedPublisher:
         for name, (shape, dtype) in _tensors(layout).items():
             cs = partial[name] if not same_layout else (head.checksums[name] + partial[name]) & _M64
             checksums[name] = cs
-            records.append(TensorRecord(
-                name, dtype, shape, changed[name], format_checksum(cs),
-                tuple(sorted(roles.get(("delta", name), []), key=lambda p: p.offset)),
-                tuple(sorted(roles.get(("full", name), []), key=lambda p: p.offset)),
-                tuple(sorted(roles.get(("diff", name), []), key=lambda p: p.offset)), diff_changed.get(name, 0)))
-        manifest = Manifest(step=step, kind="anchor" if decision.is_anchor else "delta",
-                            parent=head.last if same_layout else None, tensors=tuple(records),
-                            objects=tuple(objects), created=time.time(),
-                            producer={**producer(st.writer_id), "ranks": self.world}, metadata=st.metadata,
-                            differential=head.anchor if decision.with_diff else None, files=st.files,
-                            format_version=COLUMNS_FORMAT_VERSION)
+            records.append(tensor_record(name, dtype, shape, changed[name], cs,
+                                         *(sorted(roles.get((r, name), ()), key=lambda p: p.offset)
+                                           for r in ("delta", "full", "diff")), diff_changed.get(name, 0)))
+        manifest = version_manifest(step, decision, head, same_layout=same_layout, tensors=records, objects=objects,
+                                    producer={**producer(st.writer_id), "ranks": self.world}, metadata=st.metadata,
+                                    files=st.files)
         data, digest, notes = commit_manifest(self.store, manifest, st.writer_id)
         head.advance(manifest, digest, decision, checksums=checksums, drift_elements=drift)
         if st.retainer is not None:

@@ -42,15 +42,14 @@ from ._memory import pin_allocator, release_memory
 from . import progress as _progress
 from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
-from .checksum import format_checksum
 from .codecs import Codec, TensorSpec, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker, anchored
 from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
-from .manifest import COLUMNS_FORMAT_VERSION, Manifest, Part, TensorRecord, VersionRef, check_tensor_name
+from .manifest import Part, VersionRef, check_tensor_name
 from .publish.chain import ChainHead, check_step
-from .publish.commit import Retainer, commit_manifest, post_commit, producer
+from .publish.commit import Retainer, commit_manifest, post_commit, producer, tensor_record, version_manifest
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.objects import ObjectPlanner, Whole
@@ -452,22 +451,16 @@ class Publisher:
                                             object_bytes)
             objects += self.uploader.run(later, inflight=inflight, first_index=len(objects))
             checksums = self._new_checksums(c)
-            records = []
-            for name, spec in specs.items():
-                changed = counts[name] if same_layout and name not in relaid else spec.numel
-                dc = diff_counts.get(name, 0)
-                records.append(TensorRecord(name, dtype_name(spec.dtype), spec.shape, changed,
-                                            format_checksum(checksums[name]), tuple(delta_of.get(name, ())),
-                                            tuple(full_of.get(name, ())), tuple(diff_of.get(name, ())), dc))
-            manifest = Manifest(step=step, kind="anchor" if is_anchor else "delta",
-                                parent=head.last if same_layout else None, tensors=tuple(records),
-                                objects=tuple(objects), created=time.time(),
-                                producer={**producer(self.writer_id), "captured": c.captured},
-                                metadata=self.metadata, aliases=aliases,
-                                differential=head.anchor if with_diff else None, files=self.files,
-                                new_tensors=new, dropped_tensors=dropped,
-                                format_version=COLUMNS_FORMAT_VERSION,
-                                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
+            records = [tensor_record(name, dtype_name(spec.dtype), spec.shape,
+                                     counts[name] if same_layout and name not in relaid else spec.numel,
+                                     checksums[name], delta_of.get(name, ()), full_of.get(name, ()),
+                                     diff_of.get(name, ()), diff_counts.get(name, 0))
+                       for name, spec in specs.items()]
+            manifest = version_manifest(
+                step, decision, head, same_layout=same_layout, tensors=records, objects=objects,
+                producer={**producer(self.writer_id), "captured": c.captured}, metadata=self.metadata,
+                files=self.files, aliases=aliases, new_tensors=new, dropped_tensors=dropped,
+                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
             data, digest, notes = commit_manifest(self.store, manifest, self.writer_id)
         except BaseException:
             if advanced:

@@ -11,7 +11,7 @@ import torch
 
 import deltastore as ds
 from conftest import bits_equal
-from deltastore import publisher as publisher_module
+from deltastore.publish import commit as commit_module
 from deltastore.manifest import COLUMNS_FORMAT_VERSION, FORMAT_VERSION
 from deltastore.store import version_key
 from deltastore.verify import verify_store
@@ -32,7 +32,7 @@ def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 def test_a_chain_written_in_rows_then_columns_is_resumed_and_pulled_through(store_uri, monkeypatch):
     states = _states(6)
-    monkeypatch.setattr(publisher_module, "COLUMNS_FORMAT_VERSION", FORMAT_VERSION)  # as deltastore 0.1 wrote
+    monkeypatch.setattr(commit_module, "COLUMNS_FORMAT_VERSION", FORMAT_VERSION)  # as deltastore 0.1 wrote
     with ds.Publisher(store_uri, anchor_every=4) as pub:
         for step in range(3):
             pub.publish(states[step], step=step)

@@ -10,7 +10,7 @@
   anchors cut to stream;
 * :mod:`.upload` — encode and upload object jobs with a bounded number in
   flight (anchors stream object by object);
-* :mod:`.commit` — the create-only commit and its read-back, retention after it;
+* :mod:`.commit` — the version's manifest, its create-only commit and read-back, retention after it;
 * :mod:`.collective` — one code path for one rank or many;
 * :mod:`.stream` — an iterator compared piece by piece as it arrives;
 * :mod:`.info` — what ``publish()`` returns, committed or pending.

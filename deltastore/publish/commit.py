@@ -1,6 +1,8 @@
-"""The commit point of a version, and what runs after it.
+"""A version's manifest, its commit point, and what runs after it.
 
-:func:`commit_manifest` writes a version's manifest create-only (the commit
+:func:`tensor_record` and :func:`version_manifest` assemble the manifest from
+what the stages produced (the chain head's parent and anchor, the policy's
+decision, each tensor's parts by role). :func:`commit_manifest` writes a version's manifest create-only (the commit
 point) and tells a failure after that point (the store marker, the
 ``refs/latest`` hint) from one before it. :class:`Retainer` applies a
 :class:`~deltastore.gc.Retention` after each commit, deleting unreferenced
@@ -17,11 +19,16 @@ import time
 import warnings
 from typing import Any
 
+from collections.abc import Sequence
+
 from .._version import __version__
+from ..checksum import format_checksum
 from ..errors import PostCommitWarning, VersionExistsError
 from ..gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from ..manifest import Manifest, sha256_digest
+from ..manifest import COLUMNS_FORMAT_VERSION, Manifest, Part, TensorRecord, sha256_digest
 from ..store import DeltaStore, version_key
+from .chain import ChainHead, Decision
+
 
 
 def post_commit(message: str) -> str:
@@ -29,6 +36,29 @@ def post_commit(message: str) -> str:
     version's ``warnings``."""
     warnings.warn(message, PostCommitWarning, stacklevel=3)
     return message
+
+
+def tensor_record(name: str, dtype: str, shape: tuple[int, ...], changed: int, checksum: int,
+                  delta: Sequence[Part] = (), full: Sequence[Part] = (), diff: Sequence[Part] = (),
+                  diff_changed: int = 0) -> TensorRecord:
+    """One tensor's record: ``changed`` elements this version, its ``checksum`` after it, its parts in each role
+    (delta, full, differential; each sorted by offset), ``diff_changed`` elements in its differential."""
+    return TensorRecord(name, dtype, shape, changed, format_checksum(checksum), tuple(delta), tuple(full),
+                        tuple(diff), diff_changed)
+
+
+def version_manifest(step: int, decision: Decision, head: ChainHead, *, same_layout: bool,
+                     tensors: Sequence[TensorRecord], objects: Sequence[Any], producer: dict[str, Any],
+                     metadata: dict[str, Any], files: dict[str, Any], **layout: Any) -> Manifest:
+    """The manifest of version ``step``: an anchor or a delta as ``decision`` says, on ``head``'s parent when it
+    continues the chain (``same_layout``), with a differential from ``head``'s anchor when the decision has one;
+    ``layout``: the other fields a Publisher sets (``aliases``, ``new_tensors``, ``dropped_tensors``,
+    ``quantization``)."""
+    return Manifest(step=step, kind="anchor" if decision.is_anchor else "delta",
+                    parent=head.last if same_layout else None, tensors=tuple(tensors), objects=tuple(objects),
+                    created=time.time(), producer=producer, metadata=metadata,
+                    differential=head.anchor if decision.with_diff else None, files=files,
+                    format_version=COLUMNS_FORMAT_VERSION, **layout)
 
 
 def producer(writer_id: str) -> dict[str, Any]:
