@@ -28,8 +28,9 @@ delta steps (step 1 is a warm-up whenever there are two or more):
 * total publish time per step (as model GB/s), host RSS and device memory beyond the model, vs the
   model's bytes (device memory from ``torch.cuda.max_memory_allocated``; skipped on cpu);
 * a follower's delta pull into device targets vs a dense device-to-device ``copy_`` of the model and vs
-  ``safetensors.torch.load_file(step checkpoint, device=...)`` from local disk (page cache dropped for
-  the file first with ``posix_fadvise``; a warm load is recorded too);
+  ``safetensors.torch.load_file(checkpoint, device=...)`` of the model's full checkpoint from local disk
+  (the first run's starting state, loaded before its publishers exist so that it fits beside the model on
+  an 80 GB card; page cache dropped for the file first with ``posix_fadvise``; a warm load is recorded too);
 * the vLLM-style fused/sharded mapping on device parameters (``tests/test_vllm/fake_vllm_model.py`` +
   ``deltastore.integrations.vllm_mapping``): TP=1 through ``VllmApplier`` (sparse path) and a simulated
   TP=2 (two rank shards, probed separately, staged once, written per rank), bit-exact after each of 10
@@ -666,7 +667,7 @@ def phase_checkpoint(rep: Report, cur: dict, dev: Dev, work: Path) -> None:
     path = str(work / "step.safetensors")
     _, save_s = dev.timed(lambda: save_file(cur, path))
     size = os.path.getsize(path)
-    if dev.cuda and torch.cuda.mem_get_info(dev.device)[0] < 1.05 * size:  # an 80 GB card at 14 GB: no room
+    if dev.cuda and torch.cuda.mem_get_info(dev.device)[0] < 1.05 * size:  # a card too small for a second copy
         os.remove(path)
         raise RuntimeError(f"no room on the device for the checkpoint ({size / GB:.1f} GB) beside the run's "
                            f"{torch.cuda.memory_allocated(dev.device) / GB:.1f} GB; use a larger card or --size")
@@ -684,7 +685,7 @@ def phase_checkpoint(rep: Report, cur: dict, dev: Dev, work: Path) -> None:
                                     "page_cache_dropped": dropped}
     if not dropped:
         rep.note("posix_fadvise(DONTNEED) failed: the 'cold' checkpoint load may have read the page cache")
-    rep.add("checkpoint_load_s", cold, "s", "load the step's safetensors checkpoint onto the device (disk)",
+    rep.add("checkpoint_load_s", cold, "s", "load the model's safetensors checkpoint onto the device (disk)",
             f"{size / GB:.2f} GB file, page cache dropped first")
     rep.add("checkpoint_load_warm_s", warm, "s", "the same load again (page cache)", f"{size / GB:.2f} GB")
 
@@ -721,6 +722,15 @@ def _run(rep: Report, a, dev: Dev, work: Path, run: str, share: float, with_chec
     raw = rep.doc["raw"].setdefault("runs", {})[r] = {
         "model_bytes": mb, "tensors": len(cur), "replicas": src.replicas, "stack": src.stack,
         "cycle": src.cycle, "steps": []}
+    if with_checkpoint:  # before the publishers and the target exist: the model and one load fit an 80 GB card
+        try:
+            phase_checkpoint(rep, cur, dev, work)
+            log(f"{r}: checkpoint reference: load {rep.doc['raw']['checkpoint']['load_cold_s']:.2f} s")
+        except Exception:  # noqa: BLE001 - recorded; the run's own figures still come
+            err = traceback.format_exc()
+            rep.doc["errors"].append(f"checkpoint reference: {err}")
+            print(f"\n*** checkpoint reference FAILED ***\n{err}", file=sys.stderr, flush=True)
+        dev.free()
     prev = {k: v.clone() for k, v in cur.items()}
     dev.sync()
     base = baseline()
@@ -789,15 +799,6 @@ def _run(rep: Report, a, dev: Dev, work: Path, run: str, share: float, with_chec
         log(f"{r} step {t}: {changed:,} changed ({100 * changed / (mb / 2):.3f} %), compare {row['compare_s']:.3f} s, "
             f"publish {row['publish_s']:.3f} s, background blocks {row['bg_block_s']:.3f} s "
             f"(writer {row['bg_writer_s']:.3f} s), pull {row['pull_s']:.3f} s, copy_ {row['dense_copy_s']:.4f} s")
-        if with_checkpoint and t == 1:
-            try:
-                phase_checkpoint(rep, cur, dev, work)
-                log(f"{r}: checkpoint reference: load {rep.doc['raw']['checkpoint']['load_cold_s']:.2f} s")
-            except Exception:  # noqa: BLE001 - recorded; the run's own figures still come
-                err = traceback.format_exc()
-                rep.doc["errors"].append(f"checkpoint reference: {err}")
-                print(f"\n*** checkpoint reference FAILED ***\n{err}", file=sys.stderr, flush=True)
-            dev.free()
         rep.dump()
         used = time.perf_counter() - t_run
         nxt = 1.3 * max(x["step_s"] for x in rows) + (5 if dev.cuda else 0.5)
@@ -864,7 +865,7 @@ def _run(rep: Report, a, dev: Dev, work: Path, run: str, share: float, with_chec
     ck = rep.doc["raw"].get("checkpoint")
     if ck:
         rep.add(f"pull_vs_checkpoint_load.{r}", pull_s / ck["load_cold_s"], "x",
-                f"follower pull / loading the step's checkpoint from disk, {lab}",
+                f"follower pull / loading the model's checkpoint from disk, {lab}",
                 f"load_file {ck['bytes'] / GB:.2f} GB in {ck['load_cold_s']:.2f} s")
     rep.add(f"anchor_publish_s.{r}", raw["anchor_publish_s"], "s", f"anchor publish (step 0), {lab}", "")
     rep.add(f"anchor_pull_s.{r}", raw["anchor_pull_s"], "s", f"anchor pull into zeroed targets, {lab}", "")
