@@ -567,8 +567,9 @@ class Publisher:
     def _differential_from_anchor(self, mirror: Mirror) -> dict[str, Change]:
         """The differential (anchor -> the version ``mirror`` holds) by streaming the chain's anchor back from
         the store and comparing it with the mirror, tensor by tensor (a few anchor objects in memory; the
-        differential itself, 12 B per drifted element, while the version is written). What a sampled drift
-        cannot give. Raises what an anchor pull raises (:class:`ChecksumMismatchError`, a corrupt object)."""
+        differential itself, 12 B per drifted element, while it is used). What a sampled drift cannot give,
+        and what resume measures the drift from. Raises what an anchor pull raises
+        (:class:`ChecksumMismatchError`, a corrupt object)."""
         assert self.head.anchor is not None
         am = self.store.manifest(self.head.anchor.step)
         changes: dict[str, Change] = {}
@@ -610,11 +611,7 @@ class Publisher:
         head.anchor = self.store.ref(m.step)
         drift_elements = 0
         if head.tracks_drift() and since:
-            # the anchor streamed tensor by tensor against the mirror: a few objects in memory, not the model
-            mirror = self._mirror
-            changes: dict[str, Change] = {}
-            stream_anchor(self.store, m, workers=sub.max_workers, ahead=1, verify=sub.verify_anchors,
-                          sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
+            changes = self._differential_from_anchor(self._mirror)  # a few anchor objects in memory at a time
             proposed = head.drift.propose({n: changes[n] for n in self._specs},
                                           budget_bytes=head.drift_budget(self._specs))
             head.drift.commit(proposed)
