@@ -31,6 +31,7 @@ from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, Delt
 from .layout import PathLayout, layout_diff, layout_of, path_layout, same_spec
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
+from .pull.checked_target import CheckedTarget
 from .pull.decoded import DecodedUpdates
 from .pull.objects import decode_object, decode_sparse_object, object_index
 from .pull.planner import Plan, plan_path
@@ -130,6 +131,7 @@ class Subscriber:
         self.journal_dir = journal_dir
         self.journal_memory = journal_memory
         self.replans = 0  # pulls that had to plan again because GC removed part of their path
+        self._checked = CheckedTarget()  # the last target's checks, reused while it stays as they saw it
 
     # -- discovery ---------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -373,11 +375,16 @@ class Subscriber:
         ref = VersionRef(step, digest)
         created = manifest.created
         tied: dict[str, str] = {}
-        tensors = named_tensors(target, tied) if target is not None else None
+        checked = self._checked.lookup(target, manifest) if target is not None else None
+        self._checked.forget()  # remembered again only after a pull that succeeds
+        tensors = checked if checked is not None else named_tensors(target, tied) if target is not None else None
         current = tracking.get_version(target) if target is not None else None
         if current == ref:
             assert tensors is not None
-            check_layout(tensors, manifest)
+            if checked is None:
+                check_layout(tensors, manifest)
+            if not tied:
+                self._checked.remember(target, manifest)
             return PullResult(step, target, path="none", digest=ref.digest, lag=lag, created=created)
         if tensors is not None and current is not None and not self._holds_layout(tensors, current, manifest):
             current = None  # laid out otherwise than the tracked version: start from an anchor
@@ -395,9 +402,12 @@ class Subscriber:
                               created=created)
         assert tensors is not None
         lay = self.path_layout(plan, current)
-        check_tied(manifest, tied)
-        copies, drop = check_target(target, tensors, manifest, self._held(current))
-        check_overlaps(tensors, manifest, copies)
+        if checked is None:
+            check_tied(manifest, tied)
+            copies, drop = check_target(target, tensors, manifest, self._held(current))
+            check_overlaps(tensors, manifest, copies)
+        else:  # the same tensors, unchanged since a pull checked them against this very layout
+            copies, drop = {}, []
         if plan.anchor is not None:
             fetched = self._pull_anchor(target, tensors, copies, drop, plan, current, lay)
             written = {r.name: r.numel for r in manifest.tensors}
@@ -430,6 +440,8 @@ class Subscriber:
                 raise
             path = "delta"
         tracking.set_version(target, ref)
+        if not (tied or copies or drop or lay.changes):
+            self._checked.remember(target, manifest)
         release_memory()
         return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
 

@@ -191,14 +191,19 @@ class AutoCodec(Codec):
             choice = json.loads(meta["deltastore.auto"])
         except (KeyError, ValueError) as e:
             raise CorruptObjectError(f"auto: object lacks a valid choice map ({e!r})") from None
-        if not isinstance(choice, dict) or set(choice) != {s.name for s in specs}:
+        if not isinstance(choice, dict) or len(choice) != len(specs) or choice.keys() != {s.name for s in specs}:
             raise CorruptObjectError("auto: object's tensors differ from the manifest's")
+        if not set(map(type, choice.values())) <= {str}:
+            raise CorruptObjectError("auto: object's choice map names a part codec by something not a string")
+        used = set(choice.values())
+        if not used <= set(_PARTS):
+            raise CorruptObjectError(f"auto: unknown part codec {sorted(used - set(_PARTS))[0]!r}")
         by_codec: dict[str, list[TensorSpec]] = {}
-        for s in specs:
-            cid = choice[s.name]
-            if cid not in _PARTS:
-                raise CorruptObjectError(f"auto: unknown part codec {cid!r}")
-            by_codec.setdefault(cid, []).append(s)
+        if len(used) == 1:  # one codec for every tensor (the usual case): no pass per tensor
+            by_codec[used.pop()] = list(specs)
+        else:
+            for s in specs:
+                by_codec.setdefault(choice[s.name], []).append(s)
         if set(raw) != {f"part.{c}" for c in by_codec}:
             raise CorruptObjectError(f"auto: object parts {sorted(raw)} do not match its choice map")
         out: dict[str, Update] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +137,24 @@ def test_roundtrip_still_fine():
     for cid in SPARSE:
         d = roundtrip(get_codec(cid), ups)
         assert torch.equal(d["w"].bits, ups[0].bits)
+
+
+@pytest.mark.parametrize("choice, match", [
+    ('{"w": "nope"}', "unknown part codec 'nope'"),
+    ('{"w": ["ulp"]}', "not a string"),
+    ('{"w": 3}', "not a string"),
+    ('{"other": "ulp"}', "tensors differ"),
+    ('{"w": "ulp", "v": "ulp"}', "tensors differ"),
+    ('{}', "tensors differ"),
+    ('["w"]', "tensors differ"),
+    ('{"w": "zstd"}', "parts .* do not match"),
+])
+def test_auto_choice_map_tampering_is_named(choice, match):
+    """auto's map of which part codec holds each tensor is read before any part: a codec it does not know,
+    an entry that is not a codec name, or other tensors than the manifest's, is a typed error naming it."""
+    codec, ups, data = _encode("auto", _sample())
+    tensors, meta = unpack_meta(data, "auto")
+    assert set(json.loads(meta["deltastore.auto"]).values()) == {"ulp"}  # the object tampered with
+    bad = pack_meta(tensors, codec.codec_id, meta["deltastore.codec_version"], {"deltastore.auto": choice})
+    with pytest.raises(CorruptObjectError, match=match):
+        _decode(codec, bad, ups)

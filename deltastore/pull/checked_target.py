@@ -1,0 +1,127 @@
+"""What a pull checked about its target, so that the next pull into the very same tensors need not check again.
+
+Before it writes, a pull checks its target: every entry a tensor, none an
+alias of another (:func:`~deltastore.tensors.named_tensors`), every tensor of
+the version present with its dtype and shape, contiguous
+(:func:`~deltastore.apply.check_target`), no two overlapping in memory
+(:func:`~deltastore.apply.check_overlaps`). Those checks look at each tensor
+in Python, several times; at 16,384 tensors they are about a sixth of a delta
+pull. They depend only on the target's entries and on the version's layout,
+and a follower pulls one layout into one target again and again.
+
+:class:`CheckedTarget` keeps, after a pull whose checks passed, the target's
+identity, its names, and for each tensor its identity, data pointer, element
+count, dtype and autograd version counter, with the layout it was checked
+against. :meth:`CheckedTarget.lookup` answers the checked tensors again only
+when all of those are still the same (a few C-level passes) and the new
+version has the very same layout (the parsed manifests share one layout
+object, :mod:`deltastore.manifest`). Anything else is a miss, and the pull
+checks everything.
+
+What this cannot see: a tensor replaced by one of the same dtype and
+element count at the same address (its ``.data`` swapped for another view of
+the same memory, which does not move the version counter, or a new tensor
+object that gets the old one's id and memory); the pull then writes the
+version's bits at the addresses it checked, under the new shape. Every in-place change of
+shape, storage or strides (``resize_``, ``set_``, ``as_strided_``) moves the
+counter, and a new tensor or a moved one changes identity or address. The
+target's values were never checked between pulls (the target is trusted to
+hold the version deltastore last wrote, :mod:`deltastore.tracking`).
+
+Nothing here holds the target or its tensors (identities are kept as ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import segments
+from ..manifest import Manifest
+
+_DTYPE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("_version")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    target: int
+    columns: object  # the layout object of the version checked (compared by identity)
+    names: list[str]
+    ids: list[int]
+    pointers: np.ndarray
+    numels: np.ndarray
+    dtypes: list[torch.dtype]
+    versions: list[int]
+
+
+def _facts(target: Mapping[str, Any]) -> tuple[list[str], list[Any], list[int]] | None:
+    """Names, tensors and version counters of a dict of plain tensors, or None (anything else: a tensor
+    without a version counter, such as an inference tensor, or an entry that is not a tensor)."""
+    names = list(target)
+    values = list(target.values())
+    if not all(issubclass(c, torch.Tensor) for c in set(map(type, values))):
+        return None
+    try:
+        versions = list(map(_VERSION, values))
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+    return names, values, versions
+
+
+class CheckedTarget:
+    """The last target whose checks passed, for one reader (not thread-safe: one per Subscriber, whose pulls
+    into a target do not overlap)."""
+
+    def __init__(self) -> None:
+        self._seen: _Seen | None = None
+        self._hit: _Seen | None = None  # what the last lookup found still true
+
+    def lookup(self, target: object, manifest: Manifest) -> dict[str, torch.Tensor] | None:
+        """``target``'s tensors by name as the last :meth:`remember` checked them, when nothing those checks
+        looked at has changed and ``manifest`` has the layout they were made against (and no aliases);
+        else None (the caller checks everything)."""
+        seen, self._hit = self._seen, None
+        if (seen is None or seen.target != id(target) or not isinstance(target, dict) or manifest.aliases
+                or manifest.layout_columns is not seen.columns or len(target) != len(seen.names)):
+            return None
+        facts = _facts(target)
+        if facts is None:
+            return None
+        names, values, versions = facts
+        if (names != seen.names or list(map(id, values)) != seen.ids or versions != seen.versions
+                or list(map(_DTYPE, values)) != seen.dtypes):
+            return None
+        if not (np.array_equal(segments.pointers(values), seen.pointers)
+                and np.array_equal(segments.lengths(values), seen.numels)):
+            return None
+        self._hit = seen
+        return dict(zip(names, values))
+
+    def remember(self, target: object, manifest: Manifest) -> None:
+        """Record ``target`` (a plain dict of tensors, laid out as ``manifest`` wants and checked so) after a
+        pull that wrote it; anything else is forgotten. After a :meth:`lookup` that found this target as it
+        was, only the version counters (which the pull's writes moved) are read again."""
+        hit, self._seen, self._hit = self._hit, None, None
+        if not isinstance(target, dict) or manifest.aliases:
+            return
+        facts = _facts(target)
+        if facts is None:
+            return
+        names, values, versions = facts
+        if hit is not None and hit.target == id(target) and hit.columns is manifest.layout_columns:
+            self._seen = dataclasses.replace(hit, versions=versions)  # the pull moved no tensor
+            return
+        self._seen = _Seen(id(target), manifest.layout_columns, names, list(map(id, values)),
+                           segments.pointers(values), segments.lengths(values), list(map(_DTYPE, values)), versions)
+
+    def forget(self) -> None:
+        """Drop the record (what the last :meth:`lookup` found stays for :meth:`remember`)."""
+        self._seen = None
+
+
+__all__ = ["CheckedTarget"]

@@ -1,0 +1,158 @@
+"""A follower pulling into the same tensors skips re-checking them, and sees every change that matters.
+
+:class:`deltastore.pull.checked_target.CheckedTarget` lets a pull reuse the
+previous pull's target checks (entries, layout, overlaps) while the target's
+tensors are the very ones checked, at the same addresses, with the same
+element counts, dtypes and version counters. Each case below changes one of
+those between two pulls; the pull must then check again and refuse the
+target, writing nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import deltastore as ds
+import deltastore.subscriber as subscriber_module
+from conftest import bits_equal
+from deltastore.errors import TargetMismatchError
+
+
+def _states(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {"a": torch.randn(8, 8, generator=g).bfloat16(), "b": torch.randn(16, generator=g).bfloat16(),
+         "c": torch.randn(4, 8, generator=g).bfloat16()}
+    out = [s]
+    for _ in range(1, n):
+        s = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in s.items()}
+        out.append(s)
+    return out
+
+
+@pytest.fixture
+def published(store_uri):
+    states = _states()
+    with ds.Publisher(store_uri, anchor_every=100) as pub:
+        for step, s in enumerate(states):
+            pub.publish(s, step=step)
+    return store_uri, states
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    """How many times a pull checked its target's layout."""
+    calls = []
+    real = subscriber_module.check_target
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(subscriber_module, "check_target", counting)
+    return calls
+
+
+def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks):
+    uri, states = published
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)
+    checked = len(counted_checks)
+    for step in (2, 3):
+        assert sub.pull(target, step=step).path == "delta"
+        assert bits_equal(target, states[step])
+    assert len(counted_checks) == checked  # the second and later delta pulls reused the checks
+
+
+def _replace_with_wrong_shape(t):
+    t["a"] = torch.zeros(4, 16, dtype=torch.bfloat16)
+
+
+def _swap_data_for_smaller(t):
+    t["a"].data = torch.zeros(2, 8, dtype=torch.bfloat16)
+
+
+def _resize_in_place(t):
+    t["a"].resize_(2, 8)
+
+
+def _restride_in_place(t):
+    t["a"].as_strided_((8, 8), (1, 8))  # the same memory and shape, transposed: not contiguous
+
+
+def _view_as_another_dtype(t):
+    t["a"] = t["a"].view(torch.float16)
+
+
+def _overlap_another(t):
+    t["b"] = t["a"].view(-1)[48:64]  # 'b' now lies inside 'a'
+
+
+def _drop_a_tensor(t):
+    del t["c"]
+
+
+CHANGES = {
+    "replaced by a tensor of another shape": (_replace_with_wrong_shape, "'a'"),
+    ".data swapped for a smaller tensor": (_swap_data_for_smaller, "'a'"),
+    "resized in place": (_resize_in_place, "'a'"),
+    "re-strided in place": (_restride_in_place, "'a' is not contiguous"),
+    "viewed as another dtype": (_view_as_another_dtype, "'a'"),
+    "overlapping another tensor": (_overlap_another, "overlap in memory"),
+    "a tensor removed": (_drop_a_tensor, "'c'"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, change):
+    uri, states = published
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)  # checked, and remembered
+    do, match = CHANGES[change]
+    do(target)
+    kept = {k: v.clone() for k, v in target.items() if k != "a"}
+    with pytest.raises(TargetMismatchError, match=match):
+        sub.pull(target, step=2)
+    assert bits_equal({k: target[k] for k in kept}, kept)  # nothing written
+
+
+def test_a_target_changed_back_is_pulled_again(published):
+    """After a refused pull, a target put right is checked and followed as before, bit-exact."""
+    uri, states = published
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)
+    a = target["a"]
+    target["a"] = torch.zeros(4, 16, dtype=torch.bfloat16)
+    with pytest.raises(TargetMismatchError):
+        sub.pull(target, step=2)
+    target["a"] = a
+    sub.pull(target, step=2)
+    sub.pull(target, step=3)
+    assert bits_equal(target, states[3])
+
+
+def test_the_record_keeps_no_tensor_alive(published):
+    uri, states = published
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)
+    sub.pull(target, step=2)
+    refs = [weakref.ref(t) for t in target.values()]
+    ds.tracking.set_version(target, None)  # the version table holds plain dicts; the record must not
+    del target
+    gc.collect()
+    assert all(r() is None for r in refs)
+    fresh = {k: torch.zeros_like(v) for k, v in states[0].items()}  # a new target (maybe at the old ids)
+    sub.pull(fresh, step=0)
+    sub.pull(fresh, step=3)
+    assert bits_equal(fresh, states[3])
