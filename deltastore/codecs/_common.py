@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -61,8 +62,11 @@ def sorted_updates(updates: Sequence[Update]) -> list[Update]:
     return sorted(updates, key=lambda u: u.spec.name)
 
 
+_NAME = operator.attrgetter("name")
+
+
 def sorted_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
-    return sorted(specs, key=lambda s: s.name)
+    return sorted(specs, key=_NAME)
 
 
 def np_bits(t: torch.Tensor) -> np.ndarray:

@@ -735,11 +735,12 @@ class StepsInPlace:
                  is_float: bool, slot: np.ndarray | None = None):
         k = pointers.size
         counts = np.ascontiguousarray(counts, np.int64)
-        slot = np.arange(counts.size, dtype=np.int64) if slot is None else np.ascontiguousarray(slot, np.int64)
+        given = slot is not None
+        slot = np.ascontiguousarray(slot, np.int64) if given else np.arange(counts.size, dtype=np.int64)
         if (lengths.shape != (k,) or keys.shape != (k,) or sums.shape != (k,) or sums.dtype != np.uint64
                 or done.shape != (k,) or done.dtype != np.bool_ or slot.shape != counts.shape or counts.ndim != 1
                 or bool((counts < 0).any()) or bool((slot >= k).any())
-                or np.unique(slot[slot >= 0]).size != int((slot >= 0).sum())
+                or (given and np.unique(slot[slot >= 0]).size != int((slot >= 0).sum()))
                 or planes.ndim != 2 or planes.shape[1] != int(counts.sum()) or planes.dtype != np.uint8
                 or gaps.dtype != np.uint8 or gaps.ndim != 1 or np.dtype(dtype).kind not in "iu"):
             raise ValueError("StepsInPlace: pointers, counts, planes and buffers do not fit together")

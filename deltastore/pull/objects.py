@@ -41,6 +41,7 @@ Pairs = list[tuple[TensorRecord, Part]]
 #: the record and the part of a ``(tensor, part)`` pair, as C-level getters for passes over many pairs
 record_of, part_of = operator.itemgetter(0), operator.itemgetter(1)
 _NUMEL, _BITS_DTYPE = operator.attrgetter("numel"), operator.attrgetter("spec.bits_dtype")
+_SPEC = operator.attrgetter("spec")
 
 
 def object_index(manifest: Manifest, role: Role) -> dict[int, Pairs]:
@@ -206,7 +207,9 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
     whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
-    specs = [t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
+    all_whole = all(whole)  # the usual case: no pass per tensor below asks again
+    specs = list(map(_SPEC, map(record_of, pairs))) if all_whole else [
+        t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
     reader = PartReader(old, dict(zip(names, map(part_of, pairs))), frozenset(
         itertools.compress(names, whole))) if old is not None else None
     with _typed_errors(manifest, index, codec):
@@ -226,7 +229,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
             held, wholes = pairs, whole
         else:
             held = list(map(records.__getitem__, b_names))
-            wholes = [p.offset == 0 and p.numel == t.numel for t, p in held]
+            wholes = [True] * len(held) if all_whole else [p.offset == 0 and p.numel == t.numel for t, p in held]
         if isinstance(b, WrittenBatch):  # in the target already, positions checked as they were written
             if not all(wholes):
                 raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} wrote a part of a "
@@ -235,7 +238,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
             if not bool(b.target.done.all()):
                 raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned tensors it "
                                          "did not finish writing in place", digest=rec.digest)
-            whole_batches.append(WrittenBatch([t.spec for t, _ in held], b.bounds, b.target))
+            whole_batches.append(WrittenBatch(list(map(_SPEC, map(record_of, held))), b.bounds, b.target))
             continue
         _check_batch(b, held, wholes, role, manifest.step)
         if all(wholes):
