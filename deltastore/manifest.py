@@ -17,6 +17,7 @@ import json
 import math
 import operator
 import re
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -497,7 +498,7 @@ def _parse(doc: Any) -> Manifest:
         columns = _tensor_columns(_get(doc, "tensors", dict))
         got = _plain_columns(columns, n_objects)
         if got is not None:
-            tensors, layout = got
+            tensors, layout, checksum_ints = got
         listed = [dict(zip(TENSOR_FIELDS, row)) for row in zip(*columns)] if tensors is None else []
     else:
         listed = _get(doc, "tensors", list)
@@ -548,7 +549,8 @@ def _parse(doc: Any) -> Manifest:
                  differential=differential, files=files, format_version=version, new_tensors=new_tensors,
                  dropped_tensors=dropped, quantization=quantization)
     if layout is not None:  # the cached properties, shared by every manifest of this layout
-        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns)
+        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns,
+                          checksum_values=dict(zip(layout.names, checksum_ints)))
     return m
 
 
@@ -671,7 +673,6 @@ def _plain_record(t: Any, n_objects: int) -> TensorRecord | None:
 
 
 _NAME_LINES = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,511}\n)*")
-_CHECKSUM_LINES = re.compile(r"(?:[0-9a-f]{16}\n)*")
 
 
 _COLUMNS = operator.itemgetter(*TENSOR_FIELDS)
@@ -705,24 +706,23 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     return [_plain_record(t, n_objects) for t in ts] if got is None else got[0]  # type: ignore[return-value]
 
 
-def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int) -> tuple[list[TensorRecord], _Layout] | None:
+def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int
+                   ) -> tuple[list[TensorRecord], _Layout, tuple[int, ...]] | None:
     """The records of tensor ``columns`` (:data:`TENSOR_FIELDS` order, equal lengths) when every entry is
-    what :func:`_plain_record` accepts, checked a column at a time, and their layout; None otherwise."""
+    what :func:`_plain_record` accepts, checked a column at a time, their layout and their checksums as
+    integers; None otherwise."""
     names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = columns
     n = len(names)
     if not n:
-        return [], _Layout.of([], [], [], [])
+        return [], _Layout.of([], [], [], []), ()
     layout = _known_layout(names, dtypes, shapes)
     if layout is None:
         layout = _checked_layout(names, dtypes, shapes)
         if layout is None:
             return None
     numels = layout.numels
-    if set(map(type, checksums)) != {str}:
-        return None
-    sums = "\n".join(checksums) + "\n"
-    # one line per entry (a newline inside a value would split it), every line valid
-    if sums.count("\n") != n or _CHECKSUM_LINES.fullmatch(sums) is None:
+    sums = _checksum_ints(checksums)
+    if sums is None:
         return None
     roles = (delta, full, diff)
     if (set(map(type, changed)) != {int} or set(map(type, diff_changed)) != {int}
@@ -742,7 +742,24 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int) -> tuple[li
     out = list(map(tuple.__new__, itertools.repeat(TensorRecord),
                    zip(layout.names, layout.dtypes, layout.shapes, changed, checksums, *parts, diff_changed, numels,
                        layout.specs)))
-    return out, layout  # type: ignore[return-value]
+    return out, layout, sums  # type: ignore[return-value]
+
+
+def _checksum_ints(checksums: Sequence[Any]) -> tuple[int, ...] | None:
+    """Each of ``checksums`` as an integer when every one is 16 lowercase hex digits (what a record's
+    checksum must be), else None: one join and one ``bytes.fromhex`` instead of a parse per entry."""
+    if set(map(type, checksums)) != {str} or set(map(len, checksums)) != {16}:
+        return None
+    joined = "".join(checksums)
+    if joined != joined.lower():  # fromhex reads upper case too
+        return None
+    try:
+        raw = bytes.fromhex(joined)
+    except ValueError:
+        return None
+    if len(raw) != 8 * len(checksums):  # fromhex skips whitespace
+        return None
+    return struct.unpack(f">{len(checksums)}Q", raw)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,12 @@ def test_the_column_pass_agrees_with_the_record_by_record_fast_path(odd, plain, 
 
 
 @pytest.mark.parametrize("field, value", [("name", "a\nb"), ("name", "w\n"), ("checksum", "0123456789abcdef\n"),
-                                          ("name", "x..y"), ("shape", [2, True]), ("delta", True), ("dtype", ["x"])])
+                                          ("name", "x..y"), ("shape", [2, True]), ("delta", True), ("dtype", ["x"]),
+                                          ("checksum", "0123456789ABCDEF"), ("checksum", "0123456789abcde "),
+                                          ("checksum", "01234567\t9abcdef"), ("checksum", "01234567 \tabcdef"), ("checksum", "0123456789abcdeg"),
+                                          ("checksum", "0123456789abcde"), ("checksum", "0123456789abcdef0"),
+                                          ("checksum", "0123456789abcde\u00e9"), ("checksum", "\uff10123456789abcdef"),
+                                          ("checksum", 81985529216486895)])
 def test_the_column_pass_sees_a_value_that_only_looks_plain(field, value):
     ts = [dict(_VALID, name=f"layer.{i}.w") for i in range(100)]
     ts[37] = dict(ts[37], **{field: value})
@@ -247,6 +252,7 @@ def test_a_layout_seen_before_changes_nothing_the_parse_decides(data):
         assert again.tensors == first.tensors and again.layout_key == first.layout_key
         assert again.layout_columns == first.layout_columns
         assert [t.spec for t in again.tensors] == [t.spec for t in first.tensors]
+        assert again.checksum_values == first.checksum_values == {t.name: int(t.checksum, 16) for t in first.tensors}
 
 
 def test_manifests_of_one_layout_share_what_follows_from_it():
@@ -269,3 +275,11 @@ def test_a_known_layout_is_compared_with_its_own_copy_of_the_columns(field, inde
     other["tensors"][field][index] = value  # ... and a later manifest holding the same is still refused
     with pytest.raises(ManifestError, match=message):
         M._parse(other)
+
+
+def test_a_parsed_manifests_checksum_values_are_its_checksums_read_as_hex():
+    rows = [dict(r, checksum=f"{(i * 0x9E3779B97F4A7C15) % 2**64:016x}") for i, r in enumerate(_LAYOUT_ROWS)]
+    for doc in (_doc(rows), _as_columns(_doc(rows))):  # rows (a record at a time) and columns (one pass)
+        m = M._parse(doc)
+        assert m.checksum_values == {t.name: int(t.checksum, 16) for t in m.tensors}
+        assert len(set(m.checksum_values.values())) == len(rows)
