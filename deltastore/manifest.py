@@ -494,6 +494,7 @@ def _parse(doc: Any) -> Manifest:
     tensors: list[TensorRecord] | None = None
     layout: _Layout | None = None
     used: set[int | None] | None = None
+    role_objects: dict[str, frozenset[int]] = {}
     if columnar(version):  # checked as columns; anything they refuse is named row by row below
         columns = _tensor_columns(_get(doc, "tensors", dict))
         got = _plain_columns(columns, n_objects)
@@ -512,8 +513,9 @@ def _parse(doc: Any) -> Manifest:
         _, _, _, changed, _, delta, full, diff, diff_changed = columns
         holds = _columns_hold_roles(changed, delta, full, diff, diff_changed, layout.names, kind, parent is not None,
                                     differential is not None, new_names)
-        used = {*delta, *full, *diff}
-        used.discard(None)
+        role_objects = {f"_objects_{role}": frozenset(col).difference((None,))  # for objects_for
+                        for role, col in (("delta", delta), ("full", full), ("diff", diff))}
+        used = set().union(*role_objects.values())
     names = layout.name_set if layout is not None else {t.name for t in tensors}
     if len(names) != len(tensors) or not holds:
         _check_roles(tensors, kind, parent, differential, new_names)  # names the first tensor that is off
@@ -550,7 +552,7 @@ def _parse(doc: Any) -> Manifest:
                  dropped_tensors=dropped, quantization=quantization)
     if layout is not None:  # the cached properties, shared by every manifest of this layout
         m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns,
-                          checksum_values=dict(zip(layout.names, checksum_ints)))
+                          checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
     return m
 
 

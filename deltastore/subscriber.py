@@ -414,7 +414,8 @@ class Subscriber:
         else:
             assert current is not None
             names = lay.start_manifest.layout_columns[0]
-            held = dict(zip(names, map(tensors.__getitem__, names)))  # contiguous (check_target)
+            # the version's tensors, contiguous (check_target): the target itself when it holds just those
+            held = tensors if list(tensors) == names else dict(zip(names, map(tensors.__getitem__, names)))
             # one delta that keeps the layout: each change is staged once, so decoders may write it as they
             # decode it (one pass over the target instead of a read and a write), undone if the version fails
             through = len(plan.deltas) == 1 and plan.differential is None and not lay.changes and not copies

@@ -253,6 +253,8 @@ def test_a_layout_seen_before_changes_nothing_the_parse_decides(data):
         assert again.layout_columns == first.layout_columns
         assert [t.spec for t in again.tensors] == [t.spec for t in first.tensors]
         assert again.checksum_values == first.checksum_values == {t.name: int(t.checksum, 16) for t in first.tensors}
+        for role in ("delta", "full", "diff"):
+            assert again.objects_for(role) == {p.object for t in first.tensors for p in getattr(t, role)}
 
 
 def test_manifests_of_one_layout_share_what_follows_from_it():
