@@ -42,6 +42,15 @@ def published(store_uri):
     return store_uri, states
 
 
+def _following(uri, states):
+    """A subscriber and a dict target it pulled to step 1 (anchor, then a checked delta pull)."""
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)
+    return sub, target
+
+
 @pytest.fixture
 def counted_checks(monkeypatch):
     """How many times a pull checked its target's layout."""
@@ -58,10 +67,7 @@ def counted_checks(monkeypatch):
 
 def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks):
     uri, states = published
-    sub = ds.Subscriber(uri)
-    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
-    sub.pull(target, step=0)
-    sub.pull(target, step=1)
+    sub, target = _following(uri, states)
     checked = len(counted_checks)
     for step in (2, 3):
         assert sub.pull(target, step=step).path == "delta"
@@ -111,10 +117,7 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, change):
     uri, states = published
-    sub = ds.Subscriber(uri)
-    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
-    sub.pull(target, step=0)
-    sub.pull(target, step=1)  # checked, and remembered
+    sub, target = _following(uri, states)  # checked, and remembered
     do, match = CHANGES[change]
     do(target)
     kept = {k: v.clone() for k, v in target.items() if k != "a"}
@@ -126,10 +129,7 @@ def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, 
 def test_a_target_changed_back_is_pulled_again(published):
     """After a refused pull, a target put right is checked and followed as before, bit-exact."""
     uri, states = published
-    sub = ds.Subscriber(uri)
-    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
-    sub.pull(target, step=0)
-    sub.pull(target, step=1)
+    sub, target = _following(uri, states)
     a = target["a"]
     target["a"] = torch.zeros(4, 16, dtype=torch.bfloat16)
     with pytest.raises(TargetMismatchError):
@@ -142,10 +142,7 @@ def test_a_target_changed_back_is_pulled_again(published):
 
 def test_the_record_keeps_no_tensor_alive(published):
     uri, states = published
-    sub = ds.Subscriber(uri)
-    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
-    sub.pull(target, step=0)
-    sub.pull(target, step=1)
+    sub, target = _following(uri, states)
     sub.pull(target, step=2)
     refs = [weakref.ref(t) for t in target.values()]
     ds.tracking.set_version(target, None)  # the version table holds plain dicts; the record must not

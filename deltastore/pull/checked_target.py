@@ -5,8 +5,8 @@ alias of another (:func:`~deltastore.tensors.named_tensors`), every tensor of
 the version present with its dtype and shape, contiguous
 (:func:`~deltastore.apply.check_target`), no two overlapping in memory
 (:func:`~deltastore.apply.check_overlaps`). Those checks look at each tensor
-in Python, several times; at 16,384 tensors they are about a sixth of a delta
-pull. They depend only on the target's entries and on the version's layout,
+in Python, several times; at 16,384 tensors they take about 21 ms of a
+145 ms delta pull (``bench/pull_stages.py --layout many``). They depend only on the target's entries and on the version's layout,
 and a follower pulls one layout into one target again and again.
 
 :class:`CheckedTarget` keeps, after a pull whose checks passed, the target's
@@ -22,9 +22,10 @@ What this cannot see: a tensor replaced by one of the same dtype and
 element count at the same address (its ``.data`` swapped for another view of
 the same memory, which does not move the version counter, or a new tensor
 object that gets the old one's id and memory); the pull then writes the
-version's bits at the addresses it checked, under the new shape. Every in-place change of
-shape, storage or strides (``resize_``, ``set_``, ``as_strided_``) moves the
-counter, and a new tensor or a moved one changes identity or address. The
+version's bits at the addresses it checked, under the new shape. Every
+in-place change of shape, storage or strides (``resize_``, ``set_``,
+``as_strided_``) moves the counter, and a new tensor or a moved one changes
+identity or address. The
 target's values were never checked between pulls (the target is trusted to
 hold the version deltastore last wrote, :mod:`deltastore.tracking`).
 
