@@ -733,13 +733,19 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int
             or not all(set(map(type, r)) <= {int, type(None)} and _indices_below(r, n_objects) for r in roles)):
         return None
     parts = []
-    for r in roles:  # Parts are immutable values: one per (object, numel), shared
+    for role, r in enumerate(roles):  # Parts are immutable values: one per (object, numel), shared
         if len(set(r)) == 1 and r[0] is None:
             parts.append(itertools.repeat(()))
             continue
+        seen = layout.role_parts.get(role)
+        if seen is not None and seen[0] == r:  # the column the last manifest of this layout had
+            parts.append(seen[1])
+            continue
         keys = list(zip(r, numels))
         table = {k: ((Part(k[0], 0, k[1]),) if k[0] is not None else ()) for k in set(keys)}
-        parts.append(list(map(table.__getitem__, keys)))
+        built = list(map(table.__getitem__, keys))
+        layout.role_parts[role] = (list(r), built)
+        parts.append(built)
     # one C call per record (tuple.__new__ skips TensorRecord.__new__: numel and spec come from the layout)
     out = list(map(tuple.__new__, itertools.repeat(TensorRecord),
                    zip(layout.names, layout.dtypes, layout.shapes, changed, checksums, *parts, diff_changed, numels,
@@ -776,6 +782,9 @@ class _Layout:
     shapes: list[tuple[int, ...]]
     numels: list[int]
     specs: list[TensorSpec]
+    #: role index -> (its column as last parsed, the parts made from it): successive manifests of one layout
+    #: usually store every tensor in the same objects (compared as ints, so checked columns only)
+    role_parts: dict[int, tuple[list[int | None], list[Parts]]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> _Layout:
@@ -801,7 +810,7 @@ def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> 
     """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, not a frozen dataclass's
     per-field ``object.__setattr__`` (made per tensor of every layout)."""
     got = TensorSpec.__new__(TensorSpec)
-    object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "_numel": numel})
+    object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "numel": numel})
     return got
 
 

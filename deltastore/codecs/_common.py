@@ -62,7 +62,7 @@ def sorted_updates(updates: Sequence[Update]) -> list[Update]:
     return sorted(updates, key=lambda u: u.spec.name)
 
 
-_NAME = operator.attrgetter("name")
+_NAME, _NUMEL = operator.attrgetter("name"), operator.attrgetter("numel")
 
 
 def sorted_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -224,7 +224,7 @@ def read_header(frames: dict[str, memoryview], specs: Sequence[TensorSpec], code
     if used != len(hdr):
         raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
     n = len(specs)
-    numels = np.fromiter((s.numel for s in specs), dtype=np.uint64, count=n)
+    numels = np.fromiter(map(_NUMEL, specs), dtype=np.uint64, count=n)
     over = np.flatnonzero(vals[:n] > numels)  # both uint64: compared exactly
     if over.size:
         s = specs[int(over[0])]

@@ -132,6 +132,19 @@ class WrittenBatch:
     target: InPlace
 
 
+class _Numel:
+    """``TensorSpec.numel``, the element count: worked out on first use and kept in the (frozen) instance's
+    ``__dict__`` under the same name, where every later read finds it as a plain attribute, with no call
+    (a non-data descriptor; a property would run on every read, and it is read per tensor on hot paths,
+    often through a C-level ``operator.attrgetter``)."""
+
+    def __get__(self, spec: TensorSpec | None, owner: type | None = None) -> Any:
+        if spec is None:
+            return self
+        got = spec.__dict__["numel"] = math.prod(spec.shape)
+        return got
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, dtype and shape of one published tensor."""
@@ -140,14 +153,7 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    # asked per tensor on every hot path: cached in the (frozen) instance's __dict__ by hand, since
-    # functools.cached_property takes a lock per call on Python 3.11
-    @property
-    def numel(self) -> int:
-        got = self.__dict__.get("_numel")
-        if got is None:
-            got = self.__dict__["_numel"] = math.prod(self.shape)
-        return got
+    numel = _Numel()  # the element count, an int (see _Numel); not a field
 
     @property
     def bits_dtype(self) -> torch.dtype:

@@ -92,14 +92,17 @@ class PartReader:
     """An :data:`OldBits` seen from inside parts: positions relative to each part's offset.
 
     ``whole``: the names whose part is their whole tensor; only those are offered for writing in place
-    (:func:`~deltastore.codecs.write_in_place`).
+    (:func:`~deltastore.codecs.write_in_place`). ``parts=None``: every part is its whole tensor (the usual
+    object; nothing is kept per tensor).
     """
 
-    def __init__(self, old: OldBits, parts: dict[str, Part], whole: frozenset[str] = frozenset()):
+    def __init__(self, old: OldBits, parts: dict[str, Part] | None, whole: frozenset[str] = frozenset()):
         self.old, self.parts, self.whole = old, parts, whole
-        self.shifted = any(p.offset for p in parts.values())
+        self.shifted = parts is not None and any(p.offset for p in parts.values())
 
     def __call__(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        if self.parts is None:
+            return self.old(name, positions)
         p = self.parts[name]
         if positions is None:
             whole = self.old(name, None)
@@ -113,7 +116,8 @@ class PartReader:
         return read_old_bits(self.old, names, positions, bounds)
 
     def in_place(self, names: list[str], bounds: np.ndarray) -> InPlace | None:
-        return write_in_place(self.old, names, bounds) if self.whole.issuperset(names) else None
+        return write_in_place(self.old, names, bounds) if self.parts is None or self.whole.issuperset(names) \
+            else None
 
 
 @contextmanager
@@ -210,8 +214,8 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     all_whole = all(whole)  # the usual case: no pass per tensor below asks again
     specs = list(map(_SPEC, map(record_of, pairs))) if all_whole else [
         t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
-    reader = PartReader(old, dict(zip(names, map(part_of, pairs))), frozenset(
-        itertools.compress(names, whole))) if old is not None else None
+    reader = None if old is None else PartReader(old, None) if all_whole else PartReader(
+        old, dict(zip(names, map(part_of, pairs))), frozenset(itertools.compress(names, whole)))
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
     if not isinstance(batches, list) or not all(isinstance(b, (UpdateBatch, WrittenBatch)) for b in batches):
