@@ -127,7 +127,7 @@ class ShardedPublisher:
             check_step(step, self.store if self.rank == 0 else None, self._last_step)
             compared.append(self._compare({n: local[n][0] for n in owned}, {n: local[n][1] for n in owned},
                                           specs, same_layout))
-            return self._drift_count(compared[0])
+            return DriftTracker.count(compared[0].proposed)
 
         def decide(drifts: list[int]) -> Decision:
             return st.head.decide(same_layout=same_layout, drift_elements=sum(drifts), total=total,
@@ -141,7 +141,7 @@ class ShardedPublisher:
             nonlocal advanced
             records, parts, diff_counts, advanced = self._upload(specs, c, decision, local)
             # rank 0 assembles the manifest from every rank's objects, parts, counts and checksum sums
-            return records, parts, diff_counts, c.summary, self._drift_count(c)
+            return records, parts, diff_counts, c.summary, DriftTracker.count(c.proposed)
 
         try:
             info, last, anchor = coll.reduce(
@@ -196,10 +196,6 @@ class ShardedPublisher:
                                          - sparse_sum(k, ch.positions + off, ch.old_bits)) & _M64)
         proposed = st.head.drift.propose(changes) if st.head.tracks_drift() else None
         return _Compared(summary, changes, diff, mirror, proposed)
-
-    @staticmethod
-    def _drift_count(c: _Compared) -> int:
-        return DriftTracker.count(c.proposed) if c.proposed is not None else 0
 
     def _upload(self, specs: dict[str, TensorSpec], c: _Compared, decision: Decision,
                 local: Mapping[str, tuple[torch.Tensor, int, tuple[int, ...]]]

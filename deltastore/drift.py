@@ -400,9 +400,10 @@ class DriftTracker:
         self._drift = proposed
 
     @staticmethod
-    def count(proposed: Drift) -> int:
-        """Elements that differ from the anchor: exact, or the sample scaled up (an estimate)."""
-        return proposed.count << proposed.rate_log2
+    def count(proposed: Drift | None) -> int:
+        """Elements that differ from the anchor: exact, or the sample scaled up (an estimate); 0 without a
+        proposal (a version that tracks no drift)."""
+        return 0 if proposed is None else proposed.count << proposed.rate_log2
 
     @staticmethod
     def differential(proposed: Drift, read: Read) -> dict[str, Change]:

@@ -406,7 +406,7 @@ class Publisher:
         head = self.head
         proposed = head.drift.propose(c.diff, budget_bytes=head.drift_budget(specs)) \
             if c.diff is not None and head.tracks_drift(c.layout is not None) else None
-        drift_elements = DriftTracker.count(proposed) if proposed is not None else 0
+        drift_elements = DriftTracker.count(proposed)
         decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
                                tracking=proposed is not None)
         is_anchor, with_diff = decision.is_anchor, decision.with_diff

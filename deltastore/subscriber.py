@@ -365,7 +365,7 @@ class Subscriber:
         if not full:
             return 1
         per = am.object_bytes(full) / len(full)
-        model = sum(r.numel * r.spec.bits_dtype.itemsize for r in am.tensors)
+        model = sum(r.spec.nbytes for r in am.tensors)
         return max(1, min(self.max_workers, int(0.1 * model / max(per, 1.0))))
 
     def _pull(self, target: Target, step: int, allow_anchor: bool, lag: int,

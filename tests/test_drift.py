@@ -245,3 +245,8 @@ def test_a_drift_over_its_budget_is_a_sample_of_the_exact_drift_and_estimates_it
     assert rates[0] == 0 and rates[-1] > 0 and rates == sorted(rates)  # exact first, sampled once it grew
     tracker.reset()
     assert tracker.propose({k: find_changes(anchor[k], state[k]) for k in state}).rate_log2 == 0
+
+
+def test_no_proposal_counts_no_drift():
+    """A version that tracks no drift (no proposal) reports 0 drifted elements to the policy."""
+    assert DriftTracker.count(None) == 0

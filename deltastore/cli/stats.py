@@ -33,7 +33,7 @@ def version_stats(m: Manifest) -> dict[str, Any]:
     return {"step": m.step, "kind": m.kind, "changed": m.changed, "total": m.total,
             "changed_fraction": m.changed / m.total if m.total else 0.0,
             "stored_bytes": m.object_bytes(), "follower_bytes": follower,
-            "model_bytes": sum(t.numel * t.spec.bits_dtype.itemsize for t in m.tensors),
+            "model_bytes": sum(t.spec.nbytes for t in m.tensors),
             "anchor": m.kind == "anchor", "differential": m.differential is not None}
 
 

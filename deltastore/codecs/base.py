@@ -156,6 +156,11 @@ class TensorSpec:
     numel = _Numel()  # the element count, an int (see _Numel); not a field
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's elements."""
+        return self.numel * self.bits_dtype.itemsize
+
+    @property
     def bits_dtype(self) -> torch.dtype:
         got = self.__dict__.get("_bits_dtype")
         if got is None:

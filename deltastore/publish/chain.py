@@ -76,7 +76,7 @@ class ChainHead:
         """Bytes the drift may hold for a model of ``specs``: ``DRIFT_MEMORY_FRACTION`` of its bytes, at least
         ``DRIFT_MEMORY_MIN`` (sized once per layout)."""
         if self._budget_for is not specs:
-            model = sum(s.numel * s.bits_dtype.itemsize for s in specs.values())
+            model = sum(s.nbytes for s in specs.values())
             self._budget_for, self._budget = specs, max(DRIFT_MEMORY_MIN, int(model * DRIFT_MEMORY_FRACTION))
         return self._budget
 

@@ -161,7 +161,7 @@ class ObjectPlanner:
         """``(object bytes, objects in flight)`` for whole tensors: small enough objects, few enough at once
         that an anchor streams through a bounded amount of memory (about a tenth of the model; at least two
         objects, so that one encodes while another uploads)."""
-        total = sum(s.numel * s.bits_dtype.itemsize for s in specs.values())
+        total = sum(s.nbytes for s in specs.values())
         object_bytes = min(self.max_object_bytes, max(ANCHOR_OBJECT_MIN, min(ANCHOR_OBJECT_MAX, total // 64)))
         inflight = max(min(2, self.max_workers), min(self.max_workers, int(0.1 * total) // max(1, object_bytes)))
         return object_bytes, inflight
