@@ -110,13 +110,14 @@ class CheckedTarget:
         hit, self._seen, self._hit = self._hit, None, None
         if not isinstance(target, dict) or manifest.aliases:
             return
+        if hit is not None and hit.target == id(target) and hit.columns is manifest.layout_columns:
+            # the pull moved no tensor (the lookup saw these tensors, all with a version counter)
+            self._seen = dataclasses.replace(hit, versions=list(map(_VERSION, target.values())))
+            return
         facts = _facts(target)
         if facts is None:
             return
         names, values, versions = facts
-        if hit is not None and hit.target == id(target) and hit.columns is manifest.layout_columns:
-            self._seen = dataclasses.replace(hit, versions=versions)  # the pull moved no tensor
-            return
         self._seen = _Seen(id(target), manifest.layout_columns, names, list(map(id, values)),
                            segments.pointers(values), segments.lengths(values), list(map(_DTYPE, values)), versions)
 
