@@ -63,6 +63,13 @@ STAGES = [
     ("deltastore.pull.objects", "object_index"),
     ("deltastore.store", "DeltaStore.get_object"),
     ("deltastore.tracking", "set_version"),
+    ("deltastore.pull.checked_target", "CheckedTarget.lookup"),
+    ("deltastore.pull.checked_target", "CheckedTarget.remember"),
+    ("deltastore.kernels.bitstream", "StepsInPlace.__init__"),
+    ("deltastore.pull.objects", "_check_counts"),
+    ("deltastore.store", "DeltaStore.manifest_with_digest"),
+    ("deltastore.manifest", "_parse"),
+    ("deltastore.manifest", "_known_layout"),
 ]
 
 

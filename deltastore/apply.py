@@ -19,6 +19,7 @@ version.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -569,6 +570,25 @@ class StagedBits:
         return offer(names, bounds) if offer is not None else None
 
 
+@dataclass(frozen=True)
+class TargetAddresses:
+    """Where a target's tensors lie, as a caller that checked them knows it (:class:`SparseOverlay`'s
+    ``addresses``): for tensor ``i`` of ``names`` (the overlay's ``tensors``, in their order, every one a
+    plain CPU tensor of one element width), ``lengths[i]`` elements of numpy ``dtype`` (that width's bits
+    view) at ``pointers[i]``, and its checksum key ``keys[i]`` (:func:`~deltastore.checksum.tensor_keys`)."""
+
+    names: list[str]
+    pointers: np.ndarray
+    lengths: np.ndarray
+    dtype: np.dtype
+    keys: np.ndarray
+
+    @functools.cached_property
+    def row(self) -> dict[str, int]:
+        """``name -> i``."""
+        return {n: i for i, n in enumerate(self.names)}
+
+
 class SparseOverlay:
     """Net effect of a run of deltas on a live target, without touching it.
 
@@ -580,6 +600,9 @@ class SparseOverlay:
     one kernel pass per element width instead of a call per tensor (the
     kernels read and write them by address: no view per tensor is made).
 
+    ``addresses`` (optional, :class:`TargetAddresses`): ``tensors``' addresses, lengths and keys as the
+    caller checked them; :meth:`in_place` then offers all of them at once without a pass per tensor.
+
     With ``write_through`` (for a path of one delta, whose changes are each
     staged once), a decoder may write a first touch of such tensors straight
     into the target as it decodes (:meth:`in_place`): the overlay is then no
@@ -590,7 +613,7 @@ class SparseOverlay:
     """
 
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None,
-                 write_through: bool = False):
+                 write_through: bool = False, addresses: TargetAddresses | None = None):
         self.reader = reader
         self.write_through = write_through
         # in-place writes made by decoders, oldest first: (names, tensors, their InPlace)
@@ -600,6 +623,9 @@ class SparseOverlay:
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
         self._fast = plain_cpu_tensors(tensors) if tensors is not None else {}
+        # what :meth:`in_place` offers for all of ``tensors`` at once, when the caller knows it already
+        self._addresses = addresses if (addresses is not None and len(self._fast) == len(addresses.names)
+                                        and list(self._fast) == addresses.names) else None
         # changes of plain CPU tensors staged as batches: (names, positions, bits, original, bounds); a batch
         # is written by one scatter while it holds the staged changes of every name in it (``_batched``: name
         # -> index of the batch that holds its changes)
@@ -703,7 +729,26 @@ class SparseOverlay:
         """Target tensors ``names`` for a decoder to update in place (:func:`deltastore.codecs.write_in_place`):
         only with ``write_through``, and only when each is a plain CPU tensor of the target that no staged
         delta touched yet, all of one element width; else None. Kept for :meth:`undo_in_place`."""
-        if not self.write_through or not names or len(bounds) != len(names) + 1 or self._touch(names) is not True:
+        if not self.write_through or not names or len(bounds) != len(names) + 1:
+            return None
+        known = self._addresses
+        if known is not None and not self.pending and not self.whole:
+            # tensors of the target, none touched yet: rows of the arrays the caller checked (one pass)
+            n = len(names)
+            if names == known.names:
+                rows, tensors = slice(None), list(self._fast.values())
+            else:
+                try:
+                    rows = np.fromiter(map(known.row.__getitem__, names), dtype=np.int64, count=n)
+                except KeyError:  # not the target's tensors: checked one by one below
+                    rows = None
+                tensors = list(map(self._fast.__getitem__, names)) if rows is not None else []
+            if rows is not None:
+                target = InPlace(np.array(known.pointers[rows]), np.array(known.lengths[rows]), known.dtype,
+                                 np.zeros(n, np.bool_), np.array(known.keys[rows]), np.zeros(n, np.uint64))
+                self._in_place.append((names, tensors, target))
+                return target
+        if self._touch(names) is not True:
             return None
         tensors = list(map(self._fast.__getitem__, names))
         width = tensors[0].element_size()

@@ -419,8 +419,10 @@ class Subscriber:
             # one delta that keeps the layout: each change is staged once, so decoders may write it as they
             # decode it (one pass over the target instead of a read and a write), undone if the version fails
             through = len(plan.deltas) == 1 and plan.differential is None and not lay.changes and not copies
+            # the same tensors as checked before, in the version's order: their addresses are known already
+            known = self._checked.addresses() if checked is not None and held is tensors else None
             overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held,
-                                    write_through=through)
+                                    write_through=through, addresses=known)
             tracking.set_version(target, None)  # unknown while writing
             try:
                 fetched = self._apply_steps(plan, overlay)

@@ -243,6 +243,15 @@ MUTANTS = [
            "re-strided in place",
            [("deltastore/pull/checked_target.py", " or versions != seen.versions", "")],
            ["tests/test_checked_target.py"]),
+    Mutant("checked-addresses-kept-stale", "a pull hands its decoder the addresses a pull before it checked, "
+           "after a tensor's memory moved",
+           [("deltastore/pull/checked_target.py",
+             "known.names is not hit.names or known.pointers is not hit.pointers", "known.names != hit.names")],
+           ["tests/test_checked_target.py"]),
+    Mutant("known-addresses-ignore-names", "the overlay offers every known address for a decoder's subset of "
+           "the tensors",
+           [("deltastore/apply.py", "            if names == known.names:\n", "            if True:\n")],
+           ["tests/test_checked_target.py"]),
 ]
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
 import deltastore as ds
 import deltastore.subscriber as subscriber_module
 from conftest import bits_equal
+from deltastore import segments
+from deltastore.apply import SparseOverlay, TargetAddresses
+from deltastore.checksum import tensor_keys
 from deltastore.errors import TargetMismatchError
 
 
@@ -65,14 +69,24 @@ def counted_checks(monkeypatch):
     return calls
 
 
-def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks):
+def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks, monkeypatch):
     uri, states = published
     sub, target = _following(uri, states)
     checked = len(counted_checks)
+    overlays = []
+
+    class Seen(SparseOverlay):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            overlays.append(self)
+
+    monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
     for step in (2, 3):
         assert sub.pull(target, step=step).path == "delta"
         assert bits_equal(target, states[step])
     assert len(counted_checks) == checked  # the second and later delta pulls reused the checks
+    # ... and handed the decoders the addresses those checks found
+    assert len(overlays) == 2 and all(o._addresses is not None for o in overlays)
 
 
 def _replace_with_wrong_shape(t):
@@ -153,3 +167,67 @@ def test_the_record_keeps_no_tensor_alive(published):
     sub.pull(fresh, step=0)
     sub.pull(fresh, step=3)
     assert bits_equal(fresh, states[3])
+
+
+def test_a_data_swap_to_new_memory_of_the_same_shape_is_written_there(store_uri):
+    """A tensor whose memory moved (``.data`` swapped for a same-shaped copy) is followed at its new address:
+    the addresses a pull hands its decoder come from the tensors as they are, never from an older record."""
+    states = _states(5)
+    with ds.Publisher(store_uri, anchor_every=100) as pub:
+        for step, s in enumerate(states):
+            pub.publish(s, step=step)
+    sub, target = _following(store_uri, states)
+    sub.pull(target, step=2)  # a pull that reused the checks, and the addresses they found
+    old_memory = target["a"].data
+    kept = old_memory.clone()
+    target["a"].data = old_memory.clone()
+    assert target["a"].data_ptr() != old_memory.data_ptr()
+    for step in (3, 4):  # checked again, then reused again at the new address
+        sub.pull(target, step=step)
+        assert bits_equal(target, states[step])
+        assert bits_equal({"a": old_memory}, {"a": kept})  # the memory it left is not written
+
+
+def _offers(overlay, names):
+    offer = overlay.in_place(list(names), np.zeros(len(names) + 1, np.int64))
+    assert offer is not None
+    return offer
+
+
+@pytest.mark.parametrize("names", [["a", "b", "c"], ["a", "c"], ["c"]])
+def test_known_addresses_offer_what_a_check_per_tensor_offers(names):
+    """SparseOverlay.in_place from the caller's checked addresses gives the very arrays it builds tensor by
+    tensor without them (addresses, lengths, element type, checksum keys) and the same tensors."""
+    tensors = {k: v.clone() for k, v in _states(1)[0].items()}
+    every = list(tensors)
+    values = list(tensors.values())
+    known = TargetAddresses(every, segments.pointers(values), segments.lengths(values),
+                            np.dtype(np.uint16), tensor_keys(every, len(every)))
+
+    class _Base:  # the manifest fields SparseOverlay reads
+        checksum_values: dict[str, int] = {}
+
+    fast = SparseOverlay(None, _Base(), tensors, write_through=True, addresses=known)
+    slow = SparseOverlay(None, _Base(), tensors, write_through=True)
+    assert fast._addresses is known and slow._addresses is None
+    a, b = _offers(fast, names), _offers(slow, names)
+    for field in ("pointers", "lengths", "keys", "done", "sums"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    assert np.dtype(a.dtype).itemsize == np.dtype(b.dtype).itemsize == 2
+    assert [t is u for t, u in zip(fast.tensors_written_in_place()[0], slow.tensors_written_in_place()[0])] \
+        == [True] * len(names)
+    a.pointers[:] = 0  # the offer is the decoder's own copy
+    assert np.array_equal(known.pointers, segments.pointers(values))
+
+
+def test_addresses_of_other_tensors_are_not_used():
+    tensors = {k: v.clone() for k, v in _states(1)[0].items()}
+    others = {"a": tensors["a"], "b": tensors["b"]}
+    values = list(others.values())
+    known = TargetAddresses(list(others), segments.pointers(values), segments.lengths(values),
+                            np.dtype(np.uint16), tensor_keys(list(others), 2))
+
+    class _Base:
+        checksum_values: dict[str, int] = {}
+
+    assert SparseOverlay(None, _Base(), tensors, write_through=True, addresses=known)._addresses is None

@@ -43,7 +43,10 @@ import numpy as np
 import torch
 
 from .. import segments
+from ..apply import TargetAddresses
+from ..checksum import tensor_keys
 from ..manifest import Manifest
+from ..tensors import bits_dtype
 
 _DTYPE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("_version")
 
@@ -81,6 +84,22 @@ class CheckedTarget:
     def __init__(self) -> None:
         self._seen: _Seen | None = None
         self._hit: _Seen | None = None  # what the last lookup found still true
+        self._addresses: TargetAddresses | None = None  # made from the record of the names it holds
+
+    def addresses(self) -> TargetAddresses | None:
+        """After a :meth:`lookup` that answered the target's tensors: their addresses, lengths and checksum
+        keys in the target's order, when all are of one dtype (made once per record of names, then kept
+        while lookups keep finding the same tensors); else None."""
+        hit, known = self._hit, self._addresses
+        if hit is None:
+            return None
+        if known is None or known.names is not hit.names or known.pointers is not hit.pointers:
+            if len(set(hit.dtypes)) != 1:
+                return None
+            dtype = torch.empty(0, dtype=bits_dtype(hit.dtypes[0])).numpy().dtype
+            known = self._addresses = TargetAddresses(hit.names, hit.pointers, hit.numels, dtype,
+                                                      tensor_keys(hit.names, len(hit.names)))
+        return known
 
     def lookup(self, target: object, manifest: Manifest) -> dict[str, torch.Tensor] | None:
         """``target``'s tensors by name as the last :meth:`remember` checked them, when nothing those checks
@@ -122,7 +141,8 @@ class CheckedTarget:
                            segments.pointers(values), segments.lengths(values), list(map(_DTYPE, values)), versions)
 
     def forget(self) -> None:
-        """Drop the record (what the last :meth:`lookup` found stays for :meth:`remember`)."""
+        """Drop the record (what the last :meth:`lookup` found stays for :meth:`remember` and
+        :meth:`addresses`)."""
         self._seen = None
 
 
