@@ -652,7 +652,7 @@ class Subscriber:
             for t, p, u in split:
                 pieces.setdefault(t.name, []).append((p, u))
             del data
-        records = manifest.tensor_map()
+        records = manifest.tensor_map() if pieces else {}
         updates = {name: _join(records[name], got, role, manifest.step) for name, got in pieces.items()
                    if names is None or name in names}  # in decoding order (see SparseOverlay.apply)
         return (DecodedUpdates(batches, updates) if batched else updates), fetched

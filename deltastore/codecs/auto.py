@@ -17,24 +17,31 @@ follower); decoding never needs it, and it is recorded only when it is not
 the default. The default choice depends on the machine (its cores), so only
 ``link_mbps=None`` encodes the same bytes everywhere.
 
-Format 1.1 differs from 1.0 only in the encoder's choice (the time model);
-the layout is the same and both are read.
-
-Object layout: safetensors with one uint8 tensor ``part.<codec id>`` per
-sub-codec used, each a complete object of that codec holding its tensors, and
-the metadata key ``deltastore.auto`` = JSON ``{tensor name: codec id}``.
+Object layout (format 1.2): safetensors with one uint8 tensor
+``part.<codec id>`` per sub-codec used, each a complete object of that codec
+holding its tensors, and the metadata key ``deltastore.auto.choice`` = JSON
+``{"default": codec id, "other": {tensor name: codec id}}``: every tensor not
+named in ``other`` is in the ``default`` part (the most used one), so a
+version whose tensors all take one codec carries no name here (at 16,384
+tensors the name map of 1.1 was about a quarter of the object).
+Formats 1.0 and 1.1 (read as before) record every tensor instead, in
+``deltastore.auto`` = JSON ``{tensor name: codec id}``; 1.1 differs from 1.0
+only in the encoder's choice (the time model). A 1.1 reader refuses a 1.2
+object (no ``deltastore.auto`` map: ``CorruptObjectError``); an object
+naming a newer minor version is ``UnsupportedFormatError``.
 ``receiver_needs = "old_tensor"`` (a superset of what every part needs).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import CorruptObjectError
+from ..errors import CorruptObjectError, UnsupportedFormatError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import pack_meta, u8, unpack_frames
@@ -70,7 +77,7 @@ class AutoCodec(Codec):
     """
 
     codec_id = "auto"
-    format_version = "1.1"
+    format_version = "1.2"
     receiver_needs = "old_tensor"
 
     def __init__(self, dense_above: float = 0.15, link_mbps: float | None = DEFAULT_LINK_MBPS):
@@ -172,8 +179,12 @@ class AutoCodec(Codec):
         return choice, groups
 
     def _pack(self, encoded: dict[str, bytes], choice: dict[str, str]) -> bytes:
+        counts = collections.Counter(choice.values())
+        default = min(counts, key=lambda c: (-counts[c], c)) if counts else "ulp"  # the most used (ties: by id)
+        other = {n: c for n, c in choice.items() if c != default} if len(counts) > 1 else {}
+        record = json.dumps({"default": default, "other": other}, sort_keys=True)
         return pack_meta({f"part.{cid}": u8(data) for cid, data in encoded.items()}, self.codec_id,
-                         self.format_version, {"deltastore.auto": json.dumps(choice, sort_keys=True)})
+                         self.format_version, {"deltastore.auto.choice": record})
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         return self._decode(data, specs, old, batched=False)[1]
@@ -187,23 +198,7 @@ class AutoCodec(Codec):
                 ) -> tuple[list[UpdateBatch], dict[str, Update]]:
         """The ``ulp`` part as batches when ``batched``, everything else as updates by name."""
         raw, meta = unpack_frames(data, self.codec_id)
-        try:
-            choice = json.loads(meta["deltastore.auto"])
-        except (KeyError, ValueError) as e:
-            raise CorruptObjectError(f"auto: object lacks a valid choice map ({e!r})") from None
-        if not isinstance(choice, dict) or len(choice) != len(specs) or choice.keys() != {s.name for s in specs}:
-            raise CorruptObjectError("auto: object's tensors differ from the manifest's")
-        if not set(map(type, choice.values())) <= {str}:
-            raise CorruptObjectError("auto: object's choice map names a part codec by something not a string")
-        used = set(choice.values())
-        if not used <= set(_PARTS):
-            raise CorruptObjectError(f"auto: unknown part codec {sorted(used - set(_PARTS))[0]!r}")
-        by_codec: dict[str, list[TensorSpec]] = {}
-        if len(used) == 1:  # one codec for every tensor (the usual case): no pass per tensor
-            by_codec[used.pop()] = list(specs)
-        else:
-            for s in specs:
-                by_codec.setdefault(choice[s.name], []).append(s)
+        by_codec = _parts_of(meta, specs)
         if set(raw) != {f"part.{c}" for c in by_codec}:
             raise CorruptObjectError(f"auto: object parts {sorted(raw)} do not match its choice map")
         out: dict[str, Update] = {}
@@ -228,6 +223,51 @@ class AutoCodec(Codec):
             else:
                 out.update(decoded)
         return batches, out
+
+
+def _parts_of(meta: dict[str, str], specs: Sequence[TensorSpec]) -> dict[str, list[TensorSpec]]:
+    """``part codec -> its tensors`` (``specs`` order) from an object's metadata, its choice read as its
+    format version writes it (see the module docstring); :class:`CorruptObjectError` naming what is wrong,
+    :class:`UnsupportedFormatError` for a newer minor version."""
+    version = meta.get("deltastore.codec_version", "1.0")
+    major, _, minor = version.partition(".")
+    if major != "1" or not minor.isdigit():
+        raise CorruptObjectError(f"auto: object format {version!r} is not 1.x")
+    if int(minor) > int(AutoCodec.format_version.partition(".")[2]):
+        raise UnsupportedFormatError(f"auto: object format {version} is newer than the installed codec's "
+                                     f"({AutoCodec.format_version}); upgrade deltastore")
+    key = "deltastore.auto.choice" if int(minor) >= 2 else "deltastore.auto"
+    try:
+        choice = json.loads(meta[key])
+    except (KeyError, ValueError) as e:
+        raise CorruptObjectError(f"auto: object lacks a valid choice map ({e!r})") from None
+    if int(minor) >= 2:
+        if not isinstance(choice, dict) or choice.keys() != {"default", "other"}:
+            raise CorruptObjectError("auto: object's choice record is not {'default', 'other'}")
+        default, other = choice["default"], choice["other"]
+        if not isinstance(other, dict):
+            raise CorruptObjectError("auto: object's choice record has no map of other tensors")
+        if not other.keys() <= {s.name for s in specs}:
+            raise CorruptObjectError("auto: object's tensors differ from the manifest's")
+        named = [default, *other.values()]
+    else:
+        if not isinstance(choice, dict) or len(choice) != len(specs) or choice.keys() != {s.name for s in specs}:
+            raise CorruptObjectError("auto: object's tensors differ from the manifest's")
+        default, other = None, choice
+        named = list(choice.values())
+    if not set(map(type, named)) <= {str}:
+        raise CorruptObjectError("auto: object's choice map names a part codec by something not a string")
+    used = set(named)
+    if not used <= set(_PARTS):
+        raise CorruptObjectError(f"auto: unknown part codec {sorted(used - set(_PARTS))[0]!r}")
+    if not other:  # one codec for every tensor (the usual case): no pass per tensor
+        return {default: list(specs)} if specs else {}
+    if len(used) == 1:
+        return {used.pop(): list(specs)}
+    by_codec: dict[str, list[TensorSpec]] = {}
+    for s in specs:
+        by_codec.setdefault(other.get(s.name, default), []).append(s)
+    return by_codec
 
 
 __all__ = ["AutoCodec", "DEFAULT_LINK_MBPS", "ctx_pays_off"]

@@ -41,15 +41,26 @@ Pairs = list[tuple[TensorRecord, Part]]
 #: the record and the part of a ``(tensor, part)`` pair, as C-level getters for passes over many pairs
 record_of, part_of = operator.itemgetter(0), operator.itemgetter(1)
 _NUMEL, _BITS_DTYPE = operator.attrgetter("numel"), operator.attrgetter("spec.bits_dtype")
-_SPEC = operator.attrgetter("spec")
+_SPEC, _NAME = operator.attrgetter("spec"), operator.attrgetter("name")
+_FIRST, _OBJECT, _OFFSET = operator.itemgetter(0), operator.attrgetter("object"), operator.attrgetter("offset")
 
 
 def object_index(manifest: Manifest, role: Role) -> dict[int, Pairs]:
     """``object index -> [(tensor, part), ...]`` (manifest order) for every object ``role`` reads."""
+    tensors = manifest.tensors
+    held = list(map(operator.attrgetter(role), tensors))
+    if set(map(len, held)) <= {0, 1}:  # no tensor in parts (the usual version): C-level passes
+        recs = list(itertools.compress(tensors, held))
+        parts = list(map(_FIRST, itertools.compress(held, held)))
+        objs = list(map(_OBJECT, parts))
+        if len(set(objs)) == 1:
+            return {objs[0]: list(zip(recs, parts))}
+        pairs = zip(objs, zip(recs, parts))
+    else:
+        pairs = ((p.object, (t, p)) for t, ps in zip(tensors, held) for p in ps)
     out: dict[int, Pairs] = {}
-    for t in manifest.tensors:
-        for p in getattr(t, role):
-            out.setdefault(p.object, []).append((t, p))
+    for i, pair in pairs:
+        out.setdefault(i, []).append(pair)
     return dict(sorted(out.items()))
 
 
@@ -206,13 +217,15 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     codec = get_codec(rec.codec)
     if codec.dense:
         return [], decode_object(manifest, index, data, pairs, role, old)
-    names = [t.name for t, _ in pairs]
+    recs, held_parts = list(map(record_of, pairs)), list(map(part_of, pairs))
+    names = list(map(_NAME, recs))
     records = dict(zip(names, pairs))
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
-    whole = [p.offset == 0 and p.numel == t.numel for t, p in pairs]
-    all_whole = all(whole)  # the usual case: no pass per tensor below asks again
-    specs = list(map(_SPEC, map(record_of, pairs))) if all_whole else [
+    # the usual case, every part a whole tensor: C-level passes, and none per tensor below asks again
+    all_whole = not any(map(_OFFSET, held_parts)) and list(map(_NUMEL, held_parts)) == list(map(_NUMEL, recs))
+    whole = [True] * len(pairs) if all_whole else [p.offset == 0 and p.numel == t.numel for t, p in pairs]
+    specs = list(map(_SPEC, recs)) if all_whole else [
         t.spec if w else TensorSpec(t.name, DTYPES[t.dtype], (p.numel,)) for (t, p), w in zip(pairs, whole)]
     reader = None if old is None else PartReader(old, None) if all_whole else PartReader(
         old, dict(zip(names, map(part_of, pairs))), frozenset(itertools.compress(names, whole)))
@@ -221,7 +234,7 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     if not isinstance(batches, list) or not all(isinstance(b, (UpdateBatch, WrittenBatch)) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
-    decoded = [[s.name for s in b.specs] for b in batches]
+    decoded = [list(map(_NAME, b.specs)) for b in batches]
     if sum(map(len, decoded)) != len(records) or not records.keys() == set(itertools.chain.from_iterable(decoded)):
         got = sorted(set(itertools.chain.from_iterable(decoded)))
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "

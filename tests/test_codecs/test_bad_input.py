@@ -150,11 +150,59 @@ def test_roundtrip_still_fine():
     ('{"w": "zstd"}', "parts .* do not match"),
 ])
 def test_auto_choice_map_tampering_is_named(choice, match):
-    """auto's map of which part codec holds each tensor is read before any part: a codec it does not know,
-    an entry that is not a codec name, or other tensors than the manifest's, is a typed error naming it."""
+    """auto's map of which part codec holds each tensor (format 1.1: every tensor named) is read before any
+    part: a codec it does not know, an entry that is not a codec name, or other tensors than the manifest's,
+    is a typed error naming it."""
     codec, ups, data = _encode("auto", _sample())
     tensors, meta = unpack_meta(data, "auto")
-    assert set(json.loads(meta["deltastore.auto"]).values()) == {"ulp"}  # the object tampered with
-    bad = pack_meta(tensors, codec.codec_id, meta["deltastore.codec_version"], {"deltastore.auto": choice})
+    assert json.loads(meta["deltastore.auto.choice"]) == {"default": "ulp", "other": {}}  # the object tampered
+    good = pack_meta(tensors, codec.codec_id, "1.1", {"deltastore.auto": '{"w": "ulp"}'})
+    assert torch.equal(_decode(codec, good, ups)["w"].bits, ups[0].bits)  # a 1.1 object, as 1.1 wrote it
+    bad = pack_meta(tensors, codec.codec_id, "1.1", {"deltastore.auto": choice})
     with pytest.raises(CorruptObjectError, match=match):
+        _decode(codec, bad, ups)
+
+
+@pytest.mark.parametrize("choice, match", [
+    ('{"default": "nope", "other": {}}', "unknown part codec 'nope'"),
+    ('{"default": "ulp", "other": {"w": "nope"}}', "unknown part codec 'nope'"),
+    ('{"default": ["ulp"], "other": {}}', "not a string"),
+    ('{"default": "ulp", "other": {"w": 3}}', "not a string"),
+    ('{"default": "ulp", "other": {"v": "ulp"}}', "tensors differ"),
+    ('{"default": "ulp"}', "choice record is not"),
+    ('{"default": "ulp", "other": {}, "more": 1}', "choice record is not"),
+    ('["w"]', "choice record is not"),
+    ('{"default": "ulp", "other": ["w"]}', "no map of other tensors"),
+    ('{"default": "zstd", "other": {}}', "parts .* do not match"),
+    ('{"default": "ulp", "other": {"w": "zstd"}}', "parts .* do not match"),
+    ('not json', "lacks a valid choice map"),
+])
+def test_auto_choice_record_tampering_is_named(choice, match):
+    """Format 1.2 names only the tensors outside its default part; the same tampering is named the same way."""
+    codec, ups, data = _encode("auto", _sample())
+    tensors, meta = unpack_meta(data, "auto")
+    bad = pack_meta(tensors, codec.codec_id, meta["deltastore.codec_version"], {"deltastore.auto.choice": choice})
+    with pytest.raises(CorruptObjectError, match=match):
+        _decode(codec, bad, ups)
+
+
+@pytest.mark.parametrize("version, error, match", [
+    ("1.9", UnsupportedFormatError, "newer than the installed"),
+    ("2.0", CorruptObjectError, "not 1.x"),
+    ("one", CorruptObjectError, "not 1.x"),
+])
+def test_auto_object_of_another_format_is_refused(version, error, match):
+    codec, ups, data = _encode("auto", _sample())
+    tensors, meta = unpack_meta(data, "auto")
+    bad = pack_meta(tensors, codec.codec_id, version, {"deltastore.auto.choice": meta["deltastore.auto.choice"]})
+    with pytest.raises(error, match=match):
+        _decode(codec, bad, ups)
+
+
+def test_auto_1_1_object_without_its_map_is_refused():
+    """What a 1.1 reader meets in a 1.2 object, the other way round: a 1.1 object lacking ``deltastore.auto``."""
+    codec, ups, data = _encode("auto", _sample())
+    tensors, meta = unpack_meta(data, "auto")
+    bad = pack_meta(tensors, codec.codec_id, "1.1", {"deltastore.auto.choice": meta["deltastore.auto.choice"]})
+    with pytest.raises(CorruptObjectError, match="lacks a valid choice map"):
         _decode(codec, bad, ups)

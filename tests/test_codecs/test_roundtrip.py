@@ -125,5 +125,5 @@ def test_auto_picks_dense_for_a_dense_tensor():
     codec = get_codec("auto")
     data = codec.encode([u])
     _, meta = unpack_meta(data, "auto")
-    assert json.loads(meta["deltastore.auto"]) == {"w": "dense"}
+    assert json.loads(meta["deltastore.auto.choice"]) == {"default": "dense", "other": {}}
     assert_same([u], roundtrip(codec, [u]))
