@@ -126,12 +126,15 @@ def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes
     return out
 
 
-def check_object(meta: dict[str, str], specs: Sequence[TensorSpec], codec_id: str) -> None:
-    """Check an object's name digest against the specs the manifest gives for it."""
-    want = names_digest([s.name for s in sorted_specs(specs)])
+def check_object(meta: dict[str, str], specs: Sequence[TensorSpec], codec_id: str) -> list[TensorSpec]:
+    """Check an object's name digest against the specs the manifest gives for it; returns those specs in
+    name order (:func:`sorted_specs`, the order of the object's layout)."""
+    ordered = sorted_specs(specs)
+    want = names_digest(list(map(_NAME, ordered)))
     got = meta.get("deltastore.names")
     if got != want:
         raise CorruptObjectError(f"{codec_id}: object holds tensors {got!r}, manifest expects {want!r}")
+    return ordered
 
 
 def unpack_meta(data: bytes, codec_id: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -28,7 +28,7 @@ from ..errors import CorruptObjectError
 from ..kernels import ranks as R
 from . import _bits as B
 from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, np_bits, pack_meta,
-                      parallel_map, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_frames)
+                      parallel_map, sorted_updates, to_torch_bits, u8, unpack_frames)
 from .base import Codec, OldBits, TensorSpec, Update
 
 _BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
@@ -341,11 +341,10 @@ class CtxCodec(Codec):
         if old is None:
             raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
         raw, meta = unpack_frames(data, self.codec_id)
-        check_object(meta, specs, self.codec_id)
+        ordered_specs = check_object(meta, specs, self.codec_id)
         hdr, streams = raw.get("header"), raw.get("streams")
         if hdr is None or streams is None:
             raise CorruptObjectError("ctx: object lacks its header or streams")
-        ordered_specs = sorted_specs(specs)
         ints = self._header_ints(hdr)
         r = _Reader(ints)
         jobs = []

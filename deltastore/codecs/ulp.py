@@ -28,7 +28,7 @@ from ..kernels import bitstream as K
 from ..kernels.parallel import each
 from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits,
-                      pack_meta, position_stream, read_header, read_positions, sorted_specs, sorted_updates,
+                      pack_meta, position_stream, read_header, read_positions, sorted_updates,
                       to_torch_bits, u8, unpack_frames, zstd_compress, zstd_decompress)
 from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, read_old_bits,
                    write_in_place)
@@ -42,6 +42,11 @@ def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     for i, s in enumerate(specs):
         groups.setdefault((s.bits_dtype, s.dtype in MANTISSA_BITS), []).append(i)
     return [(f, idxs) for (_, f), idxs in groups.items()]
+
+
+def _take(specs: list[TensorSpec], idxs: list[int]) -> list[TensorSpec]:
+    """``specs[i]`` for each of ``idxs`` (a group of :func:`_kinds`; all of them: a copy, no pass)."""
+    return specs[:] if len(idxs) == len(specs) else [specs[i] for i in idxs]
 
 
 def _elements(bounds: np.ndarray, idxs: Sequence[int]) -> np.ndarray:
@@ -153,8 +158,7 @@ class UlpCodec(ZstdLevel, Codec):
         if old is None:
             raise ValueError("ulp decoding needs the receiver's old bits (old(name, positions))")
         raw, meta = unpack_frames(data, self.codec_id)
-        check_object(meta, specs, self.codec_id)
-        specs = sorted_specs(specs)
+        specs = check_object(meta, specs, self.codec_id)
         counts, (raw_len, nplanes) = read_header(raw, specs, self.codec_id, 2)
         if nplanes > 8:
             raise CorruptObjectError(f"ulp: {nplanes} byte planes")
@@ -177,7 +181,7 @@ class UlpCodec(ZstdLevel, Codec):
         counts_a = np.asarray(counts, np.int64)
         if in_place and total:  # each kind's tensors, if the receiver lets them: decode, step and write in one pass
             kind_bounds = [np.concatenate([[0], np.cumsum(counts_a[idxs])]).astype(np.int64) for _, idxs in kinds]
-            targets = [write_in_place(old, [specs[i].name for i in idxs], b)
+            targets = [write_in_place(old, [s.name for s in _take(specs, idxs)], b)
                        for (_, idxs), b in zip(kinds, kind_bounds)]
             if all(t is not None for t in targets):
                 return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, kind_bounds,
@@ -196,7 +200,7 @@ class UlpCodec(ZstdLevel, Codec):
                 pos, steps = positions[torch.from_numpy(where)], planes[:, where]
                 b = np.zeros(len(idxs) + 1, np.int64)
                 np.cumsum(np.diff(bounds)[idxs], out=b[1:])
-            names = [specs[i].name for i in idxs]
+            names = [s.name for s in _take(specs, idxs)]
             try:
                 before = np_bits(read_old_bits(old, names, pos, b))
             except ValueError as e:
@@ -204,7 +208,7 @@ class UlpCodec(ZstdLevel, Codec):
             bits, bad = K.apply_steps(before, steps, f)
             if bad >= 0:
                 raise CorruptObjectError(f"ulp: a decoded value is out of range for its {before.dtype} dtype")
-            out.append(UpdateBatch([specs[i] for i in idxs], pos, b, to_torch_bits(bits, specs[idxs[0]])))
+            out.append(UpdateBatch(_take(specs, idxs), pos, b, to_torch_bits(bits, specs[idxs[0]])))
         return out
 
     def _write_in_place(self, raw: dict[str, memoryview], specs: list[TensorSpec], counts: np.ndarray, raw_len: int,
@@ -238,5 +242,5 @@ class UlpCodec(ZstdLevel, Codec):
                         4: f"a decoded value is out of range for its {target.dtype} dtype",
                         5: "position stream has trailing bytes"}.get(status, f"in-place decode failed ({status})")
                 raise CorruptObjectError(f"ulp: {what} (tensor {specs[seg].name!r} of the object)")
-            out.append(WrittenBatch([specs[i] for i in idxs], b, target))
+            out.append(WrittenBatch(_take(specs, idxs), b, target))
         return out

@@ -21,7 +21,7 @@ import torch
 from ..errors import CorruptObjectError
 from . import _bits as B
 from ._common import (ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits, np_bits_dtype, pack_meta,
-                      read_header, read_positions, sorted_specs, sorted_updates, to_torch_bits, u8, unpack_frames,
+                      read_header, read_positions, sorted_updates, to_torch_bits, u8, unpack_frames,
                       zstd_compress)
 from .base import Codec, OldBits, TensorSpec, Update
 
@@ -50,8 +50,7 @@ class ZstdCodec(ZstdLevel, Codec):
 
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         raw, meta = unpack_frames(data, self.codec_id)
-        check_object(meta, specs, self.codec_id)
-        specs = sorted_specs(specs)
+        specs = check_object(meta, specs, self.codec_id)
         counts, (raw_len,) = read_header(raw, specs, self.codec_id, 1)
         flat, bounds = read_positions(raw, specs, counts, raw_len, self.codec_id)
         positions = torch.from_numpy(flat).split(np.diff(bounds).tolist())
