@@ -28,8 +28,6 @@ import logging
 import os
 import time
 import uuid
-import queue
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,6 +47,7 @@ from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
 from .manifest import Part, VersionRef, check_tensor_name
 from .publish.chain import ChainHead, check_step
+from .publish.background import BackgroundWriter
 from .publish.commit import Retainer, commit_manifest, post_commit, producer, tensor_record, version_manifest
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
@@ -198,9 +197,7 @@ class Publisher:
         self._pending = Pending()
         self._capture_specs: dict[str, TensorSpec] = {}
         self._capture_aliases: dict[str, str] = {}
-        self._bg_error: BaseException | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, max_pending))
-        self._writer: threading.Thread | None = None
+        self._writer: BackgroundWriter[_Captured] | None = None
         self._last_step = self.store.latest()
         if resume and self._last_step is not None:
             self._resume(self._last_step)
@@ -209,8 +206,7 @@ class Publisher:
         self._capture_specs, self._capture_aliases = self._specs, self._aliases
         if background:
             self._capture_mirror = self._mirror
-            self._writer = threading.Thread(target=self._run_writer, name="deltastore-writer", daemon=True)
-            self._writer.start()
+            self._writer = BackgroundWriter(self._write, self._committed_in_background, max_pending=max_pending)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -304,7 +300,8 @@ class Publisher:
         if not same_layout and mirror is not None and aliases == self._capture_aliases:
             # a layout change (a tensor added, dropped, reshaped or re-typed): the version stays on the chain
             if background:  # wait until the writer's mirror holds the last captured version
-                self._queue.join()
+                assert self._writer is not None
+                self._writer.join()
                 self._raise_background_error()
                 self._pending.clear()
             fresh, new, dropped = mirror.relayout(specs, tensors)
@@ -335,7 +332,8 @@ class Publisher:
         changed = total if captured.diff is None else captured.diff.changed + sum(
             specs[n].numel for n in (captured.layout[0] if captured.layout is not None else ()))
         info = PendingVersionInfo(step, changed, total, future)
-        self._queue.put((captured, future))  # blocks while max_pending versions wait: back-pressure
+        assert self._writer is not None
+        self._writer.submit(step, captured, future)  # blocks while max_pending versions wait: back-pressure
         return info
 
     def _write_sync(self, captured: _Captured) -> VersionInfo:
@@ -354,7 +352,7 @@ class Publisher:
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
         if self._writer is not None:
-            self._queue.join()
+            self._writer.join()
             self._raise_background_error()
 
     def close(self) -> None:
@@ -364,12 +362,7 @@ class Publisher:
         """
         if self._closed:
             return
-        error = None
-        if self._writer is not None:
-            self._queue.join()
-            self._queue.put(None)
-            self._writer.join()
-            error, self._bg_error = self._bg_error, None
+        error = self._writer.close() if self._writer is not None else None
         self._closed = True
         if self.retainer is not None:
             self.retainer.collect_due()
@@ -486,48 +479,23 @@ class Publisher:
                            nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                            differential=with_diff, warnings=tuple(notes))
 
-    def _run_writer(self) -> None:
-        """Background thread: commit queued versions in order; after a failure, fail the rest."""
-        while True:
-            item = self._queue.get()
-            committed: tuple[Future[VersionInfo], VersionInfo] | None = None
-            try:
-                if item is None:
-                    return
-                captured, future = item
-                if self._bg_error is not None:
-                    future.set_exception(RuntimeError(
-                        f"version {captured.step} was dropped: an earlier background publish failed"))
-                    continue
-                try:
-                    info = self._write(captured)
-                except BaseException as e:  # surfaced to the caller by the next publish/flush/close
-                    self._bg_error = e
-                    future.set_exception(e)
-                else:
-                    self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
-                    committed = (future, info)
-            finally:
-                item = captured = future = None  # nothing of a written version waits here for the next
-                if committed is not None:  # told once the version's changes are freed and the heap trimmed,
-                    release_memory()       # so what a caller measures after wait() or flush() is settled
-                    committed[0].set_result(committed[1])
-                    committed = None
-                self._queue.task_done()
+    def _committed_in_background(self, captured: _Captured) -> None:
+        self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
 
     def _raise_background_error(self) -> None:
-        error = self._bg_error
-        if error is None:
+        """Raise the background writer's failure, if any, once the queue has drained; the capture side, which
+        ran ahead of what was committed, then starts again from the store's latest version."""
+        assert self._writer is not None
+        if self._writer.error is None:
             return
-        # The capture side ran ahead of what was committed: restart from the committed state.
-        self._queue.join()
-        self._bg_error = None
+        error = self._writer.take_error()
         self._capture_mirror = None
         self._mirror = None
         self._pending.clear()
         self.head.reset()
         self._last_step = self.store.latest()
-        raise error
+        if error is not None:
+            raise error
 
     # -- inputs ------------------------------------------------------------------
     def _normalise(self, state: StateLike

@@ -1,9 +1,12 @@
 """The publish path's stages, each alone: the chain head's decision and advance, object planning, the
-collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks)."""
+collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks), the background writer."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ import deltastore as ds
 from deltastore.anchors import Every
 from deltastore.codecs import TensorSpec, get_codec
 from deltastore.errors import DeltaStoreError, TargetMismatchError
+from deltastore.publish.background import BackgroundWriter
 from deltastore.publish.chain import ChainHead, Decision
+from deltastore.publish.info import VersionInfo
 from deltastore.publish.collective import LOCAL, Collective
 from deltastore.publish.mirror import Mirror
 from deltastore.publish.objects import ObjectPlanner
@@ -91,3 +96,61 @@ def test_collective_on_one_rank_reduces_and_raises_the_failing_steps_own_error()
 
     with pytest.raises(DeltaStoreError, match="could not commit"):
         coll.reduce(lambda: 1, reduction_fails, what="x")
+
+
+def _info(step: int) -> VersionInfo:
+    return VersionInfo(step=step, kind="delta", changed=1, total=1, nbytes=1, digest=f"d{step}", created=0.0)
+
+
+def test_background_writer_commits_in_order_and_fails_what_is_queued_behind_a_failure():
+    written, committed = [], []
+    gate = threading.Event()
+
+    def write(step: int) -> VersionInfo:
+        gate.wait(5)
+        written.append(step)
+        if step == 2:
+            raise OSError("store went away")
+        return _info(step)
+
+    writer = BackgroundWriter(write, committed.append, max_pending=4)
+    futures = {step: Future() for step in range(1, 5)}
+    for step, fut in futures.items():
+        writer.submit(step, step, fut)
+    gate.set()
+    writer.join()
+    assert written == [1, 2] and committed == [1]  # 3 and 4 queued behind the failure: never written
+    assert futures[1].result().step == 1
+    with pytest.raises(OSError, match="went away"):
+        futures[2].result()
+    for step in (3, 4):
+        with pytest.raises(RuntimeError, match=f"version {step} was dropped"):
+            futures[step].result()
+    assert isinstance(writer.take_error(), OSError) and writer.error is None
+    again: Future[VersionInfo] = Future()
+    writer.submit(5, 5, again)  # after the owner took the error, the writer writes again
+    assert again.result(timeout=5).step == 5 and committed == [1, 5]
+    assert writer.close() is None
+
+
+def test_background_writer_blocks_the_submitter_at_max_pending_and_close_returns_an_untaken_error():
+    gate = threading.Event()
+
+    def write(step: int) -> VersionInfo:
+        gate.wait(5)
+        if step == 3:
+            raise ValueError("bad version")
+        return _info(step)
+
+    writer = BackgroundWriter(write, lambda _: None, max_pending=1)
+    writer.submit(1, 1, Future())  # taken by the thread, which waits at the gate
+    time.sleep(0.05)
+    writer.submit(2, 2, Future())  # fills the queue
+    third = threading.Thread(target=writer.submit, args=(3, 3, Future()), daemon=True)
+    third.start()
+    third.join(0.2)
+    assert third.is_alive()  # back-pressure: the third waits for room
+    gate.set()
+    third.join(5)
+    assert not third.is_alive()
+    assert isinstance(writer.close(), ValueError)

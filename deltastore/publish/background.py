@@ -1,0 +1,104 @@
+"""The background writer: captured versions written and committed in order, on one thread.
+
+Lifecycle (what :class:`~deltastore.Publisher` does with ``background=True``):
+
+1. :meth:`BackgroundWriter.submit` queues one captured version with the
+   future its caller holds; it blocks while ``max_pending`` versions wait
+   (back-pressure when the store is slower than training).
+2. The thread writes each in turn with the ``write`` it was given. Success:
+   ``committed(item)`` runs (the owner lets go of what only the capture side
+   needed), the heap is trimmed, then the future gets the result. Failure:
+   the future gets the exception, the writer keeps it as :attr:`error`, and
+   every version queued behind it fails without being written (its future
+   says why) until the owner calls :meth:`take_error`.
+3. :meth:`join` waits until everything queued is handled; :meth:`close`
+   drains the queue, stops the thread and returns the error nobody took.
+
+Nothing of a written version is kept after its future is set.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from .._memory import release_memory
+from .info import VersionInfo
+
+Item = TypeVar("Item")
+
+
+class BackgroundWriter(Generic[Item]):
+    """One writer thread over a bounded queue of ``(step, item, future)``.
+
+    ``write(item)`` writes and commits one version (raising on failure);
+    ``committed(item)`` runs after a successful write, before the future is
+    set. Not for use after :meth:`close`.
+    """
+
+    def __init__(self, write: Callable[[Item], VersionInfo], committed: Callable[[Item], None], *,
+                 max_pending: int):
+        self._write, self._committed = write, committed
+        self._queue: queue.Queue[tuple[int, Item, Future[VersionInfo]] | None] = queue.Queue(
+            maxsize=max(1, max_pending))
+        #: the failure that stopped the writing, until :meth:`take_error`
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="deltastore-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, item: Item, future: Future[VersionInfo]) -> None:
+        """Queue version ``step``; blocks while ``max_pending`` versions already wait."""
+        self._queue.put((step, item, future))
+
+    def join(self) -> None:
+        """Wait until every queued version is committed or failed."""
+        self._queue.join()
+
+    def take_error(self) -> BaseException | None:
+        """After the queue has drained: the failure that stopped the writing (None if none); the writer then
+        writes what is submitted next again."""
+        self._queue.join()
+        error, self.error = self.error, None
+        return error
+
+    def close(self) -> BaseException | None:
+        """Drain the queue, stop the thread; the failure not yet taken, if any."""
+        self._queue.join()
+        self._queue.put(None)
+        self._thread.join()
+        error, self.error = self.error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            entry = self._queue.get()
+            committed: tuple[Future[VersionInfo], VersionInfo] | None = None
+            try:
+                if entry is None:
+                    return
+                step, item, future = entry
+                if self.error is not None:
+                    future.set_exception(RuntimeError(
+                        f"version {step} was dropped: an earlier background publish failed"))
+                    continue
+                try:
+                    info = self._write(item)
+                except BaseException as e:  # surfaced to the owner by take_error, and to this version's caller
+                    self.error = e
+                    future.set_exception(e)
+                else:
+                    self._committed(item)
+                    committed = (future, info)
+            finally:
+                entry = item = future = None  # nothing of a written version waits here for the next
+                if committed is not None:  # told once the version's changes are freed and the heap trimmed,
+                    release_memory()       # so what a caller measures after wait() or flush() is settled
+                    committed[0].set_result(committed[1])
+                    committed = None
+                self._queue.task_done()
+
+
+__all__ = ["BackgroundWriter"]
