@@ -40,11 +40,20 @@ from .publish.commit import commit_manifest, post_commit, producer, tensor_recor
 from .publish.mirror import Diff, Mirror
 from .publish.objects import Whole
 from .publish.upload import Job
-from .publisher import Publisher, VersionInfo
+from .publish.info import VersionInfo
+from .publish.stages import PublishStages
 from .store import DeltaStore
 from .tensors import dtype_name, published_dtype
 
 _M64 = (1 << 64) - 1
+#: Publisher arguments a ShardedPublisher refuses (given as anything but None or False), and why
+_NOT_SHARDED = {
+    "background": "does not run in the background",
+    "max_pending": "does not run in the background",
+    "resume": "does not resume a chain: its first publish writes an anchor",
+    "quantize": "does not quantize its shards",
+    "adapter_only": "does not publish adapters: use a Publisher on one rank",
+}
 
 
 @dataclass(frozen=True)
@@ -72,29 +81,31 @@ class ShardedPublisher:
     """One logical Publisher spread over the ranks of a process group.
 
     Every rank constructs it with the same arguments (those of
-    :class:`Publisher`, except ``background`` and ``resume``) and calls
-    :meth:`publish` with the same steps. Returns the same :class:`VersionInfo`
+    :class:`~deltastore.Publisher` that configure its stages: not
+    ``background``, ``max_pending``, ``resume``, ``quantize`` or
+    ``adapter_only``, which are ``ValueError``) and calls :meth:`publish`
+    with the same steps. Returns the same :class:`VersionInfo`
     on every rank. Raises the errors of :meth:`Publisher.publish`; a failure on
     any rank aborts the version on all ranks (nothing is committed): the rank
     that failed raises its own error, the others a
     :class:`~deltastore.publish.collective.CollectiveError` naming it.
 
-    Each rank composes the same stages a :class:`Publisher` does (its
-    ``planner``, chain ``head``, ``uploader`` and ``retainer``) and one
+    Each rank opens the same stages a :class:`~deltastore.Publisher` does
+    (:class:`~deltastore.publish.stages.PublishStages`: its ``planner``, chain
+    ``head``, ``uploader`` and ``retainer``) and composes them through one
     :class:`~deltastore.publish.collective.Collective`: without an initialised
     process group (or with ``group=LOCAL``) it runs as a single rank, through
     the same code.
     """
 
     def __init__(self, uri: Any, *, group: Any = None, **publisher_kwargs: Any):
-        if publisher_kwargs.get("background"):
-            raise ValueError("ShardedPublisher does not run in the background")
-        if publisher_kwargs.pop("resume", False):
-            raise ValueError("ShardedPublisher does not resume a chain: its first publish writes an anchor")
+        for name, why in _NOT_SHARDED.items():
+            if publisher_kwargs.pop(name, None) not in (None, False):
+                raise ValueError(f"ShardedPublisher {why} ({name}=)")
         self.collective = Collective(group)
         self.rank, self.world = self.collective.rank, self.collective.world
-        # This rank's stages (its shards' codecs, chain head, uploads); the Publisher only configures them.
-        self._stages = Publisher(uri, resume=False, **publisher_kwargs)
+        # This rank's stages (its shards' codecs, chain head, uploads), as a Publisher would open them.
+        self._stages = PublishStages.open(uri, **publisher_kwargs)
         self._mirror: Mirror | None = None
         self._layout: list[_Shard] | None = None
         self._last_step = self.store.latest()

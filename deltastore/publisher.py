@@ -23,11 +23,9 @@ Publisher unchanged, so the same step can be retried.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,38 +34,31 @@ from typing import Any
 import torch
 
 from ._gc import paused
-from ._memory import pin_allocator, release_memory
+from ._memory import release_memory
 from . import progress as _progress
 from .adapters import peft_adapter, record_config
-from .anchors import AnchorPolicy, ChainState, Every, get_anchor_policy
-from .codecs import Codec, TensorSpec, get_codec
+from .anchors import AnchorPolicy, ChainState
+from .codecs import Codec, TensorSpec
 from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
 from .drift import DriftTracker, anchored
 from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
 from .manifest import Part, VersionRef, check_tensor_name
-from .publish.chain import ChainHead, check_step
+from .publish.chain import check_step
 from .publish.background import BackgroundWriter
-from .publish.commit import Retainer, commit_manifest, post_commit, producer, tensor_record, version_manifest
+from .publish.commit import commit_manifest, post_commit, producer, tensor_record, version_manifest
 from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
-from .publish.objects import ObjectPlanner, Whole
+from .publish.objects import Whole
 from .publish.stream import diff_stream
-from .publish.upload import Job, Uploader
+from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
+from .publish.upload import Job
 from .pull.anchor import stream_anchor
 from .quantize import get_quantizer
-from .store import DeltaStore, open_store
 from .tensors import StateLike, dtype_name, named_tensors
 
 _log = logging.getLogger(__name__)
-DEFAULT_MAX_OBJECT_BYTES = 1 << 30
 _M64 = (1 << 64) - 1
-#: anchors: exponent and mantissa byte planes, zstd-compressed (~68 % of raw bf16)
-DEFAULT_ANCHOR_CODEC: dict[str, Any] = {"id": "dense", "config": {"planes": True}}
-#: files copied from ``source_dir`` so that ``materialize`` writes a loadable model folder.
-SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                "chat_template.jinja", "preprocessor_config.json")
 
 
 @dataclass
@@ -159,36 +150,24 @@ class Publisher:
                  background: bool = False, max_pending: int = 2,
                  mirror_device: str | torch.device | None = None, quantize: Any = None,
                  adapter_only: bool = False):
-        pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
-        self.store: DeltaStore = open_store(uri, **(storage_options or {}))
-        #: the stages (also what :class:`~deltastore.ShardedPublisher` composes per rank): object planning,
-        #: the chain's committed head and the anchor policy's decision, retention after each commit
-        self.planner = ObjectPlanner(get_codec(codec), get_codec(anchor_codec), max_object_bytes=max_object_bytes,
-                                     max_workers=max_workers)
-        if anchor is not None:
-            policy = get_anchor_policy(anchor)
-        elif anchor_every is not None:
-            policy = Every(anchor_every)
-        else:
-            policy = get_anchor_policy("adaptive")
-        self.head = ChainHead(policy)
-        self.metadata = dict(metadata or {})
-        json.dumps(self.metadata, allow_nan=False)  # fail now, not at the first commit
-        self.chunk_elems = chunk_elems
-        self.dtype = dtype
-        if dtype is not None:
-            dtype_name(dtype)
-        self.retention = retention
-        self.retainer = Retainer(self.store, retention, gc_grace) if retention is not None else None
-        self.writer_id = uuid.uuid4().hex
-        self.uploader = Uploader(self.store, self.planner.max_workers)
+        #: the stages (also what :class:`~deltastore.ShardedPublisher` opens per rank): the store, object
+        #: planning, the chain's committed head and the anchor policy's decision, uploads, retention after each
+        #: commit, the configuration they share (``deltastore/publish/stages.py``)
+        self.stages = stages = PublishStages.open(
+            uri, codec=codec, anchor_every=anchor_every, storage_options=storage_options, metadata=metadata,
+            anchor=anchor, anchor_codec=anchor_codec, max_object_bytes=max_object_bytes, chunk_elems=chunk_elems,
+            dtype=dtype, retention=retention, gc_grace=gc_grace, source_dir=source_dir, max_workers=max_workers,
+            mirror_device=mirror_device)
+        self.store, self.planner, self.head, self.uploader, self.retainer = (
+            stages.store, stages.planner, stages.head, stages.uploader, stages.retainer)
+        self.metadata, self.chunk_elems, self.dtype, self.mirror_device, self.writer_id = (
+            stages.metadata, stages.chunk_elems, stages.dtype, stages.mirror_device, stages.writer_id)
         self._mirror: Mirror | None = None  # the committed version's bits (the writer's, in background mode)
         self._specs: dict[str, TensorSpec] = {}
         self._aliases: dict[str, str] = {}
         #: version files recorded in every manifest (``source_dir``'s config and tokenizer, an adapter's config)
         self.files: dict[str, dict[str, Any]] = {}
         self._closed = False
-        self.mirror_device = torch.device(mirror_device) if mirror_device is not None else None
         self.quantizer = get_quantizer(quantize)
         self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
@@ -201,8 +180,8 @@ class Publisher:
         self._last_step = self.store.latest()
         if resume and self._last_step is not None:
             self._resume(self._last_step)
-        if source_dir is not None:
-            self.files = self._record_files(source_dir)
+        if stages.files:  # recorded from source_dir: they replace what the resumed chain recorded
+            self.files = dict(stages.files)
         self._capture_specs, self._capture_aliases = self._specs, self._aliases
         if background:
             self._capture_mirror = self._mirror
@@ -364,11 +343,8 @@ class Publisher:
             return
         error = self._writer.close() if self._writer is not None else None
         self._closed = True
-        if self.retainer is not None:
-            self.retainer.collect_due()
-        self.uploader.close()
         self._mirror = self._capture_mirror = None
-        self.store.close()
+        self.stages.close()
         if error is not None:
             raise error
 
@@ -591,15 +567,3 @@ class Publisher:
             drift_elements=drift_elements,
             delta_bytes_since_differential=delta_bytes if since_diff is None else since_diff,
             bytes_per_element=delta_bytes / changed if changed else 0.0)
-
-    def _record_files(self, source_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-        files = {}
-        for fname in SOURCE_FILES:
-            path = os.path.join(source_dir, fname)
-            if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    data = f.read()
-                files[fname] = {"digest": self.store.put_object(data), "size": len(data)}
-        if not files:
-            raise FileNotFoundError(f"source_dir {source_dir} holds none of {', '.join(SOURCE_FILES[:3])}, ...")
-        return files

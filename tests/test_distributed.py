@@ -165,3 +165,28 @@ def test_one_rank_without_a_process_group_runs_the_same_code_and_matches_a_publi
         assert bits_equal(a.pull(step=i).state, s)
     if "anchor" in policy:
         assert any(a.manifest(i).differential is not None for i in a.versions())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"background": True}, "background"),
+    ({"max_pending": 4}, "background"),
+    ({"resume": True}, "resume"),
+    ({"quantize": "fp8_block128"}, "quantize"),
+    ({"adapter_only": True}, "adapters"),
+])
+def test_publisher_arguments_a_sharded_publisher_cannot_honour_are_refused(tmp_path, kwargs, match):
+    """Accepted and ignored, these would publish something else than asked (unquantized weights, say)."""
+    with pytest.raises(ValueError, match=match):
+        ShardedPublisher(str(tmp_path / "s"), group=LOCAL, **kwargs)
+    assert not (tmp_path / "s").exists()  # refused before the store is opened
+
+
+def test_a_sharded_publisher_takes_the_publisher_configuration(tmp_path):
+    meta = {"run": "r1"}
+    with ShardedPublisher(str(tmp_path / "s"), group=LOCAL, metadata=meta, anchor_every=7, resume=False,
+                          background=False) as pub:
+        pub.publish([("w", torch.arange(8, dtype=torch.bfloat16), 0)], step=0)
+    m = ds.Subscriber(str(tmp_path / "s")).manifest(0)
+    assert m.metadata == meta and m.kind == "anchor"
+    with pytest.raises(TypeError):
+        ShardedPublisher(str(tmp_path / "t"), group=LOCAL, not_an_argument=1)

@@ -11,6 +11,8 @@
 * :mod:`.upload` — encode and upload object jobs with a bounded number in
   flight (anchors stream object by object);
 * :mod:`.commit` — the version's manifest, its create-only commit and read-back, retention after it;
+* :mod:`.stages` — the configuration checked once and the stages above opened for one writer (what both
+  publishers compose);
 * :mod:`.background` — the writer thread of ``background=True``: captured versions committed in order,
   a failure failing what is queued behind it;
 * :mod:`.collective` — one code path for one rank or many;
