@@ -16,7 +16,7 @@ subset of those kept at a lower one, and raising the rate only drops entries),
 and :meth:`DriftTracker.count` scales the sample back up: an estimate for the
 anchor policy, in bounded memory. A sampled drift cannot give the
 differential: the Publisher then rebuilds it from the stored anchor
-(``Publisher._differential_from_anchor``). An anchor resets the rate.
+(``deltastore.publish.resume.differential_from_anchor``). An anchor resets the rate.
 
 Layout: one compressed-row table per element width (:class:`_Table`): tensor
 ``k`` of the table owns ``positions[bounds[k]:bounds[k + 1]]`` (sorted) and the

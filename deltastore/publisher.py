@@ -39,7 +39,7 @@ from . import progress as _progress
 from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState
 from .codecs import Codec, TensorSpec
-from .diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
+from .diff import DEFAULT_CHUNK_ELEMS
 from .drift import DriftTracker, anchored
 from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
@@ -51,9 +51,9 @@ from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Diff, Mirror, Pending
 from .publish.objects import Whole
 from .publish.stream import diff_stream
+from .publish.resume import differential_from_anchor, resume_chain
 from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
 from .publish.upload import Job
-from .pull.anchor import stream_anchor
 from .quantize import get_quantizer
 from .tensors import StateLike, dtype_name, named_tensors
 
@@ -401,7 +401,7 @@ class Publisher:
                 assert proposed is not None
                 base: Any = proposed
                 if not proposed.exact:  # a sampled drift: the differential comes from the stored anchor
-                    loose = self._differential_from_anchor(mirror)
+                    loose = differential_from_anchor(self.store, head, mirror, workers=planner.max_workers)
                     differential, base = Diff({}, loose=loose), anchored(loose)
                 elif mirror.device.type == "cpu":
                     differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view))
@@ -508,62 +508,9 @@ class Publisher:
         return {name: new[name] if name in new else (self.head.checksums[name] + delta) & _M64
                 for name, delta in c.diff.sums.items()}
 
-    def _differential_from_anchor(self, mirror: Mirror) -> dict[str, Change]:
-        """The differential (anchor -> the version ``mirror`` holds) by streaming the chain's anchor back from
-        the store and comparing it with the mirror, tensor by tensor (a few anchor objects in memory; the
-        differential itself, 12 B per drifted element, while it is used). What a sampled drift cannot give,
-        and what resume measures the drift from. Raises what an anchor pull raises
-        (:class:`ChecksumMismatchError`, a corrupt object)."""
-        assert self.head.anchor is not None
-        am = self.store.manifest(self.head.anchor.step)
-        changes: dict[str, Change] = {}
-        stream_anchor(self.store, am, workers=self.planner.max_workers, ahead=1, verify=True,
-                      sink=lambda name, bits: changes.__setitem__(name, find_changes(bits, mirror.view(name))))
-        return changes
-
     def _resume(self, latest: int) -> None:
         with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
-            self._resume_held(latest)
+            got = resume_chain(self.store, self.head, latest, mirror_device=self.mirror_device,
+                               workers=self.planner.max_workers)
+        self._mirror, self._specs, self._aliases, self.files = got.mirror, got.specs, got.aliases, got.files
         release_memory()  # the decode's buffers go back to the system, as after a publish
-
-    def _resume_held(self, latest: int) -> None:
-        from .subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
-
-        sub = Subscriber(self.store)
-        manifest = self.store.manifest(latest)
-        self._specs = {t.name: t.spec for t in manifest.tensors}
-        self._mirror = Mirror(self._specs, self.mirror_device)
-        sub.fill({n: self._mirror.view(n) for n in self._specs}, step=latest)
-        self._mirror.version = latest
-        self._aliases = dict(manifest.aliases)
-        head = self.head
-        head.checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}
-        self.files = dict(manifest.files)
-        head.last = self.store.ref(latest)
-        # Walk back to the last anchor to rebuild what the policy measures.
-        since, delta_bytes, changed, since_diff, m = 0, 0, 0, None, manifest
-        while m.kind != "anchor" and m.parent is not None:
-            since += 1
-            if since_diff is None and m.differential is not None:
-                since_diff = delta_bytes
-            head.relaid_since_anchor = head.relaid_since_anchor or m.changes_layout
-            delta_bytes += m.object_bytes(m.step_objects)
-            changed += m.changed
-            m = self.store.manifest(m.parent.step)
-        if m.kind != "anchor":
-            return  # no anchor on the chain: the policy will ask for one
-        head.anchor = self.store.ref(m.step)
-        drift_elements = 0
-        if head.tracks_drift() and since:
-            changes = self._differential_from_anchor(self._mirror)  # a few anchor objects in memory at a time
-            proposed = head.drift.propose({n: changes[n] for n in self._specs},
-                                          budget_bytes=head.drift_budget(self._specs))
-            head.drift.commit(proposed)
-            drift_elements = DriftTracker.count(proposed)
-        total = sum(s.numel for s in self._specs.values())
-        head.state = ChainState(
-            versions_since_anchor=since, delta_bytes_since_anchor=delta_bytes,
-            anchor_bytes=m.object_bytes(m.full_objects), drift=drift_elements / max(total, 1),
-            drift_elements=drift_elements,
-            delta_bytes_since_differential=delta_bytes if since_diff is None else since_diff,
-            bytes_per_element=delta_bytes / changed if changed else 0.0)

@@ -1,5 +1,6 @@
 """The publish path's stages, each alone: the chain head's decision and advance, object planning, the
-collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks), the background writer."""
+collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks), the background writer,
+resuming a chain."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from deltastore.publish.info import VersionInfo
 from deltastore.publish.collective import LOCAL, Collective
 from deltastore.publish.mirror import Mirror
 from deltastore.publish.objects import ObjectPlanner
+from deltastore.publish.resume import resume_chain
 
 
 def _manifests(uri: str, n: int) -> list:
@@ -154,3 +156,25 @@ def test_background_writer_blocks_the_submitter_at_max_pending_and_close_returns
     third.join(5)
     assert not third.is_alive()
     assert isinstance(writer.close(), ValueError)
+
+
+def test_resume_chain_rebuilds_the_mirror_and_the_head_the_writer_had():
+    uri = f"memory://{uuid.uuid4().hex}"
+    g = torch.Generator().manual_seed(3)
+    s = {"a": torch.randn(4000, generator=g).bfloat16(), "b": torch.randn(300, generator=g).bfloat16()}
+    with ds.Publisher(uri, anchor_every=100) as pub:
+        for i in range(4):
+            pub.publish(s, step=i)
+            s = {k: (v.view(torch.int16) + (torch.arange(v.numel()) % (7 + i) == 0)).view(torch.bfloat16)
+                 for k, v in s.items()}
+        written = pub.head
+        store = pub.store
+        head = ChainHead(Every(100))
+        got = resume_chain(store, head, 3, mirror_device=None, workers=2)
+        assert (head.last, head.anchor, head.checksums) == (written.last, written.anchor, written.checksums)
+        assert head.state.versions_since_anchor == written.state.versions_since_anchor == 3
+        assert head.state.delta_bytes_since_anchor == written.state.delta_bytes_since_anchor
+        assert head.state.anchor_bytes == written.state.anchor_bytes
+        assert got.specs == pub._specs and got.aliases == {} and got.mirror.version == 3
+        for name in got.specs:
+            assert torch.equal(got.mirror.view(name), pub._mirror.view(name))

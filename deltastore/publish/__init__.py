@@ -6,6 +6,8 @@
   overlay that lets a background writer own the only copy;
 * :mod:`.chain` — the committed head of the chain (parent, anchor, checksums,
   drift) and the anchor policy's decision for the next version;
+* :mod:`.resume` — a chain picked up from the store: the mirror and the head rebuilt from the latest
+  version, and the differential from the anchor measured exactly;
 * :mod:`.objects` — object planning: sparse or whole per tensor, grouping,
   anchors cut to stream;
 * :mod:`.upload` — encode and upload object jobs with a bounded number in
