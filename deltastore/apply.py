@@ -83,7 +83,7 @@ def check_layout(target: Mapping[str, torch.Tensor], manifest: Manifest) -> dict
     return copies
 
 
-_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_DTYPE, _SHAPE, _NAME = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("name")
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
@@ -807,7 +807,10 @@ class SparseOverlay:
         staged = []
         held = []
         read, self._read = self._read, {}
-        records = manifest.tensor_map()
+        # every tensor's record, made only for a version with changes not written in place already
+        written_only = isinstance(updates, DecodedUpdates) and not updates.loose and all(
+            isinstance(b, WrittenBatch) for b in updates.batches)
+        records = {} if written_only else manifest.tensor_map()
         # changes of plain CPU tensors, flat: (records, positions, new bits, bounds); first touches in
         # ``groups``, batches touching a tensor again in ``again`` (merged with what is staged)
         groups: list[tuple[list[TensorRecord], torch.Tensor, torch.Tensor, np.ndarray]] = []
@@ -817,7 +820,7 @@ class SparseOverlay:
         if isinstance(updates, DecodedUpdates):
             loose = dict(updates.loose)
             for b in updates.batches:
-                names = [s.name for s in b.specs]
+                names = list(map(_NAME, b.specs))
                 if isinstance(b, WrittenBatch):
                     written.append((names, b))
                     continue
