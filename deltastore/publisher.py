@@ -3,9 +3,13 @@
 Lifecycle of :meth:`Publisher.publish` (data first, metadata last):
 
 1. check the step (above the last one, not yet committed);
-2. diff every tensor against the mirror of the last published bits
+2. capture: diff every tensor against the mirror of the last published bits
    (:mod:`deltastore.publish.mirror`: one fused kernel pass per thread over
-   every CPU tensor);
+   every CPU tensor), or start a new chain, or step to a new layout;
+
+steps 3–6 are the write (:mod:`deltastore.publish.version`), at once or in
+the background writer (:mod:`deltastore.publish.background`):
+
 3. ask the anchor policy whether this version also gets full objects
    (an anchor) or a differential (anchor -> now);
 4. encode and store the objects (content-addressed, in parallel): sparse
@@ -23,12 +27,10 @@ Publisher unchanged, so the same step can be retried.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,48 +42,19 @@ from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState
 from .codecs import Codec, TensorSpec
 from .diff import DEFAULT_CHUNK_ELEMS
-from .drift import DriftTracker, anchored
 from .errors import ManifestError, TargetMismatchError
 from .gc import Retention
-from .manifest import Part, VersionRef, check_tensor_name
-from .publish.chain import check_step
+from .manifest import VersionRef, check_tensor_name
 from .publish.background import BackgroundWriter
-from .publish.commit import commit_manifest, post_commit, producer, tensor_record, version_manifest
+from .publish.chain import check_step
 from .publish.info import PendingVersionInfo, VersionInfo
-from .publish.mirror import Diff, Mirror, Pending
-from .publish.objects import Whole
-from .publish.stream import diff_stream
-from .publish.resume import differential_from_anchor, resume_chain
+from .publish.mirror import Mirror, Pending
+from .publish.resume import resume_chain
 from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
-from .publish.upload import Job
+from .publish.stream import diff_stream
+from .publish.version import Captured, write_version
 from .quantize import get_quantizer
 from .tensors import StateLike, dtype_name, named_tensors
-
-_log = logging.getLogger(__name__)
-_M64 = (1 << 64) - 1
-
-
-@dataclass
-class _Captured:
-    """What publish() captured: everything the write half needs, no reference to the caller's tensors.
-
-    ``mirror`` is the mirror this version was compared against (``diff`` set),
-    or, for a new chain (``diff`` None), a new mirror holding this version.
-    """
-
-    step: int
-    specs: dict[str, TensorSpec]
-    aliases: dict[str, str]
-    mirror: Mirror
-    diff: Diff | None
-    captured: float
-    #: a layout change against the parent: (tensors stored whole, tensors dropped); the mirror is then a
-    #: new one in this version's layout, holding the parent's bits for the other tensors
-    layout: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-
-    @property
-    def fresh(self) -> bool:
-        return self.diff is None
 
 
 def _check_name(name: str) -> None:
@@ -176,7 +149,7 @@ class Publisher:
         self._pending = Pending()
         self._capture_specs: dict[str, TensorSpec] = {}
         self._capture_aliases: dict[str, str] = {}
-        self._writer: BackgroundWriter[_Captured] | None = None
+        self._writer: BackgroundWriter[Captured] | None = None
         self._last_step = self.store.latest()
         if resume and self._last_step is not None:
             self._resume(self._last_step)
@@ -269,7 +242,7 @@ class Publisher:
             streamed = diff_stream(state, self._mirror, self._specs, self._aliases, self.dtype,
                                    chunk_elems=self.chunk_elems)
             if streamed.diff is not None:
-                return self._write_sync(_Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
+                return self._write_sync(Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
                                                   time.time()))
             state = streamed.pairs  # it left the layout: the ordinary capture below
         tensors, specs, aliases = self._normalise(state)
@@ -285,17 +258,17 @@ class Publisher:
                 self._pending.clear()
             fresh, new, dropped = mirror.relayout(specs, tensors)
             diff = fresh.diff(tensors, chunk_elems=self.chunk_elems)
-            captured = _Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
+            captured = Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
         elif same_layout:
             assert mirror is not None
             diff = mirror.diff(tensors, chunk_elems=self.chunk_elems, pending=self._pending if background else None)
-            captured = _Captured(step, specs, aliases, mirror, diff, time.time())
+            captured = Captured(step, specs, aliases, mirror, diff, time.time())
         else:  # a new chain: a private copy of every tensor, which becomes the mirror
             if background:
                 self._capture_mirror = self._mirror = None  # queued versions keep what they need
             fresh = Mirror.capture(tensors, specs, self.mirror_device)
             fresh.version = step
-            captured = _Captured(step, specs, aliases, fresh, None, time.time())
+            captured = Captured(step, specs, aliases, fresh, None, time.time())
         if not background:
             return self._write_sync(captured)
         self._capture_specs, self._capture_aliases = specs, aliases
@@ -315,7 +288,7 @@ class Publisher:
         self._writer.submit(step, captured, future)  # blocks while max_pending versions wait: back-pressure
         return info
 
-    def _write_sync(self, captured: _Captured) -> VersionInfo:
+    def _write_sync(self, captured: Captured) -> VersionInfo:
         """Write ``captured`` now; on any error the Publisher is as it was before this publish()."""
         self._capture_specs, self._capture_aliases = captured.specs, captured.aliases
         self._last_step = captured.step
@@ -356,106 +329,16 @@ class Publisher:
 
     # -- writing -----------------------------------------------------------------
     @paused
-    def _write(self, c: _Captured) -> VersionInfo:
-        """Decide, encode, upload and commit one captured version; then move the committed state forward.
-
-        Sparse deltas (they need the parent's bits) are encoded first, against
-        the mirror as it is; then the mirror is advanced to this version and
-        what needs its bits (differentials, anchors, tensors stored whole) is
-        encoded from views of it; if anything fails before the commit, the
-        mirror is moved back.
-        """
-        step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
-        same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
-        new, dropped = c.layout if c.layout is not None else ((), ())
-        relaid = set(new)
-        counts = c.diff.counts() if c.diff is not None else {}
-        total = sum(s.numel for s in specs.values())
-        # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
-        head = self.head
-        proposed = head.drift.propose(c.diff, budget_bytes=head.drift_budget(specs)) \
-            if c.diff is not None and head.tracks_drift(c.layout is not None) else None
-        drift_elements = DriftTracker.count(proposed)
-        decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
-                               tracking=proposed is not None)
-        is_anchor, with_diff = decision.is_anchor, decision.with_diff
-        planner = self.planner
-
-        delta_of: dict[str, list[Part]] = {}
-        full_of: dict[str, list[Part]] = {}
-        diff_of: dict[str, list[Part]] = {}
-        diff_counts: dict[str, int] = {}
-        whole: Whole = []  # tensors stored whole, and in which role
-        jobs: list[Job] = []
-        if same_layout:
-            jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
-        objects = self.uploader.run(jobs)
-        advanced = False
-        try:
-            if c.diff is not None:
-                mirror.advance(c.diff)  # from here on the mirror holds this version
-                advanced = True
-            later: list[Job] = []
-            object_bytes, inflight = planner.anchor_streaming(specs)
-            if with_diff:  # anchor -> now, read from the mirror (which holds "now")
-                assert proposed is not None
-                base: Any = proposed
-                if not proposed.exact:  # a sampled drift: the differential comes from the stored anchor
-                    loose = differential_from_anchor(self.store, head, mirror, workers=planner.max_workers)
-                    differential, base = Diff({}, loose=loose), anchored(loose)
-                elif mirror.device.type == "cpu":
-                    differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view))
-                else:
-                    differential = Diff({}, loose=DriftTracker.differential(proposed, mirror.gather))
-                diff_counts = differential.counts()
-                # the drift can be a large part of the model: objects no larger than an anchor's, read from
-                # the drift as each is encoded, so memory follows the objects in flight
-                later += planner.sparse_jobs(specs, differential, mirror, diff_of, whole, base=base,
-                                             limit=object_bytes)
-            later += planner.whole_jobs(specs, whole, mirror, object_bytes)
-            if new:  # stored whole, in objects of their own (a follower reads them and nothing else whole)
-                later += planner.dense_jobs(specs, list(new), mirror, full_of, object_bytes)
-            if is_anchor:
-                later += planner.dense_jobs(specs, [n for n in specs if n not in relaid], mirror, full_of,
-                                            object_bytes)
-            objects += self.uploader.run(later, inflight=inflight, first_index=len(objects))
-            checksums = self._new_checksums(c)
-            records = [tensor_record(name, dtype_name(spec.dtype), spec.shape,
-                                     counts[name] if same_layout and name not in relaid else spec.numel,
-                                     checksums[name], delta_of.get(name, ()), full_of.get(name, ()),
-                                     diff_of.get(name, ()), diff_counts.get(name, 0))
-                       for name, spec in specs.items()]
-            manifest = version_manifest(
-                step, decision, head, same_layout=same_layout, tensors=records, objects=objects,
-                producer={**producer(self.writer_id), "captured": c.captured}, metadata=self.metadata,
-                files=self.files, aliases=aliases, new_tensors=new, dropped_tensors=dropped,
-                quantization=self.quantizer.record(specs) if self.quantizer is not None else None)
-            data, digest, notes = commit_manifest(self.store, manifest, self.writer_id)
-        except BaseException:
-            if advanced:
-                assert c.diff is not None
-                mirror.revert(c.diff)
-            raise
-
-        # Committed: now (and only now) the chain state moves forward.
-        mirror.version = step
+    def _write(self, c: Captured) -> VersionInfo:
+        """Write and commit one captured version (:func:`~deltastore.publish.version.write_version`); then this
+        Publisher's committed layout and mirror are the version's."""
+        info = write_version(self.stages, c, files=self.files, quantizer=self.quantizer)
         if c.fresh or c.layout is not None:
-            self._specs, self._aliases = specs, aliases
-        self._mirror = mirror
-        head.advance(manifest, digest, decision, checksums=checksums, proposed=proposed,
-                     drift_elements=drift_elements, relaid=c.layout is not None)
-        _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
-                  manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
-        if self.retainer is not None:
-            try:
-                self.retainer.after_commit()
-            except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
-                notes.append(post_commit(f"retention after version {step} failed: {e!r}"))
-        return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
-                           nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
-                           differential=with_diff, warnings=tuple(notes))
+            self._specs, self._aliases = c.specs, c.aliases
+        self._mirror = c.mirror
+        return info
 
-    def _committed_in_background(self, captured: _Captured) -> None:
+    def _committed_in_background(self, captured: Captured) -> None:
         self._pending.prune(captured.step)  # the mirror holds it now: the capture needs it no more
 
     def _raise_background_error(self) -> None:
@@ -500,14 +383,6 @@ class Publisher:
         return tensors, specs, aliases
 
     # -- chain state -----------------------------------------------------------------
-    def _new_checksums(self, c: _Captured) -> dict[str, int]:
-        """Every tensor's checksum after version ``c`` (the mirror already holds it)."""
-        if c.diff is None:
-            return c.mirror.checksums()
-        new = c.mirror.checksums(c.layout[0]) if c.layout is not None else {}
-        return {name: new[name] if name in new else (self.head.checksums[name] + delta) & _M64
-                for name, delta in c.diff.sums.items()}
-
     def _resume(self, latest: int) -> None:
         with self.store.manifest_cache.holding():  # the chain's manifests are read once, whatever their size
             got = resume_chain(self.store, self.head, latest, mirror_device=self.mirror_device,

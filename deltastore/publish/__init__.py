@@ -12,6 +12,7 @@
   anchors cut to stream;
 * :mod:`.upload` — encode and upload object jobs with a bounded number in
   flight (anchors stream object by object);
+* :mod:`.version` — writing one captured version: decide, encode, upload, commit, move the head;
 * :mod:`.commit` — the version's manifest, its create-only commit and read-back, retention after it;
 * :mod:`.stages` — the configuration checked once and the stages above opened for one writer (what both
   publishers compose);
