@@ -1,6 +1,6 @@
 """The publish path's stages, each alone: the chain head's decision and advance, object planning, the
 collective helper on one rank (``tests/test_distributed.py`` runs it over gloo ranks), the background writer,
-resuming a chain."""
+resuming a chain, writing one version."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import deltastore as ds
 from deltastore.anchors import Every
 from deltastore.codecs import TensorSpec, get_codec
-from deltastore.errors import DeltaStoreError, TargetMismatchError
+from deltastore.errors import DeltaStoreError, TargetMismatchError, VersionExistsError
 from deltastore.publish.background import BackgroundWriter
 from deltastore.publish.chain import ChainHead, Decision
 from deltastore.publish.info import VersionInfo
@@ -23,6 +23,8 @@ from deltastore.publish.collective import LOCAL, Collective
 from deltastore.publish.mirror import Mirror
 from deltastore.publish.objects import ObjectPlanner
 from deltastore.publish.resume import resume_chain
+from deltastore.publish.stages import PublishStages
+from deltastore.publish.version import Captured, write_version
 
 
 def _manifests(uri: str, n: int) -> list:
@@ -178,3 +180,35 @@ def test_resume_chain_rebuilds_the_mirror_and_the_head_the_writer_had():
         assert got.specs == pub._specs and got.aliases == {} and got.mirror.version == 3
         for name in got.specs:
             assert torch.equal(got.mirror.view(name), pub._mirror.view(name))
+
+
+def test_write_version_commits_and_moves_the_head_or_leaves_both_as_they_were(monkeypatch):
+    """The write stage alone, over stages opened as a Publisher opens them: an anchor, then a delta whose
+    manifest another writer took first (VersionExistsError) leaves the mirror's bits and the head as they
+    were, and the same capture is written once the step is free."""
+    stages = PublishStages.open(f"memory://{uuid.uuid4().hex}", anchor_every=100)
+    g = torch.Generator().manual_seed(5)
+    first = {"a": torch.randn(3000, generator=g).bfloat16()}
+    specs = {"a": TensorSpec("a", torch.bfloat16, (3000,))}
+    mirror = Mirror.capture(first, specs, None)
+    mirror.version = 0
+    info = write_version(stages, Captured(0, specs, {}, mirror, None, time.time()), files={})
+    assert info.kind == "anchor" and stages.head.last.step == 0
+    bits = first["a"].view(torch.int16).clone()
+    bits[::50] += 1
+    second = {"a": bits.view(torch.bfloat16)}
+    captured = Captured(1, specs, {}, mirror, mirror.diff(second, chunk_elems=1 << 20), time.time())
+    before, head = mirror.view("a").clone(), (stages.head.last, dict(stages.head.checksums))
+    real = stages.store.commit
+    monkeypatch.setattr(stages.store, "commit", lambda m: (_ for _ in ()).throw(
+        VersionExistsError("version 1 was committed by another writer")))
+    with pytest.raises(VersionExistsError):
+        write_version(stages, captured, files={})
+    assert torch.equal(mirror.view("a"), before) and (stages.head.last, stages.head.checksums) == head
+    monkeypatch.setattr(stages.store, "commit", real)
+    info = write_version(stages, captured, files={})
+    assert info.kind == "delta" and info.changed == 60 and stages.head.last.step == 1
+    assert torch.equal(mirror.view("a"), bits)
+    sub = ds.Subscriber(stages.store)
+    assert torch.equal(sub.pull(None, step=1).state["a"].view(torch.int16), bits)
+    stages.close()
