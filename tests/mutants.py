@@ -201,10 +201,10 @@ MUTANTS = [
            [("deltastore/subscriber.py", "            tracking.set_version(result, ref)  # tracked weakly", "            pass  # tracked weakly")],
            ["tests/test_follower_loop.py"]),
     Mutant("pending-kept-after-write", "a background publisher keeps a written version's changes until the next publish",
-           [("deltastore/publisher.py", "                    self._pending.prune(captured.step)", "                    pass")],
+           [("deltastore/publisher.py", "        self._pending.prune(captured.step)", "        pass")],
            ["tests/test_background.py"]),
     Mutant("writer-holds-last-version", "the background writer holds the last version it wrote while it waits",
-           [("deltastore/publisher.py", "                item = captured = future = None", "                pass")],
+           [("deltastore/publish/background.py", "                entry = item = future = None", "                pass")],
            ["tests/test_background.py"]),
     Mutant("drift-merge-keeps-returned", "an element that changes back to the anchor's bits stays in the drift "
            "(the committed merge)",

@@ -235,8 +235,9 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
     decoded = [list(map(_NAME, b.specs)) for b in batches]
-    if (len(decoded) != 1 or decoded[0] != names) and (  # one batch in the manifest's order: the usual case
-            sum(map(len, decoded)) != len(records) or not records.keys() == set(itertools.chain.from_iterable(decoded))):
+    in_order = len(decoded) == 1 and decoded[0] == names  # one batch in the manifest's order: the usual case
+    if not in_order and (sum(map(len, decoded)) != len(records)
+                         or not records.keys() == set(itertools.chain.from_iterable(decoded))):
         got = sorted(set(itertools.chain.from_iterable(decoded)))
         raise CorruptObjectError(f"version {manifest.step}: object {rec.digest} decoded tensors "
                                  f"{got[:5]}, manifest expects {sorted(records)[:5]}", digest=rec.digest)
