@@ -140,6 +140,8 @@ def test_pending_map_makes_an_entry_only_when_asked():
     assert not m._items  # nothing made yet
     y = m["y"]
     assert y.positions.tolist() == [0, 2, 3] and y.bits.tolist() == [2, 3, 4]
+    x = m["x"]  # a segment with another after it: cut at its own end
+    assert x.positions.tolist() == [1, 4] and x.bits.tolist() == [0, 1] and x.original.tolist() == [0, 0]
     m["x"] = _Pending(torch.tensor([9]), torch.tensor([1], dtype=torch.int16), torch.tensor([0], dtype=torch.int16))
     assert m.counts() == {"x": 1, "y": 3}
     del m["y"]
