@@ -133,11 +133,13 @@ def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, 
     uri, states = published
     sub, target = _following(uri, states)  # checked, and remembered
     do, match = CHANGES[change]
+    memory = [v.data for v in target.values()]  # kept alive: a write to a stale address fails a test, not the process
     do(target)
     kept = {k: v.clone() for k, v in target.items() if k != "a"}
     with pytest.raises(TargetMismatchError, match=match):
         sub.pull(target, step=2)
     assert bits_equal({k: target[k] for k in kept}, kept)  # nothing written
+    assert bits_equal(dict(zip(states[1], memory)), states[1])  # nor at the addresses the target had
 
 
 def test_a_target_changed_back_is_pulled_again(published):
