@@ -29,6 +29,12 @@ identity or address. The
 target's values were never checked between pulls (the target is trusted to
 hold the version deltastore last wrote, :mod:`deltastore.tracking`).
 
+After a lookup that found the target as it was, :meth:`CheckedTarget.addresses`
+gives the checked arrays themselves (every tensor's address and element
+count, with their checksum keys) to the decoders that write the target in
+place (:class:`~deltastore.apply.TargetAddresses`): the addresses a pull
+writes at are the ones it has just compared, never an older record's.
+
 Nothing here holds the target or its tensors (identities are kept as ids).
 """
 
