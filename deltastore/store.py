@@ -219,13 +219,21 @@ class DeltaStore:
 
         Failures are not raised here: the later ``get_object`` of that object
         fetches it again and raises the typed error. Replaces any earlier
-        prefetch that was not consumed. The reads run on the store's fetch
+        prefetch that was not consumed, except the objects both ask for (those
+        are not fetched again). The reads run on the store's fetch
         threads; with ``wait=False`` this returns at once (a single object is
         fetched too) and a ``get_object`` of one of them waits for it. Either
         way the prefetched bytes are held until consumed or dropped
         (:meth:`forget_prefetched`).
         """
-        self.forget_prefetched()
+        keep = {d for d, _ in wanted}
+        with self._lock:
+            dropped = [f for d, f in self._pending.items() if d not in keep]
+            self._pending = {d: f for d, f in self._pending.items() if d in keep}
+            self._verified = {d: b for d, b in self._verified.items() if d in keep}
+            wanted = [(d, n) for d, n in wanted if d not in self._pending and d not in self._verified]
+        for fut in dropped:
+            fut.cancel()
         if self.backend.capabilities.batch_transfers:  # one event loop, one xet batch
             if len(wanted) < 2:
                 return

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -374,6 +374,11 @@ class Subscriber:
         ref = VersionRef(step, digest)
         created = manifest.created
         tied: dict[str, str] = {}
+        if target is not None and manifest.parent is not None and not avoid \
+                and tracking.get_version(target) == manifest.parent:
+            # a follower one behind reads this version's own objects: they download while the target is checked
+            self.store.prefetch(_objects_of(manifest, manifest.step_objects), max_workers=self.max_workers,
+                                wait=False)
         checked = self._checked.lookup(target, manifest) if target is not None else None
         self._checked.forget()  # remembered again only after a pull that succeeds
         tensors = checked if checked is not None else named_tensors(target, tied) if target is not None else None
@@ -391,6 +396,8 @@ class Subscriber:
         applied = plan.steps
         if plan.anchor is None and tensors is not None:  # the objects download while the target is checked
             self._prefetch(plan, wait=False)
+        if plan.anchor is not None:
+            self.store.forget_prefetched()  # a delta fetched ahead for a follower one behind, not read after all
         if plan.anchor is not None and tensors is None:  # a new dict: stream the anchor into new tensors
             staged = self.stage(step, None, None, allow_anchor=allow_anchor, avoid=avoid, layout_changes=True)
             assert isinstance(staged.state, FullState)
@@ -565,8 +572,7 @@ class Subscriber:
             if s == plan.anchor:
                 continue
             m = self.store.manifest(s)
-            indices = m.objects_for("diff") if s == plan.differential else m.step_objects
-            wanted += [(m.objects[i].digest, m.objects[i].size) for i in sorted(indices)]
+            wanted += _objects_of(m, m.objects_for("diff") if s == plan.differential else m.step_objects)
         self.store.prefetch(wanted, max_workers=self.max_workers, wait=wait)
 
     def identify(self, target: Target, step: int) -> VersionRef:
@@ -656,6 +662,11 @@ class Subscriber:
         updates = {name: _join(records[name], got, role, manifest.step) for name, got in pieces.items()
                    if names is None or name in names}  # in decoding order (see SparseOverlay.apply)
         return (DecodedUpdates(batches, updates) if batched else updates), fetched
+
+
+def _objects_of(m: Manifest, indices: Iterable[int]) -> list[tuple[str, int]]:
+    """``(digest, size)`` of objects ``indices`` of ``m``, in index order (what :meth:`DeltaStore.prefetch` takes)."""
+    return [(m.objects[i].digest, m.objects[i].size) for i in sorted(indices)]
 
 
 def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: int) -> Update:

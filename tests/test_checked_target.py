@@ -24,6 +24,7 @@ from deltastore import segments
 from deltastore.apply import SparseOverlay, TargetAddresses
 from deltastore.checksum import tensor_keys
 from deltastore.errors import TargetMismatchError
+from deltastore.pull.checked_target import CheckedTarget
 
 
 def _states(n=4, seed=0):
@@ -233,3 +234,24 @@ def test_addresses_of_other_tensors_are_not_used():
         checksum_values: dict[str, int] = {}
 
     assert SparseOverlay(None, _Base(), tensors, write_through=True, addresses=known)._addresses is None
+
+
+def test_a_follower_one_behind_downloads_the_version_while_its_target_is_checked(published, monkeypatch):
+    """The version's own objects are asked for before the target is looked at, so on a remote store their
+    download overlaps the target's checks; a pull that then takes another path drops them."""
+    uri, states = published
+    sub, target = _following(uri, states)
+    manifest = sub.manifest(2)
+    wanted = {o.digest for o in manifest.objects}
+    seen = []
+    real = CheckedTarget.lookup
+
+    def lookup(self, *a, **k):
+        store = sub.store
+        seen.append(wanted <= (set(store._pending) | set(store._verified)))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(CheckedTarget, "lookup", lookup)
+    sub.pull(target, step=2)
+    assert seen == [True] and bits_equal(target, states[2])
+    assert not sub.store._pending and not sub.store._verified  # nothing left held after the pull

@@ -277,6 +277,26 @@ def test_background_prefetch_hands_over_verified_bytes_and_typed_errors(tmp_path
     store.close()
 
 
+def test_a_second_prefetch_keeps_what_both_ask_for_and_drops_the_rest(tmp_path):
+    """A pull may start a version's downloads before it has planned, then prefetch its plan: the objects both
+    name are read once, the others dropped (read again where they are used)."""
+    from deltastore.store import object_key, open_store
+
+    store = open_store(str(tmp_path / "s"))
+    a, b, c = (store.put_object(x * 100) for x in (b"aaaa", b"bbbb", b"cccc"))
+    reads: list[str] = []
+    real = store.backend.get_bounded
+    store.backend.get_bounded = lambda key, limit: (reads.append(key), real(key, limit))[1]
+    key = {d: object_key(d) for d in (a, b, c)}
+    store.prefetch([(a, 400), (b, 400)], wait=False, max_workers=2)
+    store.prefetch([(b, 400), (c, 400)], wait=False, max_workers=2)
+    assert store.get_object(b, 400) == b"bbbb" * 100 and store.get_object(c, 400) == b"cccc" * 100
+    assert reads.count(key[b]) == 1 and reads.count(key[c]) == 1  # b, asked for twice, read once
+    before = reads.count(key[a])  # a may have been read in the background before it was dropped
+    assert store.get_object(a, 400) == b"aaaa" * 100 and reads.count(key[a]) == before + 1  # read again here
+    store.close()
+
+
 def _prefetch_in_child(store, digest, conn):
     store.prefetch([(digest, 1000)], wait=False)  # the parent's fetch threads do not exist here
     conn.send(store.get_object(digest, 1000) == b"good bytes" * 100)
