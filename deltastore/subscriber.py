@@ -374,15 +374,14 @@ class Subscriber:
         ref = VersionRef(step, digest)
         created = manifest.created
         tied: dict[str, str] = {}
-        if target is not None and manifest.parent is not None and not avoid \
-                and tracking.get_version(target) == manifest.parent:
+        current = tracking.get_version(target) if target is not None else None
+        if current is not None and current == manifest.parent and not avoid:
             # a follower one behind reads this version's own objects: they download while the target is checked
             self.store.prefetch(_objects_of(manifest, manifest.step_objects), max_workers=self.max_workers,
                                 wait=False)
         checked = self._checked.lookup(target, manifest) if target is not None else None
         self._checked.forget()  # remembered again only after a pull that succeeds
         tensors = checked if checked is not None else named_tensors(target, tied) if target is not None else None
-        current = tracking.get_version(target) if target is not None else None
         if current == ref:
             assert tensors is not None
             if checked is None:

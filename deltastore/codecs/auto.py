@@ -247,7 +247,7 @@ def _parts_of(meta: dict[str, str], specs: Sequence[TensorSpec]) -> dict[str, li
         default, other = choice["default"], choice["other"]
         if not isinstance(other, dict):
             raise CorruptObjectError("auto: object's choice record has no map of other tensors")
-        if not other.keys() <= {s.name for s in specs}:
+        if other and not other.keys() <= {s.name for s in specs}:  # usually empty: no set of every name
             raise CorruptObjectError("auto: object's tensors differ from the manifest's")
         named = [default, *other.values()]
     else:
