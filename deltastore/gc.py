@@ -63,12 +63,6 @@ class GCPlan:
     reclaimed_bytes: int = 0
 
 
-def _references(m: Manifest) -> dict[str, int]:
-    refs = {o.digest: o.size for o in m.objects}
-    refs.update({f["digest"]: f["size"] for f in m.files.values()})
-    return refs
-
-
 def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
     """Decide what to delete under ``retention``; nothing is modified.
 
@@ -96,10 +90,10 @@ def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
     kept_refs: set[str] = set()
     for s in keep:
         if s in manifests:
-            kept_refs.update(_references(manifests[s]))
+            kept_refs.update(manifests[s].references())
     candidates: dict[str, int] = {}
     for s in plan.delete_versions:
-        candidates.update(_references(manifests[s]))
+        candidates.update(manifests[s].references())
     plan.delete_objects = sorted(d for d in candidates if d not in kept_refs)
     plan.reclaimed_bytes = sum(candidates[d] for d in plan.delete_objects)
     return plan
@@ -123,7 +117,7 @@ def delete_unreferenced(store: DeltaStore, digests: list[str], *, grace: float =
     referenced: set[str] = set()
     for s in store.versions():
         try:
-            referenced.update(_references(store.manifest(s)))
+            referenced.update(store.manifest(s).references())
         except VersionNotFoundError:
             continue  # deleted meanwhile
         except DeltaStoreError:
@@ -151,7 +145,7 @@ def _collect(store: DeltaStore, retention: Retention, dry_run: bool, grace: floa
         referenced = set()
         for s in plan.keep:
             try:
-                referenced.update(_references(store.manifest(s)))
+                referenced.update(store.manifest(s).references())
             except DeltaStoreError:
                 return plan  # cannot prove anything is an orphan
         extra = sorted(listed - referenced - set(plan.delete_objects))

@@ -1,10 +1,17 @@
-"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.2; 1.0 and 1.1 are read too).
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3; 1.0 to 1.2 are read too).
 
 A manifest is the only thing a reader trusts: it names every object of a
 version by digest, the codec that decodes each, and every tensor's dtype,
 shape and checksum after the version. See ``docs/format.md`` for the field
 reference. :meth:`Manifest.from_json` validates strictly and raises
 :class:`ManifestError` / :class:`UnsupportedFormatError` on anything off.
+
+From 1.3 the tensors' names, dtypes and shapes are not in the manifest: they
+are one *layout object* (JSON, content-addressed like every object) that the
+manifest names by digest, written once per layout. A reader parses a layout
+object once and knows it again by its digest (:data:`_LAYOUT_OBJECTS`), so a
+follower of a model with 16,384 tensors downloads and parses about 0.6 MB of
+manifest per version instead of 1.7 MB.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import operator
 import re
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -37,8 +44,16 @@ FORMAT_VERSION = "1.0"
 #: object per tensor (1.0; 1.1 added the layout-change fields): what publishers write (at 16,384 tensors
 #: about half the bytes and a quarter of the JSON parse of rows); ``docs/format.md`` has the versions
 COLUMNS_FORMAT_VERSION = "1.2"
+#: the minor version whose tensor columns leave the layout (names, dtypes, shapes) to a layout object named by
+#: digest (the manifest's ``layout`` field): what publishers write
+LAYOUT_OBJECT_FORMAT_VERSION = "1.3"
+#: the format and version of a layout object
+LAYOUT_FORMAT = "deltastore.layout"
+LAYOUT_FORMAT_VERSION = "1.0"
 #: the fields of a tensor record, in the order of :class:`TensorRecord`
 TENSOR_FIELDS = ("name", "dtype", "shape", "changed", "checksum", "delta", "full", "diff", "diff_changed")
+#: the fields a layout object holds as columns, and those a 1.3 manifest's ``tensors`` section keeps
+LAYOUT_FIELDS, VALUE_FIELDS = TENSOR_FIELDS[:3], TENSOR_FIELDS[3:]
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_STEP = 10**12 - 1
 MAX_NUMEL = 1 << 48
@@ -81,6 +96,18 @@ class ObjectRecord:
     digest: str
     size: int
     codec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LayoutRef:
+    """The layout object a manifest (format 1.3) names: the sha256 digest and size of its bytes."""
+
+    digest: str
+    size: int
+
+
+#: reads the verified bytes of the layout object ``(digest, size)`` (a store's; raises its typed errors)
+LayoutReader = Callable[[str, int], bytes]
 
 
 @dataclass(frozen=True)
@@ -286,6 +313,33 @@ class Manifest:
         """Names, torch dtypes and shapes of the tensors, in order (read-only lists)."""
         return [t.name for t in self.tensors], [t.spec.dtype for t in self.tensors], [t.shape for t in self.tensors]
 
+    @functools.cached_property
+    def layout_bytes(self) -> bytes:
+        """The layout object of this manifest's tensors (canonical JSON: their names, dtype names and shapes
+        as columns), whatever its format version."""
+        doc = {"format": LAYOUT_FORMAT, "format_version": LAYOUT_FORMAT_VERSION,
+               "name": [t.name for t in self.tensors], "dtype": [t.dtype for t in self.tensors],
+               "shape": [list(t.shape) for t in self.tensors]}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @functools.cached_property
+    def layout_ref(self) -> LayoutRef | None:
+        """The layout object this manifest names (format 1.3 on; None before): as parsed, or for a manifest
+        made here the digest and size of :attr:`layout_bytes`."""
+        if not names_layout(self.format_version):
+            return None
+        data = self.layout_bytes
+        return LayoutRef(sha256_digest(data), len(data))
+
+    def references(self) -> dict[str, int]:
+        """Digest -> size of every stored object this version names: its data objects, its recorded files
+        and its layout object."""
+        refs = {o.digest: o.size for o in self.objects}
+        refs.update({f["digest"]: f["size"] for f in self.files.values()})
+        if self.layout_ref is not None:
+            refs[self.layout_ref.digest] = self.layout_ref.size
+        return refs
+
     def tensor_map(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
 
@@ -327,13 +381,16 @@ class Manifest:
         }
         if self.quantization is not None:
             doc["quantization"] = self.quantization
+        if self.layout_ref is not None:
+            doc["layout"] = {"digest": self.layout_ref.digest, "size": self.layout_ref.size}
         return doc
 
     def _tensors_json(self) -> list[dict[str, Any]] | dict[str, list[Any]]:
         rows = [(t.name, t.dtype, list(t.shape), t.changed, t.checksum, t.role_json(t.delta), t.role_json(t.full),
                  t.role_json(t.diff), t.diff_changed) for t in self.tensors]
         if columnar(self.format_version):
-            return {k: list(c) for k, c in zip(TENSOR_FIELDS, zip(*rows) if rows else [()] * len(TENSOR_FIELDS))}
+            columns = dict(zip(TENSOR_FIELDS, map(list, zip(*rows) if rows else [()] * len(TENSOR_FIELDS))))
+            return {k: columns[k] for k in VALUE_FIELDS} if names_layout(self.format_version) else columns
         return [dict(zip(TENSOR_FIELDS, r)) for r in rows]
 
     def to_json(self) -> bytes:
@@ -341,28 +398,46 @@ class Manifest:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        """Parse and validate manifest bytes.
+    def from_json(cls, data: bytes, layouts: LayoutReader | None = None) -> Manifest:
+        """Parse and validate manifest bytes; ``layouts`` reads the layout object a 1.3 manifest names when
+        this process has not parsed it yet (:meth:`DeltaStore.parse_manifest` passes the store's).
 
         Raises :class:`ManifestError` for malformed content (bad JSON, duplicate
         keys, wrong types, out-of-range numbers, unsafe names, dangling object
-        indices) and :class:`UnsupportedFormatError` for another major version.
+        indices, a malformed layout object, or a layout object to read and no
+        ``layouts``), :class:`UnsupportedFormatError` for another major version,
+        and what ``layouts`` raises (a store's :class:`ObjectNotFoundError`,
+        :class:`CorruptObjectError`).
         """
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        try:
-            doc = json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-        except ManifestError:
-            raise
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
-        return _parse(doc)
+        return _parse(_json_document(data, "manifest"), layouts)
+
+
+def _json_document(data: bytes, what: str) -> Any:
+    """The JSON document in ``data`` (at most :data:`MAX_MANIFEST_BYTES`; no duplicate keys, no NaN)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        return json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except ManifestError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{what} is not valid JSON: {e}") from None
+
+
+def _minor(version: str) -> int:
+    minor = version.partition(".")[2]
+    return int(minor) if minor.isascii() and minor.isdigit() and len(minor) < 8 else 0
 
 
 def columnar(version: str) -> bool:
     """Whether manifest format ``version`` (major 1) holds its tensors as columns (:data:`COLUMNS_FORMAT_VERSION`)."""
-    minor = version.partition(".")[2]
-    return minor.isdigit() and int(minor) >= 2
+    return _minor(version) >= 2
+
+
+def names_layout(version: str) -> bool:
+    """Whether manifest format ``version`` (major 1) names a layout object instead of listing names, dtypes and
+    shapes (:data:`LAYOUT_OBJECT_FORMAT_VERSION`)."""
+    return _minor(version) >= 3
 
 
 # -- validation ------------------------------------------------------------------
@@ -440,7 +515,7 @@ def _parts(value: Any, n_objects: int, numel: int, where: str, *, cover: bool) -
     return tuple(parts)
 
 
-def _parse(doc: Any) -> Manifest:
+def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError("manifest is not a JSON object")
     if doc.get("format") != FORMAT:
@@ -495,11 +570,18 @@ def _parse(doc: Any) -> Manifest:
     layout: _Layout | None = None
     used: set[int | None] | None = None
     role_objects: dict[str, frozenset[int]] = {}
+    layout_ref = known = None
     if columnar(version):  # checked as columns; anything they refuse is named row by row below
-        columns = _tensor_columns(_get(doc, "tensors", dict))
-        got = _plain_columns(columns, n_objects)
+        if names_layout(version):
+            layout_ref = _layout_ref(doc)
+            columns, known = _named_layout_columns(_get(doc, "tensors", dict), layout_ref, layouts)
+        else:
+            columns = _tensor_columns(_get(doc, "tensors", dict), TENSOR_FIELDS)
+        got = _plain_columns(columns, n_objects, known)
         if got is not None:
             tensors, layout, checksum_ints = got
+            if layout_ref is not None and known is None:
+                _remember_layout_object(layout_ref.digest, layout)
         listed = [dict(zip(TENSOR_FIELDS, row)) for row in zip(*columns)] if tensors is None else []
     else:
         listed = _get(doc, "tensors", list)
@@ -553,7 +635,56 @@ def _parse(doc: Any) -> Manifest:
     if layout is not None:  # the cached properties, shared by every manifest of this layout
         m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns,
                           checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
+    if layout_ref is not None:
+        m.__dict__["layout_ref"] = layout_ref
     return m
+
+
+def _layout_ref(doc: dict[str, Any]) -> LayoutRef:
+    """The ``layout`` field of a 1.3 manifest."""
+    ref = _get(doc, "layout", dict)
+    if set(ref) != {"digest", "size"}:
+        raise ManifestError(f"the layout field has {sorted(ref)}, not ['digest', 'size']")
+    return LayoutRef(_digest(ref["digest"], "layout"), _int(ref, "size", 1, MAX_MANIFEST_BYTES, "layout"))
+
+
+def _named_layout_columns(section: dict[str, Any], ref: LayoutRef, layouts: LayoutReader | None
+                          ) -> tuple[tuple[list[Any], ...], _Layout | None]:
+    """The :data:`TENSOR_FIELDS` columns of a 1.3 manifest: its value columns after the columns of the layout
+    object ``ref``, and that layout when this process parsed and checked it before (else None: the caller
+    checks the columns read from the object)."""
+    values = _tensor_columns(section, VALUE_FIELDS)
+    known = _LAYOUT_OBJECTS.get(ref.digest)
+    if known is not None and not set(known.dtypes) <= DTYPES.keys():
+        known = None  # the table of dtypes this reader knows decides, not the one it knew then
+    if known is not None:
+        layout_columns = known.columns_in
+    elif layouts is None:
+        raise ManifestError(f"the manifest names its layout object {ref.digest}: read it through a DeltaStore "
+                            "(DeltaStore.parse_manifest), which fetches that object")
+    else:
+        layout_columns = _layout_object_columns(layouts(ref.digest, ref.size), ref.digest)
+    if len(layout_columns[0]) != len(values[0]):
+        raise ManifestError(f"layout object {ref.digest} lists {len(layout_columns[0])} tensors, the manifest's "
+                            f"columns {len(values[0])}")
+    return (*layout_columns, *values), known
+
+
+def _layout_object_columns(data: bytes, digest: str) -> tuple[list[Any], ...]:
+    """The name, dtype and shape columns of layout object ``digest`` (its verified bytes ``data``), as
+    parsed: each a list, all of one length (their entries are checked with the manifest's records)."""
+    what = f"layout object {digest}"
+    doc = _json_document(data, what)
+    if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT:
+        raise ManifestError(f"{what} is not a deltastore layout")
+    version = _get(doc, "format_version", str, what)
+    if version.split(".")[0] != LAYOUT_FORMAT_VERSION.split(".")[0]:
+        raise UnsupportedFormatError(f"{what} has format {version}; this deltastore reads "
+                                     f"{LAYOUT_FORMAT_VERSION.split('.')[0]}.x")
+    fields = set(doc) - {"format", "format_version"}
+    if fields != set(LAYOUT_FIELDS):
+        raise ManifestError(f"{what} has the columns {sorted(fields)}, not {sorted(LAYOUT_FIELDS)}")
+    return _tensor_columns({k: doc[k] for k in LAYOUT_FIELDS}, LAYOUT_FIELDS)
 
 
 def _roles_hold(tensors: list[TensorRecord], kind: str, has_parent: bool, has_differential: bool,
@@ -680,13 +811,14 @@ _NAME_LINES = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,511}\n)*")
 _COLUMNS = operator.itemgetter(*TENSOR_FIELDS)
 
 
-def _tensor_columns(section: dict[str, Any]) -> tuple[list[Any], ...]:
-    """The columns of a 1.2 ``tensors`` section, in :data:`TENSOR_FIELDS` order: exactly those fields,
-    each a list, all of one length; :class:`ManifestError` naming what is off."""
-    if set(section) != set(TENSOR_FIELDS):
-        raise ManifestError(f"the tensor columns are {sorted(section)}, not {sorted(TENSOR_FIELDS)}")
-    columns = tuple(section[k] for k in TENSOR_FIELDS)
-    for k, c in zip(TENSOR_FIELDS, columns):
+def _tensor_columns(section: dict[str, Any], fields: Sequence[str]) -> tuple[list[Any], ...]:
+    """The columns of a ``tensors`` section (1.2: :data:`TENSOR_FIELDS`; 1.3: :data:`VALUE_FIELDS`) or of a
+    layout object, in ``fields`` order: exactly those fields, each a list, all of one length;
+    :class:`ManifestError` naming what is off."""
+    if set(section) != set(fields):
+        raise ManifestError(f"the tensor columns are {sorted(section)}, not {sorted(fields)}")
+    columns = tuple(section[k] for k in fields)
+    for k, c in zip(fields, columns):
         if type(c) is not list:
             raise ManifestError(f"tensor column {k!r} is not a list")
         if len(c) != len(columns[0]):
@@ -708,16 +840,17 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     return [_plain_record(t, n_objects) for t in ts] if got is None else got[0]  # type: ignore[return-value]
 
 
-def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int
+def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _Layout | None = None
                    ) -> tuple[list[TensorRecord], _Layout, tuple[int, ...]] | None:
     """The records of tensor ``columns`` (:data:`TENSOR_FIELDS` order, equal lengths) when every entry is
     what :func:`_plain_record` accepts, checked a column at a time, their layout and their checksums as
-    integers; None otherwise."""
+    integers; None otherwise. ``layout``: the checked layout of the first three columns, when known."""
     names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = columns
     n = len(names)
     if not n:
         return [], _Layout.of([], [], [], []), ()
-    layout = _known_layout(names, dtypes, shapes)
+    if layout is None:
+        layout = _known_layout(names, dtypes, shapes)
     if layout is None:
         layout = _checked_layout(names, dtypes, shapes)
         if layout is None:
@@ -819,6 +952,18 @@ def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> 
 _LAYOUTS: dict[tuple[int, str, str], _Layout] = {}
 _MAX_LAYOUTS = 4
 _LAYOUTS_LOCK = threading.Lock()
+
+
+#: the layouts of the layout objects parsed last, by digest (an object's bytes are verified against its digest
+#: when read, so a digest names one layout for good)
+_LAYOUT_OBJECTS: dict[str, _Layout] = {}
+
+
+def _remember_layout_object(digest: str, layout: _Layout) -> None:
+    with _LAYOUTS_LOCK:
+        if len(_LAYOUT_OBJECTS) >= _MAX_LAYOUTS:
+            _LAYOUT_OBJECTS.pop(next(iter(_LAYOUT_OBJECTS)))
+        _LAYOUT_OBJECTS[digest] = layout
 
 
 def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _Layout | None:

@@ -146,7 +146,7 @@ class DeltaStore:
     def _prepare_commit(self, manifest: Manifest) -> None:
         """The GC-safety steps before a commit (module docstring); raises :class:`ObjectNotFoundError`
         when a concurrent GC deleted an object this version needs (nothing is committed; publish again)."""
-        digests = [o.digest for o in manifest.objects] + [f["digest"] for f in manifest.files.values()]
+        digests = list(manifest.references())
         now = time.monotonic()
         with self._lock:  # reused objects refreshed too long ago, and any this store never wrote
             stale = [d for d in dict.fromkeys(digests) if d not in self._written
@@ -351,12 +351,21 @@ class DeltaStore:
             stored = f"{e.size} bytes" if e.size is not None else "larger"
             raise ManifestError(f"{version_key(step)} is {stored}, over the {MAX_MANIFEST_BYTES} byte manifest "
                                 "limit (not read)") from None
-        manifest = Manifest.from_json(data)
+        manifest = self.parse_manifest(data)
         if manifest.step != step:
             raise ManifestError(f"{version_key(step)} holds the manifest of step {manifest.step}")
         result = (manifest, sha256_digest(data))
         self.manifest_cache.put(step, result, len(data))
         return result
+
+    def parse_manifest(self, data: bytes) -> Manifest:
+        """:meth:`Manifest.from_json` of manifest bytes, reading the layout object a 1.3 manifest names from
+        this store (verified against its digest) unless this process has parsed it already.
+
+        Raises :class:`ManifestError`, :class:`UnsupportedFormatError`, and for
+        the layout object :class:`ObjectNotFoundError` or :class:`CorruptObjectError`.
+        """
+        return Manifest.from_json(data, layouts=self._read_object)
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (see :meth:`manifest_with_digest`)."""
@@ -369,13 +378,16 @@ class DeltaStore:
     def commit(self, manifest: Manifest) -> tuple[bytes, str]:
         """Write ``manifest`` create-only; returns its bytes and digest.
 
-        Call only after every object it names is stored (by :meth:`put_object`).
+        Call only after every object it names is stored (by :meth:`put_object`);
+        the layout object of a 1.3 manifest is stored here, unless this store
+        wrote it for the commit before.
         Raises :class:`VersionExistsError` when the step is already committed
         (this is how a conflicting writer is detected) and
         :class:`ObjectNotFoundError` when a concurrent GC deleted an object it
         names (nothing committed). On a backend without atomic create-only
         writes the manifest's ``producer`` records ``"commit": "check-then-write"``.
         """
+        self._put_layout(manifest)
         self._prepare_commit(manifest)
         if not self.backend.capabilities.atomic_create:
             manifest = dataclasses.replace(manifest, producer={**manifest.producer, "commit": "check-then-write"})
@@ -386,7 +398,7 @@ class DeltaStore:
             raise VersionExistsError(f"version {manifest.step} already exists in {self.uri}") from None
         digest = sha256_digest(data)
         self.manifest_cache.put(manifest.step, (manifest, digest), len(data))
-        keep = {o.digest for o in manifest.objects} | {f["digest"] for f in manifest.files.values()}
+        keep = manifest.references()
         with self._lock:  # the ledger holds what the next commit may name again
             self._written = {d: t for d, t in self._written.items() if d in keep}
             self._reused.clear()
@@ -396,6 +408,19 @@ class DeltaStore:
         except OSError:
             pass  # only a hint
         return data, digest
+
+    def _put_layout(self, manifest: Manifest) -> None:
+        """Store the layout object ``manifest`` names, unless the last commit named it too (kept in the ledger,
+        and refreshed by :meth:`_prepare_commit` like any object)."""
+        ref = manifest.layout_ref
+        if ref is None:
+            return
+        with self._lock:
+            if ref.digest in self._written:
+                return
+        if self.put_object(manifest.layout_bytes) != ref.digest:
+            raise ManifestError(f"version {manifest.step} names layout object {ref.digest}, which is not the "
+                                "layout of its tensors (nothing was committed)")
 
     def forget_all(self) -> None:
         """Drop every cached manifest and prefetched object (after a GC race)."""

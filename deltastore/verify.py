@@ -45,7 +45,8 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     """Check every version of ``store``.
 
     For each manifest: it parses; each delta's parent exists with the recorded
-    digest; every object exists and matches its sha256. Then every chain is
+    digest; every object it names (data objects, recorded files, its layout
+    object) exists and matches its sha256. Then every chain is
     replayed from its anchors: each version's tensors must match the checksums
     in its manifest, and a layout change must agree with its parent's layout.
     A version that does not follow from the one replayed before it (a writer
@@ -85,12 +86,12 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
                 report.problems.append((step, f"parent version {m.parent.step} is missing"))
             elif parent != m.parent.digest:
                 report.problems.append((step, f"parent version {m.parent.step} has another digest"))
-        for rec in m.objects:
-            if rec.digest in seen:
+        for obj, size in m.references().items():
+            if obj in seen:
                 continue
-            seen.add(rec.digest)
+            seen.add(obj)
             try:
-                store.get_object(rec.digest, rec.size)
+                store.get_object(obj, size)
             except DeltaStoreError as e:
                 report.problems.append((step, str(e)))
         say(f"replaying version {step}")

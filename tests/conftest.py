@@ -97,3 +97,29 @@ def bits_equal(a: dict, b: dict) -> bool:
         if not torch.equal(x.contiguous().view(w), y.contiguous().view(w)):
             return False
     return True
+
+
+def edit_tensor_columns(uri: str, doc: dict, edit) -> None:
+    """What a hostile writer of the local store ``uri`` can do to the tensor columns of manifest document
+    ``doc``: ``edit(columns)`` changes ``{field: column}`` (every field of a tensor record). From format 1.3
+    the name, dtype and shape columns are a layout object: the edited ones are stored as a new layout object
+    under its own digest, and ``doc`` names that one."""
+    import hashlib
+    import json
+
+    from deltastore.manifest import LAYOUT_FIELDS
+    from deltastore.store import object_key
+
+    ref = doc.get("layout")
+    if ref is None:  # 1.2: the columns are the document's
+        edit(doc["tensors"])
+        return
+    layout = json.loads(Path(uri, *object_key(ref["digest"]).split("/")).read_bytes())
+    columns = {**{k: layout[k] for k in LAYOUT_FIELDS}, **doc["tensors"]}  # the same lists: edited in place
+    edit(columns)
+    data = json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    path = Path(uri, *object_key(digest).split("/"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    doc["layout"] = {"digest": digest, "size": len(data)}

@@ -203,7 +203,8 @@ def test_retention_bounds_the_store_and_keeps_it_valid(chain64, tmp_path):
     assert report.ok, report.problems
     # nothing unreferenced is left behind
     store = ds.open_store(uri)
-    referenced = {o.digest for s in kept for o in store.manifest(s).objects}
+    referenced = {d for s in kept for d in store.manifest(s).references()}
+    assert len(referenced) > len({o.digest for s in kept for o in store.manifest(s).objects})  # + the layout
     assert set(store.list_objects()) == referenced
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import bits_equal, edit_tensor_columns
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
                                InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                                UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
@@ -468,8 +468,8 @@ def test_hostile_manifest_fields(published, field, value, says):
     def edit(doc):
         if "." in field:
             head, key = field.split(".")
-            if head == "tensors" and isinstance(doc[head], dict):  # format 1.2: the first entry of a column
-                doc[head][key][0] = value
+            if head == "tensors" and isinstance(doc[head], dict):  # format 1.2 on: the first entry of a column
+                edit_tensor_columns(uri, doc, lambda columns: columns[key].__setitem__(0, value))
                 return
             entry = doc[head][0] if isinstance(doc[head], list) else doc[head]
             entry[key] = value

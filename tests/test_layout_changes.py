@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import bits_equal, edit_tensor_columns
 from deltastore.errors import ManifestError, TargetMismatchError
 from deltastore.materialize import materialize
 from deltastore.store import version_key
@@ -62,7 +62,7 @@ def test_layout_changes_follow_join_verify_materialize(store_uri, tmp_path, back
     ms = [sub.manifest(i) for i in range(6)]
     assert [(m.new_tensors, m.dropped_tensors) for m in ms] == [
         ((), ()), (("v_head",), ()), ((), ("b",)), (("embed",), ()), (("v_head",), ()), ((), ())]
-    assert {m.format_version for m in ms} == {"1.2"}  # what publishers write (layout changes are 1.1 fields)
+    assert {m.format_version for m in ms} == {"1.3"}  # what publishers write (layout changes are 1.1 fields)
     assert all(ms[i].parent == sub.store.ref(i - 1) for i in range(1, 6))
 
     follower = {k: v.clone() for k, v in states[0].items()}
@@ -158,32 +158,35 @@ def _rewrite(uri, step, edit):
         json.dump(doc, f)
 
 
-def _edit_tensor(doc, name, **fields):
-    """Set ``fields`` of tensor ``name`` in a manifest document (its column entries: format 1.2)."""
-    columns = doc["tensors"]
-    i = columns["name"].index(name)
-    for k, v in fields.items():
-        columns[k][i] = v
+def _edit_tensor(uri, doc, name, **fields):
+    """Set ``fields`` of tensor ``name`` in a manifest document (its column entries, those of the layout
+    object included)."""
+    def edit(columns):
+        i = columns["name"].index(name)
+        for k, v in fields.items():
+            columns[k][i] = v
+    edit_tensor_columns(uri, doc, edit)
 
 
-def _drop_tensor(doc, name):
-    columns = doc["tensors"]
-    i = columns["name"].index(name)
-    for column in columns.values():
-        del column[i]
+def _drop_tensor(uri, doc, name):
+    def edit(columns):
+        i = columns["name"].index(name)
+        for column in columns.values():
+            del column[i]
+    edit_tensor_columns(uri, doc, edit)
 
 
 @pytest.mark.parametrize("attack, named", [
-    (lambda d: _edit_tensor(d, "a", shape=[4, 16]), "'a'"),    # reshaped without saying so
-    (lambda d: _edit_tensor(d, "a", dtype="float16"), "'a'"),  # re-typed without saying so
-    (lambda d: _drop_tensor(d, "v_head"), "'v_head'"),         # dropped without saying so
-    (lambda d: d.update(dropped_tensors=["nope"]), "'nope'"),            # drops what the parent lacks
+    (lambda u, d: _edit_tensor(u, d, "a", shape=[4, 16]), "'a'"),    # reshaped without saying so
+    (lambda u, d: _edit_tensor(u, d, "a", dtype="float16"), "'a'"),  # re-typed without saying so
+    (lambda u, d: _drop_tensor(u, d, "v_head"), "'v_head'"),         # dropped without saying so
+    (lambda u, d: d.update(dropped_tensors=["nope"]), "'nope'"),     # drops what the parent lacks
 ])
 def test_hostile_layout_step_is_refused_naming_the_tensor(store_uri, attack, named):
     states = _states()
     s2 = {k: _bump(v, 2) for k, v in states[1].items()}  # v2: a plain delta after the head was added
     _publish(store_uri, [states[0], states[1], s2])
-    _rewrite(store_uri, 2, attack)
+    _rewrite(store_uri, 2, lambda d: attack(store_uri, d))
     sub = ds.Subscriber(store_uri)
     target = {k: v.clone() for k, v in states[1].items()}
     sub.identify(target, 1)
@@ -200,17 +203,17 @@ def test_manifest_rules_for_new_and_dropped_tensors(store_uri):
     _publish(store_uri, states[:2])
     sub = ds.Subscriber(store_uri)
     doc = sub.manifest(1).to_dict()
-    ok = ds.Manifest.from_json(json.dumps(doc).encode())
+    ok = sub.store.parse_manifest(json.dumps(doc).encode())
     assert ok.new_tensors == ("v_head",)
     bad = dict(doc, new_tensors=["v_head", "a"])  # "a" has a delta, not a whole copy
     with pytest.raises(ManifestError, match="new tensor 'a' must be stored whole"):
-        ds.Manifest.from_json(json.dumps(bad).encode())
+        sub.store.parse_manifest(json.dumps(bad).encode())
     bad = dict(doc, dropped_tensors=["a"])
     with pytest.raises(ManifestError, match="dropped tensor 'a' is still listed"):
-        ds.Manifest.from_json(json.dumps(bad).encode())
+        sub.store.parse_manifest(json.dumps(bad).encode())
     bad = dict(doc, new_tensors=[])
     with pytest.raises(ManifestError, match="'v_head' must have a parent and no full object"):
-        ds.Manifest.from_json(json.dumps(bad).encode())
+        sub.store.parse_manifest(json.dumps(bad).encode())
 
 
 def test_tracked_target_takes_an_anchor_laid_out_after_the_change(store_uri):

@@ -25,7 +25,7 @@ from .._version import __version__
 from ..checksum import format_checksum
 from ..errors import PostCommitWarning, VersionExistsError
 from ..gc import Retention, delete_unreferenced, delete_versions, plan_gc
-from ..manifest import COLUMNS_FORMAT_VERSION, Manifest, Part, TensorRecord, sha256_digest
+from ..manifest import LAYOUT_OBJECT_FORMAT_VERSION, Manifest, Part, TensorRecord, sha256_digest
 from ..store import DeltaStore, version_key
 from .chain import ChainHead, Decision
 
@@ -58,7 +58,7 @@ def version_manifest(step: int, decision: Decision, head: ChainHead, *, same_lay
                     parent=head.last if same_layout else None, tensors=tuple(tensors), objects=tuple(objects),
                     created=time.time(), producer=producer, metadata=metadata,
                     differential=head.anchor if decision.with_diff else None, files=files,
-                    format_version=COLUMNS_FORMAT_VERSION, **layout)
+                    format_version=LAYOUT_OBJECT_FORMAT_VERSION, **layout)
 
 
 def producer(writer_id: str) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def commit_manifest(store: DeltaStore, manifest: Manifest, writer_id: str) -> tu
     except Exception as e:
         try:
             data = store.backend.get(version_key(manifest.step))
-            theirs = Manifest.from_json(data)
+            theirs = store.parse_manifest(data)
             landed = theirs.producer.get("writer") == writer_id and theirs.created == manifest.created
         except Exception:  # noqa: BLE001 - cannot tell: the commit's own error stands
             landed = False
