@@ -13,7 +13,7 @@ and a follower pulls one layout into one target again and again.
 identity, its names, and for each tensor its identity, data pointer, element
 count, dtype and autograd version counter, with the layout it was checked
 against. :meth:`CheckedTarget.lookup` answers the checked tensors again only
-when all of those are still the same (a few C-level passes) and the new
+when all of those are still the same (one pass over the tensors) and the new
 version has the very same layout (the parsed manifests share one layout
 object, :mod:`deltastore.manifest`). Anything else is a miss, and the pull
 checks everything.
@@ -48,13 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import segments
 from ..apply import TargetAddresses
 from ..checksum import tensor_keys
 from ..manifest import Manifest
 from ..tensors import bits_dtype
 
-_DTYPE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("_version")
+_VERSION = operator.attrgetter("_version")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +61,20 @@ class _Seen:
     target: int
     columns: object  # the layout object of the version checked (compared by identity)
     names: list[str]
-    ids: list[int]
+    #: per tensor: (identity, dtype, data pointer, element count), compared as one list
+    facts: list[tuple[int, torch.dtype, int, int]]
+    versions: list[int]
     pointers: np.ndarray
     numels: np.ndarray
     dtypes: list[torch.dtype]
-    versions: list[int]
 
 
-def _facts(target: Mapping[str, Any]) -> tuple[list[str], list[Any], list[int]] | None:
-    """Names, tensors and version counters of a dict of plain tensors, or None (anything else: a tensor
-    without a version counter, such as an inference tensor, or an entry that is not a tensor)."""
+def _facts(target: Mapping[str, Any]) -> tuple[list[str], list[Any], list[tuple[int, torch.dtype, int, int]],
+                                               list[int]] | None:
+    """Names, tensors, :attr:`_Seen.facts` and version counters of a dict of plain tensors, or None (anything
+    else: a tensor without a version counter, such as an inference tensor, or an entry that is not a tensor).
+    The facts in one pass that reads each tensor once: at 16,384 tensors about half the time of one C-level
+    pass per fact, each of which finds the tensors' metadata out of cache again."""
     names = list(target)
     values = list(target.values())
     if not all(issubclass(c, torch.Tensor) for c in set(map(type, values))):
@@ -80,7 +83,7 @@ def _facts(target: Mapping[str, Any]) -> tuple[list[str], list[Any], list[int]] 
         versions = list(map(_VERSION, values))
     except RuntimeError:  # inference tensors keep no version counter
         return None
-    return names, values, versions
+    return names, values, [(id(t), t.dtype, t.data_ptr(), t.numel()) for t in values], versions
 
 
 class CheckedTarget:
@@ -115,15 +118,11 @@ class CheckedTarget:
         if (seen is None or seen.target != id(target) or not isinstance(target, dict) or manifest.aliases
                 or manifest.layout_columns is not seen.columns or len(target) != len(seen.names)):
             return None
-        facts = _facts(target)
-        if facts is None:
+        got = _facts(target)
+        if got is None:
             return None
-        names, values, versions = facts
-        if (names != seen.names or list(map(id, values)) != seen.ids or versions != seen.versions
-                or list(map(_DTYPE, values)) != seen.dtypes):
-            return None
-        if not (np.array_equal(segments.pointers(values), seen.pointers)
-                and np.array_equal(segments.lengths(values), seen.numels)):
+        names, values, facts, versions = got
+        if names != seen.names or facts != seen.facts or versions != seen.versions:
             return None
         self._hit = seen
         return dict(zip(names, values))
@@ -139,12 +138,13 @@ class CheckedTarget:
             # the pull moved no tensor (the lookup saw these tensors, all with a version counter)
             self._seen = dataclasses.replace(hit, versions=list(map(_VERSION, target.values())))
             return
-        facts = _facts(target)
-        if facts is None:
+        got = _facts(target)
+        if got is None:
             return
-        names, values, versions = facts
-        self._seen = _Seen(id(target), manifest.layout_columns, names, list(map(id, values)),
-                           segments.pointers(values), segments.lengths(values), list(map(_DTYPE, values)), versions)
+        names, _, facts, versions = got
+        _, dtypes, pointers, numels = zip(*facts) if facts else ((),) * 4
+        self._seen = _Seen(id(target), manifest.layout_columns, names, facts, versions,
+                           np.array(pointers, np.int64), np.array(numels, np.int64), list(dtypes))
 
     def forget(self) -> None:
         """Drop the record (what the last :meth:`lookup` found stays for :meth:`remember` and
