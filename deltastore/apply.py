@@ -574,7 +574,7 @@ class StagedBits:
 class TargetAddresses:
     """Where a target's tensors lie, as a caller that checked them knows it (:class:`SparseOverlay`'s
     ``addresses``): for tensor ``i`` of ``names`` (the overlay's ``tensors``, in their order, every one a
-    plain CPU tensor of one element width), ``lengths[i]`` elements of numpy ``dtype`` (that width's bits
+    plain CPU tensor of one element width: the overlay takes the caller's word for it), ``lengths[i]`` elements of numpy ``dtype`` (that width's bits
     view) at ``pointers[i]``, and its checksum key ``keys[i]`` (:func:`~deltastore.checksum.tensor_keys`)."""
 
     names: list[str]
@@ -622,7 +622,8 @@ class SparseOverlay:
         self.written_in_place: dict[str, int] = {}
         self.checksums: dict[str, int] = dict(base.checksum_values)
         self.pending = _PendingMap()
-        self._fast = plain_cpu_tensors(tensors) if tensors is not None else {}
+        same = addresses is not None and tensors is not None and list(tensors) == addresses.names
+        self._fast = dict(tensors) if same else plain_cpu_tensors(tensors) if tensors is not None else {}
         # what :meth:`in_place` offers for all of ``tensors`` at once, when the caller knows it already
         self._addresses = addresses if (addresses is not None and len(self._fast) == len(addresses.names)
                                         and list(self._fast) == addresses.names) else None

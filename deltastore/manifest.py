@@ -141,6 +141,9 @@ class _RecordFields(NamedTuple):
     spec: TensorSpec
 
 
+_DELTA, _CHANGED = operator.attrgetter("delta"), operator.attrgetter("changed")
+
+
 class TensorRecord(_RecordFields):
     """One tensor of a version.
 
@@ -282,8 +285,15 @@ class Manifest:
     @property
     def has_delta(self) -> bool:
         """Whether a holder of the parent version can reach this one (its :attr:`step_objects`)."""
-        new = self.new_tensors
-        return self.parent is not None and all(t.delta or t.changed == 0 or t.name in new for t in self.tensors)
+        if self.parent is None:
+            return False
+        got = self.__dict__.get("_has_delta")
+        if got is None:  # every record without delta parts unchanged (C-level passes) or new
+            without = list(itertools.compress(self.tensors, map(operator.not_, map(_DELTA, self.tensors))))
+            new = self.new_tensors
+            got = self.__dict__["_has_delta"] = not any(map(_CHANGED, without)) or all(
+                t.changed == 0 or t.name in new for t in without)
+        return got
 
     @property
     def step_objects(self) -> set[int]:

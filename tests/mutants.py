@@ -243,6 +243,13 @@ MUTANTS = [
            "re-strided in place",
            [("deltastore/pull/checked_target.py", " or versions != seen.versions", "")],
            ["tests/test_checked_target.py"]),
+    Mutant("checked-addresses-trust-subclasses", "a checked target's addresses are handed to the overlay though "
+           "one of its tensors is a subclass (whose writes must go through torch ops)",
+           [("deltastore/pull/checked_target.py", "        if hit is None or not hit.plain:", "        if hit is None:")],
+           ["tests/test_checked_target.py"]),
+    Mutant("has-delta-ignores-changed", "a version whose changed tensor has no delta counts as reachable by deltas",
+           [("deltastore/manifest.py", "not any(map(_CHANGED, without)) or all(", "True or all(")],
+           ["tests/test_core_units.py"]),
     Mutant("checked-addresses-kept-stale", "a pull hands its decoder the addresses a pull before it checked, "
            "after a tensor's memory moved",
            [("deltastore/pull/checked_target.py",

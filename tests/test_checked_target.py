@@ -191,6 +191,38 @@ def test_a_data_swap_to_new_memory_of_the_same_shape_is_written_there(store_uri)
         assert bits_equal({"a": old_memory}, {"a": kept})  # the memory it left is not written
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass (as an instrumented or distributed tensor would be): written through torch ops."""
+
+
+@pytest.mark.parametrize("when", ["from the start", "class changed between pulls"])
+def test_a_target_holding_a_tensor_subclass_gets_no_addresses(published, monkeypatch, when):
+    """The addresses a checked target hands the overlay are trusted to be plain CPU tensors': a target with
+    a subclassed tensor (from the start, or re-classed after the checks) is never offered them."""
+    uri, states = published
+    sub = ds.Subscriber(uri)
+    target = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    if when == "from the start":
+        target["b"] = target["b"].as_subclass(_Marked)
+    sub.pull(target, step=0)
+    sub.pull(target, step=1)
+    if when != "from the start":
+        target["b"].__class__ = _Marked
+    overlays = []
+
+    class Seen(SparseOverlay):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            overlays.append(self)
+
+    monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
+    for step in (2, 3):
+        sub.pull(target, step=step)
+        assert bits_equal(target, states[step])
+    assert type(target["b"]) is _Marked
+    assert [o._addresses for o in overlays] == [None, None] and all("b" not in o._fast for o in overlays)
+
+
 def _offers(overlay, names):
     offer = overlay.in_place(list(names), np.zeros(len(names) + 1, np.int64))
     assert offer is not None

@@ -84,6 +84,24 @@ def test_manifest_roundtrip_is_canonical():
     assert m.changed == 1 and m.total == 8 and m.has_delta and m.delta_objects == {0}
 
 
+def _anchor_record(name, changed, delta=True):
+    return TensorRecord(name, "bfloat16", (4, 2), changed, "0" * 16, (Part(0, 0, 8),) if delta else (),
+                        (Part(0, 0, 8),))
+
+
+@pytest.mark.parametrize("records, new, parent, reachable", [
+    ([_anchor_record("w", 1), _anchor_record("v", 0, delta=False)], (), True, True),  # the unchanged need none
+    ([_anchor_record("w", 1), _anchor_record("v", 3, delta=False)], (), True, False),  # 'v' only stored whole
+    ([_anchor_record("w", 1), _anchor_record("v", 3, delta=False)], ("v",), True, True),  # ... as a new tensor
+    ([_anchor_record("w", 0, delta=False)] * 1, (), True, True),
+    ([_anchor_record("w", 1)], (), False, False),  # no parent to start from
+])
+def test_a_version_is_reachable_by_deltas_when_every_changed_tensor_has_one(records, new, parent, reachable):
+    m = _manifest(kind="anchor", tensors=tuple(records), new_tensors=new,
+                  parent=VersionRef(2, "sha256:" + "a" * 64) if parent else None)
+    assert m.has_delta is reachable
+
+
 @pytest.mark.parametrize("kw", [
     dict(objects=()),  # tensor references a missing object
     dict(kind="anchor"),  # anchor tensors need a full object
