@@ -26,7 +26,7 @@ import operator
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -589,7 +589,7 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
             columns = _tensor_columns(_get(doc, "tensors", dict), TENSOR_FIELDS)
         got = _plain_columns(columns, n_objects, known)
         if got is not None:
-            tensors, layout, checksum_ints = got
+            tensors, layout, checksum_ints, role_values = got
             if layout_ref is not None and known is None:
                 _remember_layout_object(layout_ref.digest, layout)
         listed = [dict(zip(TENSOR_FIELDS, row)) for row in zip(*columns)] if tensors is None else []
@@ -605,8 +605,8 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
         _, _, _, changed, _, delta, full, diff, diff_changed = columns
         holds = _columns_hold_roles(changed, delta, full, diff, diff_changed, layout.names, kind, parent is not None,
                                     differential is not None, new_names)
-        role_objects = {f"_objects_{role}": frozenset(col).difference((None,))  # for objects_for
-                        for role, col in (("delta", delta), ("full", full), ("diff", diff))}
+        role_objects = {f"_objects_{role}": frozenset(values).difference((None,))  # for objects_for
+                        for role, values in zip(("delta", "full", "diff"), role_values)}
         used = set().union(*role_objects.values())
     names = layout.name_set if layout is not None else {t.name for t in tensors}
     if len(names) != len(tensors) or not holds:
@@ -851,14 +851,15 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
 
 
 def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _Layout | None = None
-                   ) -> tuple[list[TensorRecord], _Layout, tuple[int, ...]] | None:
+                   ) -> tuple[list[TensorRecord], _Layout, tuple[int, ...], tuple[set[int | None], ...]] | None:
     """The records of tensor ``columns`` (:data:`TENSOR_FIELDS` order, equal lengths) when every entry is
-    what :func:`_plain_record` accepts, checked a column at a time, their layout and their checksums as
-    integers; None otherwise. ``layout``: the checked layout of the first three columns, when known."""
+    what :func:`_plain_record` accepts, checked a column at a time, their layout, their checksums as
+    integers and the distinct values of each role column (delta, full, diff); None otherwise. ``layout``: the
+    checked layout of the first three columns, when known."""
     names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = columns
     n = len(names)
     if not n:
-        return [], _Layout.of([], [], [], []), ()
+        return [], _Layout.of([], [], [], []), (), (set(), set(), set())
     if layout is None:
         layout = _known_layout(names, dtypes, shapes)
     if layout is None:
@@ -873,11 +874,14 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _La
     if (set(map(type, changed)) != {int} or set(map(type, diff_changed)) != {int}
             or min(changed) < 0 or min(diff_changed) < 0 or not all(map(operator.le, changed, numels))
             or not all(map(operator.le, diff_changed, numels))
-            or not all(set(map(type, r)) <= {int, type(None)} and _indices_below(r, n_objects) for r in roles)):
+            or not all(set(map(type, r)) <= {int, type(None)} for r in roles)):
+        return None
+    role_values = tuple(map(set, roles))  # each role's distinct values (types checked on every entry above)
+    if not all(_indices_below(v, n_objects) for v in role_values):
         return None
     parts = []
-    for role, r in enumerate(roles):  # Parts are immutable values: one per (object, numel), shared
-        if len(set(r)) == 1 and r[0] is None:
+    for role, (r, values) in enumerate(zip(roles, role_values)):  # Parts are immutable: one per (object, numel)
+        if values == {None}:
             parts.append(itertools.repeat(()))
             continue
         seen = layout.role_parts.get(role)
@@ -893,7 +897,7 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _La
     out = list(map(tuple.__new__, itertools.repeat(TensorRecord),
                    zip(layout.names, layout.dtypes, layout.shapes, changed, checksums, *parts, diff_changed, numels,
                        layout.specs)))
-    return out, layout, sums  # type: ignore[return-value]
+    return out, layout, sums, role_values  # type: ignore[return-value]
 
 
 def _checksum_ints(checksums: Sequence[Any]) -> tuple[int, ...] | None:
@@ -1018,7 +1022,7 @@ def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _
     return layout
 
 
-def _indices_below(values: Sequence[int | None], n: int) -> bool:
+def _indices_below(values: Iterable[int | None], n: int) -> bool:
     """Whether every value that is not None lies in ``[0, n)``."""
     got = set(values)
     got.discard(None)
