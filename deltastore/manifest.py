@@ -888,9 +888,16 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _La
         if seen is not None and seen[0] == r:  # the column the last manifest of this layout had
             parts.append(seen[1])
             continue
-        keys = list(zip(r, numels))
-        table = {k: ((Part(k[0], 0, k[1]),) if k[0] is not None else ()) for k in set(keys)}
-        built = list(map(table.__getitem__, keys))
+        table = layout.part_table
+        try:
+            built = list(map(table.__getitem__, zip(r, numels)))
+        except KeyError:  # an (object, numel) no manifest of this layout had: added, then looked up again
+            with _LAYOUTS_LOCK:
+                if len(table) > 4 * n + 1024:  # bounded, whatever a store's manifests hold
+                    table.clear()
+                table.update({k: ((Part(k[0], 0, k[1]),) if k[0] is not None else ())
+                              for k in set(zip(r, numels)).difference(table)})
+            built = list(map(table.__getitem__, zip(r, numels)))
         layout.role_parts[role] = (list(r), built)
         parts.append(built)
     # one C call per record (tuple.__new__ skips TensorRecord.__new__: numel and spec come from the layout)
@@ -932,6 +939,9 @@ class _Layout:
     #: role index -> (its column as last parsed, the parts made from it): successive manifests of one layout
     #: usually store every tensor in the same objects (compared as ints, so checked columns only)
     role_parts: dict[int, tuple[list[int | None], list[Parts]]] = field(default_factory=dict, compare=False)
+    #: (object index or None, element count) -> the whole-tensor parts of that role entry, for the entries the
+    #: manifests of this layout had so far (cleared beyond four per tensor)
+    part_table: dict[tuple[int | None, int], Parts] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> _Layout:
