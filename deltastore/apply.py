@@ -588,6 +588,20 @@ class TargetAddresses:
         """``name -> i``."""
         return {n: i for i, n in enumerate(self.names)}
 
+    def rows(self, names: list[str]) -> np.ndarray | None:
+        """``i`` of each of ``names`` (read-only), or None when one is not among :attr:`names`; the last answer
+        is kept, since a follower's decoder asks for the same names in the same order pull after pull."""
+        last = self.__dict__.get("_last_rows")
+        if last is not None and last[0] == names:
+            return last[1]
+        try:
+            got = np.fromiter(map(self.row.__getitem__, names), dtype=np.int64, count=len(names))
+        except KeyError:
+            return None
+        got.flags.writeable = False
+        self.__dict__["_last_rows"] = (list(names), got)
+        return got
+
 
 class SparseOverlay:
     """Net effect of a run of deltas on a live target, without touching it.
@@ -739,10 +753,7 @@ class SparseOverlay:
             if names == known.names:
                 rows, tensors = slice(None), list(self._fast.values())
             else:
-                try:
-                    rows = np.fromiter(map(known.row.__getitem__, names), dtype=np.int64, count=n)
-                except KeyError:  # not the target's tensors: checked one by one below
-                    rows = None
+                rows = known.rows(names)  # None: not the target's tensors, checked one by one below
                 tensors = list(map(self._fast.__getitem__, names)) if rows is not None else []
             if rows is not None:
                 target = InPlace(np.array(known.pointers[rows]), np.array(known.lengths[rows]), known.dtype,

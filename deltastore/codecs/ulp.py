@@ -17,6 +17,7 @@ Object layout (safetensors, tensors in name order, see ``docs/codecs.md``):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,9 +35,12 @@ from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, Wri
                    write_in_place)
 
 
+_NAME, _DTYPE = operator.attrgetter("name"), operator.attrgetter("dtype")
+
+
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     """Indices of ``specs`` grouped by (bits dtype, is float): one vectorised pass per group (usually one)."""
-    if len({s.dtype for s in specs}) == 1:  # the usual object: one kind
+    if len(set(map(_DTYPE, specs))) == 1:  # the usual object: one kind
         return [(specs[0].dtype in MANTISSA_BITS, list(range(len(specs))))]
     groups: dict[tuple[Any, bool], list[int]] = {}
     for i, s in enumerate(specs):
@@ -181,7 +185,7 @@ class UlpCodec(ZstdLevel, Codec):
         counts_a = np.asarray(counts, np.int64)
         if in_place and total:  # each kind's tensors, if the receiver lets them: decode, step and write in one pass
             kind_bounds = [np.concatenate([[0], np.cumsum(counts_a[idxs])]).astype(np.int64) for _, idxs in kinds]
-            targets = [write_in_place(old, [s.name for s in _take(specs, idxs)], b)
+            targets = [write_in_place(old, list(map(_NAME, _take(specs, idxs))), b)
                        for (_, idxs), b in zip(kinds, kind_bounds)]
             if all(t is not None for t in targets):
                 return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, kind_bounds,
