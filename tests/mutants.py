@@ -250,6 +250,11 @@ MUTANTS = [
     Mutant("has-delta-ignores-changed", "a version whose changed tensor has no delta counts as reachable by deltas",
            [("deltastore/manifest.py", "not any(map(_CHANGED, without)) or all(", "True or all(")],
            ["tests/test_core_units.py"]),
+    Mutant("sorted-specs-kept-for-other-tensors", "the codecs' name check reuses the last sorted specs for "
+           "another object's tensors of the same count",
+           [("deltastore/codecs/_common.py", "    if not (len(seen) == len(specs) and all(map(operator.is_, seen, specs))):",
+             "    if not len(seen) == len(specs):")],
+           ["tests/test_codecs", "tests/test_decode_batch.py"]),
     Mutant("checked-addresses-kept-stale", "a pull hands its decoder the addresses a pull before it checked, "
            "after a tensor's memory moved",
            [("deltastore/pull/checked_target.py",

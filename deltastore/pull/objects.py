@@ -200,6 +200,24 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     return out
 
 
+#: the names :func:`_name_order` ordered last and their order: a follower's objects hold the same tensors
+#: (the same name objects, from one parsed layout) step after step
+_last_order: tuple[list[str], list[int] | None] = ([], None)
+
+
+def _name_order(names: list[str]) -> list[int] | None:
+    """The indices of ``names`` in name order, or None when they are in it already (or fewer than two)."""
+    global _last_order
+    seen, order = _last_order
+    if len(seen) == len(names) and all(map(operator.is_, seen, names)):
+        return order
+    order = sorted(range(len(names)), key=names.__getitem__)
+    if len(order) < 2 or order == list(range(len(order))):
+        order = None
+    _last_order = (names, order)  # one assignment: threads see the old or the new pair
+    return order
+
+
 def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
                          old: OldBits | None
                          ) -> tuple[list[UpdateBatch | WrittenBatch], list[tuple[TensorRecord, Part, Update]]]:
@@ -217,8 +235,14 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     codec = get_codec(rec.codec)
     if codec.dense:
         return [], decode_object(manifest, index, data, pairs, role, old)
-    recs, held_parts = list(map(record_of, pairs)), list(map(part_of, pairs))
+    recs = list(map(record_of, pairs))
     names = list(map(_NAME, recs))
+    order = _name_order(names)
+    if order is not None:  # the pairs in name order, the order the built-in codecs decode in (a hint only:
+        # decoded batches in any other order are matched by name below)
+        take = operator.itemgetter(*order)
+        pairs, recs, names = list(take(pairs)), list(take(recs)), list(take(names))
+    held_parts = list(map(part_of, pairs))
     records = dict(zip(names, pairs))
     if len(records) != len(pairs):
         raise ManifestError(f"version {manifest.step}: object {index} holds two parts of one tensor")
