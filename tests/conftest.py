@@ -123,3 +123,22 @@ def edit_tensor_columns(uri: str, doc: dict, edit) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     doc["layout"] = {"digest": digest, "size": len(data)}
+
+
+def publish_all(uri: str, states: list, **publisher_args) -> None:
+    """Publish ``states`` as steps 0, 1, ... with one Publisher."""
+    import deltastore as ds
+
+    with ds.Publisher(uri, **publisher_args) as pub:
+        for step, state in enumerate(states):
+            pub.publish(state, step=step)
+
+
+def follower_at(uri: str, step: int):
+    """A Subscriber and the dict target it pulled to ``step`` (the anchor at 0, then deltas)."""
+    import deltastore as ds
+
+    sub = ds.Subscriber(uri)
+    target = sub.pull(step=0).state
+    sub.pull(target, step=step)
+    return sub, target

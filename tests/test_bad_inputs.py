@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal, edit_tensor_columns
+from conftest import bits_equal, edit_tensor_columns, follower_at, publish_all
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
                                InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                                UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
@@ -37,12 +37,8 @@ def _states(n, shape=(64, 48), frac=0.02, seed=0):
 def published(store_uri):
     """A local store with versions 0..4 (anchor at 0) and a follower at version 3."""
     states = _states(5)
-    with ds.Publisher(store_uri, anchor_every=100) as pub:
-        for i, s in enumerate(states):
-            pub.publish(s, step=i)
-    sub = ds.Subscriber(store_uri)
-    target = sub.pull(step=0).state
-    sub.pull(target, step=3)
+    publish_all(store_uri, states, anchor_every=100)
+    sub, target = follower_at(store_uri, 3)
     assert bits_equal(target, states[3])
     return store_uri, states, sub, target
 

@@ -70,18 +70,25 @@ def counted_checks(monkeypatch):
     return calls
 
 
-def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks, monkeypatch):
-    uri, states = published
-    sub, target = _following(uri, states)
-    checked = len(counted_checks)
-    overlays = []
+@pytest.fixture
+def overlays(monkeypatch):
+    """The overlays the pulls make from now on."""
+    made = []
 
     class Seen(SparseOverlay):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            overlays.append(self)
+            made.append(self)
 
     monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
+    return made
+
+
+def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks, overlays):
+    uri, states = published
+    sub, target = _following(uri, states)
+    checked = len(counted_checks)
+    overlays.clear()
     for step in (2, 3):
         assert sub.pull(target, step=step).path == "delta"
         assert bits_equal(target, states[step])
@@ -196,7 +203,7 @@ class _Marked(torch.Tensor):
 
 
 @pytest.mark.parametrize("when", ["from the start", "class changed between pulls"])
-def test_a_target_holding_a_tensor_subclass_gets_no_addresses(published, monkeypatch, when):
+def test_a_target_holding_a_tensor_subclass_gets_no_addresses(published, overlays, when):
     """The addresses a checked target hands the overlay are trusted to be plain CPU tensors': a target with
     a subclassed tensor (from the start, or re-classed after the checks) is never offered them."""
     uri, states = published
@@ -208,14 +215,7 @@ def test_a_target_holding_a_tensor_subclass_gets_no_addresses(published, monkeyp
     sub.pull(target, step=1)
     if when != "from the start":
         target["b"].__class__ = _Marked
-    overlays = []
-
-    class Seen(SparseOverlay):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            overlays.append(self)
-
-    monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
+    overlays.clear()
     for step in (2, 3):
         sub.pull(target, step=step)
         assert bits_equal(target, states[step])

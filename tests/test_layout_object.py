@@ -15,7 +15,7 @@ import torch
 
 import deltastore as ds
 import deltastore.manifest as M
-from conftest import bits_equal
+from conftest import bits_equal, follower_at, publish_all
 from deltastore.errors import (CorruptObjectError, DeltaStoreError, ManifestError, ObjectNotFoundError,
                                UnsupportedFormatError)
 from deltastore.gc import Retention
@@ -70,12 +70,8 @@ def fresh_reader(monkeypatch):
 def published(store_uri, fresh_reader):
     """Versions 0..4 (anchor at 0) and a follower at version 3."""
     states = _states(5)
-    with ds.Publisher(store_uri, anchor_every=100) as pub:
-        for i, s in enumerate(states):
-            pub.publish(s, step=i)
-    sub = ds.Subscriber(store_uri)
-    target = sub.pull(step=0).state
-    sub.pull(target, step=3)
+    publish_all(store_uri, states, anchor_every=100)
+    sub, target = follower_at(store_uri, 3)
     return store_uri, states, sub, target
 
 
