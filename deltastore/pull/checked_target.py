@@ -10,10 +10,12 @@ in Python, several times; at 16,384 tensors they take about 21 ms of a
 and a follower pulls one layout into one target again and again.
 
 :class:`CheckedTarget` keeps, after a pull whose checks passed, the target's
-identity, its names, and for each tensor its identity, data pointer, element
-count, dtype and autograd version counter, with the layout it was checked
-against. :meth:`CheckedTarget.lookup` answers the checked tensors again only
-when all of those are still the same (one pass over the tensors) and the new
+identity, its names, and for each tensor its identity, type, data pointer,
+element count, dtype and autograd version counter, with the layout it was
+checked against (and whether every tensor was a plain CPU one, which the
+addresses it hands out promise). :meth:`CheckedTarget.lookup` answers the
+checked tensors again only when all of those are still the same (one pass
+over the tensors, then one over the version counters) and the new
 version has the very same layout (the parsed manifests share one layout
 object, :mod:`deltastore.manifest`). Anything else is a miss, and the pull
 checks everything.
