@@ -282,18 +282,15 @@ class Manifest:
     def diff_objects(self) -> set[int]:
         return self.objects_for("diff")
 
-    @property
+    @functools.cached_property
     def has_delta(self) -> bool:
         """Whether a holder of the parent version can reach this one (its :attr:`step_objects`)."""
         if self.parent is None:
             return False
-        got = self.__dict__.get("_has_delta")
-        if got is None:  # every record without delta parts unchanged (C-level passes) or new
-            without = list(itertools.compress(self.tensors, map(operator.not_, map(_DELTA, self.tensors))))
-            new = self.new_tensors
-            got = self.__dict__["_has_delta"] = not any(map(_CHANGED, without)) or all(
-                t.changed == 0 or t.name in new for t in without)
-        return got
+        # every record without delta parts unchanged (C-level passes) or new
+        without = list(itertools.compress(self.tensors, map(operator.not_, map(_DELTA, self.tensors))))
+        new = self.new_tensors
+        return not any(map(_CHANGED, without)) or all(t.changed == 0 or t.name in new for t in without)
 
     @property
     def step_objects(self) -> set[int]:

@@ -252,8 +252,8 @@ MUTANTS = [
            ["tests/test_core_units.py"]),
     Mutant("sorted-specs-kept-for-other-tensors", "the codecs' name check reuses the last sorted specs for "
            "another object's tensors of the same count",
-           [("deltastore/codecs/_common.py", "    if not (len(seen) == len(specs) and all(map(operator.is_, seen, specs))):",
-             "    if not len(seen) == len(specs):")],
+           [("deltastore/_memo.py", " and len(last[0]) == len(items) and all(map(operator.is_, last[0], items)):",
+             " and len(last[0]) == len(items):")],
            ["tests/test_codecs", "tests/test_decode_batch.py"]),
     Mutant("checked-addresses-kept-stale", "a pull hands its decoder the addresses a pull before it checked, "
            "after a tensor's memory moved",

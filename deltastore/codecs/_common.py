@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .._memo import LastList
 from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
 from . import _bits as B
@@ -126,20 +127,19 @@ def zstd_decompress(data: bytes | memoryview, expected: int, what: str) -> bytes
     return out
 
 
-#: the specs :func:`check_object` sorted last, their name order and its digest: a follower's objects hold the
-#: same tensors (the same spec objects, from one parsed layout) step after step
-_last_sorted: tuple[list[TensorSpec], list[TensorSpec], str] = ([], [], names_digest([]))
+def _name_order_and_digest(specs: list[TensorSpec]) -> tuple[list[TensorSpec], str]:
+    ordered = sorted_specs(specs)
+    return ordered, names_digest(list(map(_NAME, ordered)))
+
+
+#: a follower's objects hold the same tensors (the same spec objects, from one parsed layout) step after step
+_sorted_with_digest = LastList(_name_order_and_digest)
 
 
 def check_object(meta: dict[str, str], specs: Sequence[TensorSpec], codec_id: str) -> list[TensorSpec]:
     """Check an object's name digest against the specs the manifest gives for it; returns those specs in
     name order (:func:`sorted_specs`, the order of the object's layout)."""
-    global _last_sorted
-    seen, ordered, want = _last_sorted
-    if not (len(seen) == len(specs) and all(map(operator.is_, seen, specs))):
-        ordered = sorted_specs(specs)
-        want = names_digest(list(map(_NAME, ordered)))
-        _last_sorted = (list(specs), ordered, want)  # one assignment: threads see the old or the new triple
+    ordered, want = _sorted_with_digest(specs)
     ordered = ordered[:]  # the caller's own list
     got = meta.get("deltastore.names")
     if got != want:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import segments
+from .._memo import LastList
 from ..apply import check_update
 from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec,
                       read_old_bits, write_in_place)
@@ -200,22 +201,14 @@ def decode_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, rol
     return out
 
 
-#: the names :func:`_name_order` ordered last and their order: a follower's objects hold the same tensors
-#: (the same name objects, from one parsed layout) step after step
-_last_order: tuple[list[str], list[int] | None] = ([], None)
-
-
-def _name_order(names: list[str]) -> list[int] | None:
+def _order_of(names: list[str]) -> list[int] | None:
     """The indices of ``names`` in name order, or None when they are in it already (or fewer than two)."""
-    global _last_order
-    seen, order = _last_order
-    if len(seen) == len(names) and all(map(operator.is_, seen, names)):
-        return order
     order = sorted(range(len(names)), key=names.__getitem__)
-    if len(order) < 2 or order == list(range(len(order))):
-        order = None
-    _last_order = (names, order)  # one assignment: threads see the old or the new pair
-    return order
+    return None if len(order) < 2 or order == list(range(len(order))) else order
+
+
+#: a follower's objects hold the same tensors (the same name objects, from one parsed layout) step after step
+_name_order = LastList(_order_of)
 
 
 def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pairs, role: Role,
