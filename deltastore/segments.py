@@ -340,13 +340,17 @@ def scatter(tensors: Sequence[torch.Tensor], positions: torch.Tensor, bounds: np
 
 def copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> None:
     """``dsts[i][:] = srcs[i]`` for every ``i`` (flat, same sizes, one element width), on every kernel thread."""
-    if not len(srcs):
-        return
-    width = srcs[0].element_size()
-    sp, dp, lens = pointers(srcs), pointers(dsts), lengths(srcs)
-    iseg, istart, istop, runs = _k.split_items(lens, threads(), MIN_CHUNK)
+    if len(srcs):
+        copy_at(srcs[0].element_size(), pointers(srcs), pointers(dsts), lengths(srcs))
+
+
+def copy_at(width: int, sources: np.ndarray, destinations: np.ndarray, counts: np.ndarray) -> None:
+    """Copy ``counts[i]`` elements of ``width`` bytes from address ``sources[i]`` to ``destinations[i]`` for
+    every ``i`` (int64 arrays; memory the caller keeps alive, ranges that do not overlap), on every kernel
+    thread."""
+    iseg, istart, istop, runs = _k.split_items(counts, threads(), MIN_CHUNK)
     lk = like(width)
-    _parallel(runs, lambda i0, i1: _k.copy_items(lk, sp, dp, iseg, istart, istop, i0, i1))
+    _parallel(runs, lambda i0, i1: _k.copy_items(lk, sources, destinations, iseg, istart, istop, i0, i1))
 
 
 def full_sums(tensors: Sequence[torch.Tensor], keys: np.ndarray) -> np.ndarray:

@@ -407,14 +407,17 @@ class Subscriber:
                               created=created)
         assert tensors is not None
         lay = self.path_layout(plan, current)
+        laid_out = True  # the target holds every tensor of the version as the version lays it out
         if checked is None:
             check_tied(manifest, tied)
-            copies, drop = check_target(target, tensors, manifest, self._held(current))
+            held = self._held(current)
+            copies, drop = check_target(target, tensors, manifest, held)
             check_overlaps(tensors, manifest, copies)
+            laid_out = held is None or held.layout_key == manifest.layout_key  # check_target: check_layout
         else:  # the same tensors, unchanged since a pull checked them against this very layout
             copies, drop = {}, []
         if plan.anchor is not None:
-            fetched = self._pull_anchor(target, tensors, copies, drop, plan, current, lay)
+            fetched = self._pull_anchor(target, tensors, copies, drop, plan, current, lay, laid_out)
             written = {r.name: r.numel for r in manifest.tensors}
             path: Literal["anchor", "delta", "none"] = "anchor"
         else:
@@ -484,7 +487,8 @@ class Subscriber:
         return True
 
     def _pull_anchor(self, target: Target, tensors: dict[str, torch.Tensor], copies: dict[str, list[str]],
-                     drop: list[str], plan: Plan, current: VersionRef | None, lay: PathLayout) -> int:
+                     drop: list[str], plan: Plan, current: VersionRef | None, lay: PathLayout,
+                     laid_out: bool) -> int:
         """Stream the plan's anchor into the live target, then its differential and deltas; all or nothing.
 
         Every target tensor's old bits go to an undo journal just before the
@@ -495,14 +499,15 @@ class Subscriber:
         cannot take from the anchor as they are (the path re-lays them, or the
         target holds them in another layout) are kept on the host from the
         anchor on and written (or, in a mapping, set) at the end; ``drop`` is
-        deleted then.
+        deleted then. ``laid_out``: the target was checked to hold every tensor of the path's last
+        version (and its aliases) as that version lays it out, so none needs a look of its own.
         """
         assert plan.anchor is not None
         am = self.store.manifest(plan.anchor)
         self._prefetch(plan)
-        keep = _kept(am, lay, tensors, copies)
+        keep = _kept(am, lay, None if laid_out else tensors, copies)
         names = [r.name for r in am.tensors] if keep is None else [r.name for r in am.tensors if r.name in keep]
-        dests = {n: bits_view(tensors[n]) for n in names}
+        dests = dict(zip(names, map(tensors.__getitem__, names)))  # checked contiguous: no view per tensor
         alias_dests = {n: [bits_view(tensors[a]) for a in aliases] for n, aliases in copies.items() if n in dests}
         journal = UndoJournal(self.journal_dir, self.journal_memory)
         tracking.set_version(target, None)  # unknown while writing

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from ._memory import c_library
-from .apply import plain_cpu
-from .segments import is_zero, lengths, pointers, zero_flags
+from .apply import all_plain_cpu, plain_cpu
+from .segments import copy_at, is_zero, lengths, pointers, zero_flags
+from .tensors import bits_dtype, bits_view
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20
@@ -83,11 +84,12 @@ class UndoJournal:
         return len(self._entries)
 
     def save(self, flat: torch.Tensor) -> None:
-        """Remember ``flat``'s current bits (a flat integer view of a target tensor), once."""
+        """Remember the current bits of ``flat`` (a contiguous target tensor, or a flat bit view of one), once."""
         key = (flat.data_ptr(), flat.numel())
         if key in self._saved or flat.numel() == 0:
             return
         self._saved.add(key)
+        flat = bits_view(flat)
         if is_zero(flat):
             self._entries.append((flat, "zeros", None))
             return
@@ -102,21 +104,24 @@ class UndoJournal:
 
     def save_many(self, flats: Sequence[torch.Tensor]) -> None:
         """:meth:`save` of each of ``flats``; the plain CPU ones of one element width are checked for
-        zeros in one kernel pass, then packed into memory by one ``torch.cat`` or written to the file
-        by a few ``writev`` calls, so a target's many small tensors cost their bytes, not their count."""
+        zeros in one kernel pass, then packed into memory by one copy kernel or written to the file
+        by a few ``writev`` calls (by address: no view per tensor), so a target's many small tensors
+        cost their bytes, not their count."""
         by_width: dict[int, list[torch.Tensor]] = {}
-        for flat in flats:
-            if plain_cpu(flat) and flat.numel():
-                by_width.setdefault(flat.element_size(), []).append(flat)
-            else:
-                self.save(flat)
+        widths = set(map(torch.Tensor.element_size, flats)) if all_plain_cpu(flats) else ()
+        if len(widths) == 1:  # the common case, by C-level passes
+            by_width[widths.pop()] = list(flats)
+        else:
+            for flat in flats:
+                if plain_cpu(flat):
+                    by_width.setdefault(flat.element_size(), []).append(flat)
+                else:
+                    self.save(flat)
+        saved, add = self._saved, self._saved.add
         for group in by_width.values():
-            fresh = []
-            for flat in group:
-                key = (flat.data_ptr(), flat.numel())
-                if key not in self._saved:
-                    self._saved.add(key)
-                    fresh.append(flat)
+            keys = zip(pointers(group).tolist(), lengths(group).tolist())
+            # the first of each (address, length) not saved yet; an empty tensor has nothing to save
+            fresh = [flat for flat, key in zip(group, keys) if key[1] and key not in saved and not add(key)]
             kept = []
             for flat, zero in zip(fresh, zero_flags(fresh).tolist()):
                 if zero:
@@ -136,10 +141,11 @@ class UndoJournal:
         room = max(0, self.memory_bytes - self._in_memory) // width
         n_mem = int(np.searchsorted(ends, room, side="right"))
         if n_mem:
-            buf = torch.cat(flats[:n_mem])
+            buf = torch.empty(int(ends[n_mem - 1]), dtype=bits_dtype(flats[0].dtype))
+            starts = ends[:n_mem] - sizes[:n_mem]
+            copy_at(width, pointers(flats[:n_mem]), buf.data_ptr() + starts * width, sizes[:n_mem])
             self._in_memory += buf.numel() * width
-            starts = (ends[:n_mem] - sizes[:n_mem]).tolist()
-            self._entries.extend(zip(flats[:n_mem], repeat("copy"), zip(repeat(buf), starts)))
+            self._entries.extend(zip(flats[:n_mem], repeat("copy"), zip(repeat(buf), starts.tolist())))
         if n_mem < len(flats):  # the rest straight from the tensors to the file: no staging copy
             rest, base = flats[n_mem:], int(ends[n_mem - 1]) if n_mem else 0
             at = self._offset
@@ -188,6 +194,7 @@ class UndoJournal:
         with torch.no_grad():
             for flat, kind, where in reversed(self._entries):
                 try:
+                    flat = bits_view(flat)  # a tensor saved by save_many is the caller's, as it was given
                     if kind == "zeros":
                         flat.zero_()
                     elif kind == "copy":

@@ -209,6 +209,28 @@ def test_undo_journal_save_many_checks_zeros_in_one_pass_and_restores(tmp_path):
     journal.close()
 
 
+@pytest.mark.parametrize("memory_bytes", [0, 1500, 1 << 20])
+def test_undo_journal_save_many_takes_the_targets_own_tensors_and_restores_their_bits(tmp_path, memory_bytes):
+    """An anchor pull hands the journal the target's tensors as they are (any shape; floats and integers of
+    one width side by side), not flat bit views of them: they are saved and put back bit for bit, in memory
+    or in the file, NaN payloads and -0.0 included."""
+    g = torch.Generator().manual_seed(15)
+    ts = [torch.randn(6, 40, generator=g).bfloat16(), torch.randint(-99, 99, (3, 5, 7), generator=g, dtype=torch.int16),
+          torch.zeros(4, 4, dtype=torch.float16), torch.randn(30, 9, generator=g).half(),
+          torch.tensor([[float("nan"), -0.0], [float("inf"), 1e-40]], dtype=torch.bfloat16)]
+    ts[4].view(torch.int16)[0, 0] = 0x7FC3  # a NaN with a payload
+    before = [bits_view(t).clone() for t in ts]
+    journal = UndoJournal(tmp_path, memory_bytes=memory_bytes)
+    journal.save_many(ts)
+    assert [kind for _, kind, _ in journal._entries].count("zeros") == 1
+    for t in ts:
+        bits_view(t).fill_(0x1234)
+    assert journal.restore() == 0
+    assert all(torch.equal(bits_view(t), b) and t.shape == s for t, b, s in
+               zip(ts, before, [(6, 40), (3, 5, 7), (4, 4), (30, 9), (2, 2)]))
+    journal.close()
+
+
 @pytest.mark.parametrize("memory_bytes", [0, 3000, 1 << 20])
 def test_undo_journal_save_many_writes_through_short_writes_exactly(tmp_path, monkeypatch, memory_bytes):
     """Tensors written to the file a few buffers per ``writev``, the kernel cutting every write short

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -384,11 +385,11 @@ class DenseCodec(Codec):
             return False
         if len(dests) != len(specs):
             raise ValueError(f"dense: {len(dests)} destinations for {len(specs)} tensors")
-        for s, d in zip(specs, dests):
-            if not d.is_cpu or d.element_size() != s.dtype.itemsize or d.numel() != s.numel \
-                    or not d.is_contiguous():
-                raise ValueError(f"dense: destination {d.dtype}{tuple(d.shape)} on {d.device} cannot hold "
-                                 f"{s.name!r} ({s.dtype}{tuple(s.shape)}, contiguous, on the CPU)")
+        if not _fit(specs, dests):  # C-level passes first; the loop only to name the one that does not fit
+            for s, d in zip(specs, dests):
+                if not _fit([s], [d]):
+                    raise ValueError(f"dense: destination {d.dtype}{tuple(d.shape)} on {d.device} cannot hold "
+                                     f"{s.name!r} ({s.dtype}{tuple(s.shape)}, contiguous, on the CPU)")
         tensors, meta = view(data, self.codec_id, parsed)
         _decode_v21(tensors, meta, specs, dests)
         return True
@@ -402,6 +403,17 @@ class DenseCodec(Codec):
         return parsed, meta.get("deltastore.codec_version", "1.0")
 
 
+_NAME, _NUMEL, _ITEMSIZE = operator.attrgetter("name"), operator.attrgetter("numel"), operator.attrgetter("dtype.itemsize")
+_IS_CPU, _FIRST, _SECOND = operator.attrgetter("is_cpu"), operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _fit(specs: Sequence[TensorSpec], dests: Sequence[torch.Tensor]) -> bool:
+    """Whether every ``dests[i]`` is a contiguous CPU tensor of ``specs[i]``'s element count and width."""
+    return (all(map(_IS_CPU, dests)) and all(map(torch.Tensor.is_contiguous, dests))
+            and list(map(torch.Tensor.element_size, dests)) == list(map(_ITEMSIZE, specs))
+            and list(map(torch.Tensor.numel, dests)) == list(map(_NUMEL, specs)))
+
+
 def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], meta: dict[str, str],
                 specs: Sequence[TensorSpec], outs: Sequence[torch.Tensor]) -> None:
     """Join the 2.1 object's planes into ``outs`` (``outs[i]``: a contiguous CPU buffer of ``specs[i]``'s
@@ -411,7 +423,8 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
         raise CorruptObjectError(f"dense: a {PLANES_VERSION} object holds one 1-D uint8 tensor 'frames', "
                                  f"found {sorted(tensors)}")
     payload = tensors["frames"][2]
-    info: dict[str, tuple[int, tuple[int, bool]]] = {s.name: (math.prod(s.shape), _kind(s.dtype)) for s in specs}
+    info: dict[str, tuple[int, tuple[int, bool]]] = dict(zip(map(_NAME, specs), zip(
+        map(_NUMEL, specs), map(_kind, map(operator.attrgetter("dtype"), specs)))))
     if len(info) != len(specs):
         raise CorruptObjectError("dense: duplicate tensor names in the specs")
     want = names_digest(sorted(info))
@@ -433,18 +446,18 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
         names = gd["tensors"]
         if not names:
             raise CorruptObjectError("dense: empty group")
-        if not all(type(n) is str for n in names) or not info.keys() >= set(names):
+        if not set(map(type, names)) <= {str} or not info.keys() >= set(names):
             bad = next(n for n in names if type(n) is not str or n not in info)
             raise CorruptObjectError(f"dense: group names {str(bad)[:200]!r}, not a tensor of this object")
         before = len(seen)
         seen.update(names)
         if len(seen) != before + len(names):
             raise CorruptObjectError(f"dense: a tensor of the group of {names[0]!r} is listed twice")
-        members = [info[n] for n in names]
-        kind = members[0][1]
-        if any(m[1] != kind for m in members):
+        members = list(map(info.__getitem__, names))
+        kinds = set(map(_SECOND, members))
+        if len(kinds) != 1:
             raise CorruptObjectError(f"dense: the group of {names[0]!r} mixes element kinds")
-        g = _Group(*kind, names, [m[0] for m in members])
+        g = _Group(*kinds.pop(), names, list(map(_FIRST, members)))
         frames, w, at = gd["frames"], g.width, 0
         if len(frames) % w:
             raise CorruptObjectError(f"dense: group of {names[0]!r} has {len(frames)} frames for {w} planes")
@@ -476,9 +489,9 @@ def _decode_v21(tensors: dict[str, tuple[str, tuple[int, ...], memoryview]], met
     if off != payload.nbytes:
         raise CorruptObjectError(f"dense: {payload.nbytes - off} bytes after the last frame")
 
-    addr = {s.name: o.data_ptr() for s, o in zip(specs, outs)}
+    addr = dict(zip(map(_NAME, specs), map(torch.Tensor.data_ptr, outs)))
     for g in groups:
-        g.addrs[:] = [addr[name] for name in g.names]
+        g.addrs[:] = list(map(addr.__getitem__, g.names))
 
     def one(i: int) -> None:
         g, start, count, frames = units[i]

@@ -7,8 +7,8 @@ of whole tensors bound for plain CPU tensors is decoded straight into them
 when its codec can place its output (``dense`` format 2.1: no decode buffer,
 no copy); any other is decoded, checked, then copied:
 
-* into a live target (``dests``: per tensor the flat bit view to write;
-  ``alias_dests``: the alias copies that get the same bits): each view's old bits are saved in
+* into a live target (``dests``: per tensor the contiguous tensor to write, or a flat bit view of it;
+  ``alias_dests``: the alias copies that get the same bits): each tensor's old bits are saved in
   an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
   caller can put the target back if anything fails later;
 * into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
@@ -37,6 +37,7 @@ from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
+from ..tensors import bits_view
 from ..undo import UndoJournal
 from .objects import decode_object, decode_object_into, object_index, part_of, record_of, stream_objects
 
@@ -50,8 +51,8 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                   alias_dests: Mapping[str, list[torch.Tensor]] | None = None, journal: UndoJournal | None = None,
                   verify: bool = True, sink: Callable[[str, torch.Tensor], None] | None = None
                   ) -> dict[str, torch.Tensor]:
-    """Write anchor ``am``'s tensors into ``dests`` (per tensor its flat bit view; ``alias_dests``: the
-    alias copies that receive the same bits); return the others as new flat bit tensors, or, with ``sink``,
+    """Write anchor ``am``'s tensors into ``dests`` (per tensor a contiguous tensor, or a flat bit view of
+    it, of the record's dtype and element count; ``alias_dests``: the alias copies that receive the same bits); return the others as new flat bit tensors, or, with ``sink``,
     call ``sink(name, flat bits)`` for each of them once it is complete and verified (then the result is
     empty). Raises what decoding raises, :class:`ChecksumMismatchError`, :class:`WriteFailed`."""
     alias_dests = alias_dests or {}
@@ -70,11 +71,10 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 journal.save_many(flats)
             if decode_object_into(am, i, data, pairs, flats):
                 del data
-                complete = [t.name for t, _ in pairs]
-                for name in complete:
-                    received[name] = records[name].numel
+                complete = list(map(_NAME, map(record_of, pairs)))
+                received.update(zip(complete, map(_NUMEL, map(record_of, pairs))))
                 if verify:
-                    _verify(am, complete, dict(zip(complete, flats)))
+                    _verify(am, complete, flats)
                 continue
         decoded = decode_object(am, i, data, pairs, "full", None)
         del data
@@ -91,7 +91,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                         buf = out[t.name] = torch.empty(t.numel, dtype=u.bits.dtype)
                     buf[p.offset:p.offset + p.numel].copy_(u.bits)
             else:
-                for flat in (dests[t.name], *alias_dests.get(t.name, ())):
+                for flat in (bits_view(dests[t.name]), *alias_dests.get(t.name, ())):
                     if journal is not None:
                         journal.save(flat)
                     dst = flat if whole else flat[p.offset:p.offset + p.numel]
@@ -115,7 +115,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                 raise WriteFailed(f"writing {len(dsts)} tensors of object {i} into the target failed: {e!r}") from e
         del decoded, copies
         if verify and complete:
-            _verify(am, complete, {n: dests[n] if dests is not None and n in dests else out[n] for n in complete})
+            _verify(am, complete, [dests[n] if dests is not None and n in dests else out[n] for n in complete])
         if sink is not None:
             for n in complete:
                 if n in out:
@@ -145,20 +145,24 @@ def _placeable(pairs: list, dests: Mapping[str, torch.Tensor] | None,
     return out
 
 
-def _verify(am: Manifest, names: list[str], where: Mapping[str, torch.Tensor]) -> None:
-    """Compare each named tensor's full checksum (of its bits in ``where``) with the manifest's; plain CPU
-    tensors in one kernel pass and one array compare per element width."""
+def _verify(am: Manifest, names: list[str], tensors: list[torch.Tensor]) -> None:
+    """Compare each named tensor's full checksum (of the bits of ``tensors[i]``, in ``names`` order) with
+    the manifest's; plain CPU tensors in one kernel pass and one array compare per element width."""
     want = am.checksum_values
-    by_width: dict[int, list[str]] = {}
-    for n in names:
-        t = where[n]
-        if plain_cpu(t):
-            by_width.setdefault(t.element_size(), []).append(n)
-        elif full_checksum(n, t) != want[n]:
-            _mismatch(am, n)
-    for group in by_width.values():
-        keys = tensor_keys(group, len(group))
-        got = segments.full_sums([where[n] for n in group], keys)
+    widths = set(map(torch.Tensor.element_size, tensors)) if all_plain_cpu(tensors) else ()
+    by_width: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
+    if len(widths) == 1:  # the common case, by C-level passes
+        by_width[widths.pop()] = (names, tensors)
+    else:
+        for n, t in zip(names, tensors):
+            if plain_cpu(t):
+                group = by_width.setdefault(t.element_size(), ([], []))
+                group[0].append(n)
+                group[1].append(t)
+            elif full_checksum(n, t) != want[n]:
+                _mismatch(am, n)
+    for group, ts in by_width.values():
+        got = segments.full_sums(ts, tensor_keys(group, len(group)))
         off = np.flatnonzero(got != np.fromiter(map(want.__getitem__, group), dtype=np.uint64, count=len(group)))
         if off.size:
             _mismatch(am, group[int(off[0])])
