@@ -232,11 +232,12 @@ def is_zero(t: torch.Tensor) -> bool:
     return bool(_k.all_zero(like(t.element_size()), t.data_ptr(), t.numel()))
 
 
-def zero_flags(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """:func:`is_zero` of each flat contiguous CPU tensor of one element width, as a bool array (one kernel call)."""
-    out = np.zeros(len(tensors), np.bool_)
-    if len(tensors):
-        _k.zero_flags(like(tensors[0].element_size()), pointers(tensors), lengths(tensors), out)
+def zero_flags_at(width: int, addresses: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Whether each of the ranges of ``counts[i]`` elements of ``width`` bytes at ``addresses[i]`` (int64
+    arrays; memory the caller keeps alive) holds only zero bits, as a bool array (one kernel call)."""
+    out = np.zeros(len(addresses), np.bool_)
+    if len(addresses):
+        _k.zero_flags(like(width), addresses, counts, out)
     return out
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ._memory import c_library
 from .apply import all_plain_cpu, plain_cpu
-from .segments import copy_at, is_zero, lengths, pointers, zero_flags
+from .segments import copy_at, is_zero, lengths, pointers, zero_flags_at
 from .tensors import bits_dtype, bits_view
 
 #: old bits kept in RAM before the journal spills to disk
@@ -49,6 +49,11 @@ def _libc_writev() -> ctypes._CFuncPtr | None:
     if f is not None:
         f.argtypes, f.restype = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_ssize_t
     return f
+
+
+def _pick(items: list, indices: np.ndarray) -> list:
+    """``[items[i] for i in indices]`` by C-level calls."""
+    return list(map(items.__getitem__, indices.tolist()))
 
 
 def _writev(fd: int, iov: np.ndarray) -> int:
@@ -118,38 +123,38 @@ class UndoJournal:
                 else:
                     self.save(flat)
         saved, add = self._saved, self._saved.add
-        for group in by_width.values():
-            keys = zip(pointers(group).tolist(), lengths(group).tolist())
+        for width, group in by_width.items():
+            ptrs, lens = pointers(group), lengths(group)
             # the first of each (address, length) not saved yet; an empty tensor has nothing to save
-            fresh = [flat for flat, key in zip(group, keys) if key[1] and key not in saved and not add(key)]
-            kept = []
-            for flat, zero in zip(fresh, zero_flags(fresh).tolist()):
-                if zero:
-                    self._entries.append((flat, "zeros", None))
-                else:
-                    kept.append(flat)
-            self._pack(kept)
+            fresh = [i for i, key in enumerate(zip(ptrs.tolist(), lens.tolist()))
+                     if key[1] and key not in saved and not add(key)]
+            if not fresh:
+                continue
+            if len(fresh) < len(group):
+                ptrs, lens, group = ptrs[fresh], lens[fresh], list(map(group.__getitem__, fresh))
+            zero = zero_flags_at(width, ptrs, lens)
+            self._entries.extend(zip(_pick(group, np.flatnonzero(zero)), repeat("zeros"), repeat(None)))
+            kept = np.flatnonzero(~zero)
+            if kept.size:
+                self._pack(_pick(group, kept), ptrs[kept], lens[kept], width)
 
-    def _pack(self, flats: list[torch.Tensor]) -> None:
-        """Save ``flats`` (plain CPU, one width, not saved yet): packed into one buffer while the memory
-        budget lasts, then written to the file straight from where they lie."""
-        if not flats:
-            return
-        width = flats[0].element_size()
-        sizes = lengths(flats)
+    def _pack(self, flats: list[torch.Tensor], addresses: np.ndarray, sizes: np.ndarray, width: int) -> None:
+        """Save ``flats`` (plain CPU, not saved yet, at ``addresses``, ``sizes`` elements of ``width`` bytes
+        each): packed into one buffer while the memory budget lasts, then written to the file straight from
+        where they lie."""
         ends = np.cumsum(sizes)
         room = max(0, self.memory_bytes - self._in_memory) // width
         n_mem = int(np.searchsorted(ends, room, side="right"))
         if n_mem:
             buf = torch.empty(int(ends[n_mem - 1]), dtype=bits_dtype(flats[0].dtype))
             starts = ends[:n_mem] - sizes[:n_mem]
-            copy_at(width, pointers(flats[:n_mem]), buf.data_ptr() + starts * width, sizes[:n_mem])
+            copy_at(width, addresses[:n_mem], buf.data_ptr() + starts * width, sizes[:n_mem])
             self._in_memory += buf.numel() * width
             self._entries.extend(zip(flats[:n_mem], repeat("copy"), zip(repeat(buf), starts.tolist())))
         if n_mem < len(flats):  # the rest straight from the tensors to the file: no staging copy
             rest, base = flats[n_mem:], int(ends[n_mem - 1]) if n_mem else 0
             at = self._offset
-            self._write(pointers(rest), sizes[n_mem:] * width)  # by address: no object per tensor
+            self._write(addresses[n_mem:], sizes[n_mem:] * width)  # by address: no object per tensor
             offsets = ((ends[n_mem:] - sizes[n_mem:] - base) * width + at).tolist()
             self._entries.extend(zip(rest, repeat("file"), zip(offsets, (sizes[n_mem:] * width).tolist())))
 
