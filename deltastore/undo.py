@@ -25,6 +25,7 @@ import errno
 import functools
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from itertools import repeat
 from typing import IO
@@ -224,7 +225,66 @@ class UndoJournal:
         self._saved = set()
         self._in_memory = self._offset = 0
 
+    def saving_ahead(self, groups: Sequence[Sequence[torch.Tensor]]) -> SaveAhead:
+        """A :class:`SaveAhead` that saves ``groups`` into this journal, one after another, on a thread."""
+        return SaveAhead(self, groups)
+
     def __enter__(self) -> UndoJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SaveAhead:
+    """Saves groups of tensors into an :class:`UndoJournal` on a thread of its own, group after group
+    (:meth:`UndoJournal.save_many` of each), so that saving the tensors of the next object a pull writes
+    overlaps decoding the current one (``writev`` and the copy kernels run without the GIL).
+
+    :meth:`wait` ``(k)`` returns once group ``k`` is saved, or raises what saving it raised; the caller
+    writes into a group's tensors only after that. :meth:`close` stops after the group being saved and
+    joins the thread; call it (``with``) before :meth:`UndoJournal.restore`. While it runs, nothing else
+    may save into the journal.
+    """
+
+    def __init__(self, journal: UndoJournal, groups: Sequence[Sequence[torch.Tensor]]):
+        self._journal, self._groups = journal, groups
+        self._saved = 0  # groups saved so far
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="deltastore-undo", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for group in self._groups:
+                if self._stop:
+                    return
+                self._journal.save_many(group)
+                with self._cond:
+                    self._saved += 1
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting pull by wait()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def wait(self, k: int) -> None:
+        """Return once group ``k`` is saved; raise what saving it (or a group before it) raised."""
+        with self._cond:
+            while self._saved <= k and self._error is None:
+                self._cond.wait()
+            if self._saved <= k:
+                assert self._error is not None
+                raise self._error
+
+    def close(self) -> None:
+        """Save no further group; return once the thread has stopped."""
+        self._stop = True
+        self._thread.join()
+
+    def __enter__(self) -> SaveAhead:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -4,6 +4,7 @@ through a placed object still leaves the target at its last good bits."""
 
 from __future__ import annotations
 
+import errno
 import uuid
 
 import pytest
@@ -17,7 +18,7 @@ from deltastore.codecs import TensorSpec, Update, get_codec
 from deltastore.codecs import dense as dense_mod
 from deltastore.codecs.base import decode_placed
 from deltastore.codecs.dense import DenseCodec
-from deltastore.errors import ChecksumMismatchError, CorruptObjectError
+from deltastore.errors import ApplyError, ChecksumMismatchError, CorruptObjectError
 from deltastore.tensors import bits_view
 from deltastore import undo as undo_mod
 from deltastore.undo import UndoJournal
@@ -187,6 +188,38 @@ def test_an_anchor_pull_failing_inside_a_placed_object_restores_the_target(monke
     assert tracking.get_version(target) is None
     monkeypatch.setattr(DenseCodec, "decode_into", real)
     sub.pull(target, step=1)
+    assert bits_equal(target, states[1])
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_an_anchor_pull_whose_undo_journal_cannot_write_restores_the_target(monkeypatch, tmp_path, fail_at):
+    """The journal (saving one object ahead, on its own thread) meets a full disk at its first or a later
+    object: a typed ApplyError naming the cause, every tensor back to its old bits, nothing claimed; the
+    next pull works."""
+    uri = f"memory://{uuid.uuid4().hex}"
+    states = _states(8)
+    _store(uri, states)
+    g = torch.Generator().manual_seed(3)
+    target = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in states[0].items()}
+    before = {k: v.clone() for k, v in target.items()}
+    real, calls = undo_mod._writev, []
+
+    def full_disk(fd, iov):  # noqa: ANN001, ANN202
+        calls.append(len(iov))
+        if len(calls) == fail_at:
+            raise OSError(errno.ENOSPC, "undo journal: No space left on device")
+        return real(fd, iov)
+
+    monkeypatch.setattr(undo_mod, "_writev", full_disk)
+    sub = ds.Subscriber(uri, journal_dir=str(tmp_path), journal_memory=0)
+    with pytest.raises(ApplyError, match="No space left") as err:
+        sub.pull(target, step=1)
+    assert err.value.restored is True
+    assert len(calls) == fail_at
+    assert bits_equal(target, before)
+    assert tracking.get_version(target) is None
+    monkeypatch.setattr(undo_mod, "_writev", real)
+    assert sub.pull(target, step=1).path == "anchor"
     assert bits_equal(target, states[1])
 
 

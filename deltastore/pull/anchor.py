@@ -38,7 +38,7 @@ from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
 from ..tensors import bits_view
-from ..undo import UndoJournal
+from ..undo import SaveAhead, UndoJournal
 from .objects import decode_object, decode_object_into, object_index, part_of, record_of, stream_objects
 
 
@@ -52,22 +52,46 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
                   verify: bool = True, sink: Callable[[str, torch.Tensor], None] | None = None
                   ) -> dict[str, torch.Tensor]:
     """Write anchor ``am``'s tensors into ``dests`` (per tensor a contiguous tensor, or a flat bit view of
-    it, of the record's dtype and element count; ``alias_dests``: the alias copies that receive the same bits); return the others as new flat bit tensors, or, with ``sink``,
-    call ``sink(name, flat bits)`` for each of them once it is complete and verified (then the result is
-    empty). Raises what decoding raises, :class:`ChecksumMismatchError`, :class:`WriteFailed`."""
+    it, of the record's dtype and element count; ``alias_dests``: the alias copies that receive the same
+    bits); return the others as new flat bit tensors, or, with ``sink``, call ``sink(name, flat bits)`` for
+    each of them once it is complete and verified (then the result is empty). Raises what decoding
+    raises, :class:`ChecksumMismatchError`, :class:`WriteFailed`, and what saving old bits into
+    ``journal`` raises."""
     alias_dests = alias_dests or {}
     index = object_index(am, "full")
+    order = list(index)
+    placed = [_placeable(index[i], dests, alias_dests) for i in order]
+    # when every object is decoded straight into plain CPU tensors, the journal saves the next objects'
+    # old bits on a thread of its own while this one decodes (nothing else saves into it meanwhile)
+    saver = (journal.saving_ahead(placed) if journal is not None and all(f is not None for f in placed)
+             else None)
+    try:
+        return _write(store, am, index, placed, saver, workers=workers, ahead=ahead, dests=dests,
+                      alias_dests=alias_dests, journal=journal, verify=verify, sink=sink)
+    finally:
+        if saver is not None:
+            saver.close()
+
+
+def _write(store: DeltaStore, am: Manifest, index: dict[int, list], placed: list[list[torch.Tensor] | None],
+           saver: SaveAhead | None, *, workers: int, ahead: int, dests: Mapping[str, torch.Tensor] | None,
+           alias_dests: Mapping[str, list[torch.Tensor]], journal: UndoJournal | None, verify: bool,
+           sink: Callable[[str, torch.Tensor], None] | None) -> dict[str, torch.Tensor]:
+    """The body of :func:`stream_anchor`: ``placed[k]`` is what :func:`_placeable` found for the ``k``-th
+    object of ``index``; with ``saver``, their old bits are being saved ahead into ``journal``."""
     records = am.tensor_map()
     received = dict.fromkeys(records, 0)
     out: dict[str, torch.Tensor] = {}
     bar = progress.current()
     progress.grow(bar, am.object_bytes(set(index)))
-    for i, data in stream_objects(store, am, list(index), workers=workers, ahead=ahead):
+    for k, (i, data) in enumerate(stream_objects(store, am, list(index), workers=workers, ahead=ahead)):
         progress.advance(bar, len(data))
         pairs = index[i]
-        flats = _placeable(pairs, dests, alias_dests)
+        flats = placed[k]
         if flats is not None:
-            if journal is not None:
+            if saver is not None:
+                saver.wait(k)
+            elif journal is not None:
                 journal.save_many(flats)
             if decode_object_into(am, i, data, pairs, flats):
                 del data
