@@ -9,7 +9,7 @@ no copy); any other is decoded, checked, then copied:
 
 * into a live target (``dests``: per tensor the contiguous tensor to write, or a flat bit view of it;
   ``alias_dests``: the alias copies that get the same bits): each tensor's old bits are saved in
-  an :class:`~deltastore.undo.UndoJournal` just before its first write, so the
+  an :class:`~deltastore.undo.UndoJournal` before its first write, so the
   caller can put the target back if anything fails later;
 * into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
   whose layout changes later on the path): the decoded bits become the result,
