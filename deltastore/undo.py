@@ -243,7 +243,7 @@ class SaveAhead:
 
     :meth:`wait` ``(k)`` returns once group ``k`` is saved, or raises what saving it raised; the caller
     writes into a group's tensors only after that. :meth:`close` stops after the group being saved and
-    joins the thread; call it (``with``) before :meth:`UndoJournal.restore`. While it runs, nothing else
+    joins the thread; call it before :meth:`UndoJournal.restore`. While it runs, nothing else
     may save into the journal.
     """
 
@@ -283,9 +283,3 @@ class SaveAhead:
         """Save no further group; return once the thread has stopped."""
         self._stop = True
         self._thread.join()
-
-    def __enter__(self) -> SaveAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
