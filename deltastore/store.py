@@ -165,6 +165,10 @@ class DeltaStore:
         with self._lock:
             reused = {d: t for d, t in self._reused.items() if d in named}
         if reused and not self.backend.capabilities.conditional_delete:
+            # the parent version names them and is stored as it was: no GC holds them as candidates (P3)
+            parents = self._named_by_stored_parent(manifest)
+            reused = {d: t for d, t in reused.items() if d not in parents}
+        if reused and not self.backend.capabilities.conditional_delete:
             # a GC that stat'ed one of them before our refresh may still delete it: let such deletes land
             wait = max(reused.values()) + self.delete_window - time.monotonic()
             if wait > 0:
@@ -175,6 +179,27 @@ class DeltaStore:
                     raise ObjectNotFoundError(
                         f"object {d} was deleted by a concurrent GC before version {manifest.step} was "
                         "committed; nothing was committed, publish the step again")
+
+    def _named_by_stored_parent(self, manifest: Manifest) -> frozenset[str]:
+        """What ``manifest``'s parent version names (:meth:`Manifest.references`), when its manifest, read
+        from the backend now (after the commit's refreshes), has the digest ``manifest.parent`` gives; else
+        nothing (no parent, or it is gone, changed or unreadable).
+
+        Such a manifest was stored from the parent's commit until now, so a GC that listed the manifests
+        meanwhile found these objects named, one that listed before was covered by the parent's own
+        commit, and one that lists later finds them refreshed (docs/format.md, P3)."""
+        parent = manifest.parent
+        if parent is None:
+            return frozenset()
+        try:
+            data = self.backend.get_bounded(version_key(parent.step), MAX_MANIFEST_BYTES)
+            if sha256_digest(data) != parent.digest:
+                return frozenset()
+            known = self.manifest_cache.get(parent.step)
+            held = known[0] if known is not None and known[1] == parent.digest else self.parse_manifest(data)
+        except DeltaStoreError:
+            return frozenset()
+        return frozenset(held.references())
 
     def get_object(self, digest: str, size: int | None = None) -> bytes:
         """The verified bytes of object ``digest``.

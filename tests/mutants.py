@@ -120,6 +120,11 @@ MUTANTS = [
            "(shaped, a float dtype) instead of into its flat bit view",
            [("deltastore/undo.py", "                    flat = bits_view(flat)  # a tensor saved", "                    # a tensor saved")],
            ["tests/test_anchor_placed.py"]),
+    Mutant("parent-vouches-unread", "a commit trusts its parent's objects without reading the parent's manifest "
+           "again (a manifest gone or rewritten since still waives the wait for GC deletes)",
+           [("deltastore/store.py", "            if sha256_digest(data) != parent.digest:\n                return frozenset()\n",
+             "")],
+           ["tests/test_reliability/test_commit_parent.py"]),
     Mutant("journal-short-read", "the undo journal takes one short read of its file for the whole tensor",
            [("deltastore/undo.py", "        while got < into.nbytes:\n", "        if got < into.nbytes:\n")],
            ["tests/test_anchor_placed.py"]),
