@@ -19,7 +19,8 @@ manifest names that was reused and last refreshed more than
 wrote) is refreshed again, and on a
 backend without an atomic conditional delete the store waits
 :data:`DELETE_WINDOW` after its last refresh of a reused object and checks
-that each is still there. GC (:meth:`DeltaStore.delete_object`) deletes an
+that each is still there (except those the parent version names while its
+manifest is stored as it was). GC (:meth:`DeltaStore.delete_object`) deletes an
 object only when it is older than the GC's listing time minus its grace.
 """
 
@@ -165,10 +166,11 @@ class DeltaStore:
         with self._lock:
             reused = {d: t for d, t in self._reused.items() if d in named}
         if reused and not self.backend.capabilities.conditional_delete:
-            # the parent version names them and is stored as it was: no GC holds them as candidates (P3)
+            # the objects the parent names, its manifest stored as it was, are safe from every GC (P3)
             parents = self._named_by_stored_parent(manifest)
             reused = {d: t for d, t in reused.items() if d not in parents}
-        if reused and not self.backend.capabilities.conditional_delete:
+            if not reused:
+                return
             # a GC that stat'ed one of them before our refresh may still delete it: let such deletes land
             wait = max(reused.values()) + self.delete_window - time.monotonic()
             if wait > 0:
