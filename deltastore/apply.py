@@ -56,6 +56,24 @@ def all_plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
     return set(map(type, tensors)).issubset(_PLAIN) and all(map(_IS_CPU, tensors))
 
 
+def plain_cpu_groups(tensors: Sequence[torch.Tensor]) -> tuple[dict[int, list[int]], list[int]]:
+    """The positions in ``tensors`` of the :func:`plain_cpu` ones, grouped by element width, and of the
+    others, each in order; when all are plain CPU tensors of one width (the common case), by C-level
+    passes with no call per tensor."""
+    if all_plain_cpu(tensors):
+        widths = set(map(torch.Tensor.element_size, tensors))
+        if len(widths) == 1:
+            return {widths.pop(): list(range(len(tensors)))}, []
+    groups: dict[int, list[int]] = {}
+    others: list[int] = []
+    for i, t in enumerate(tensors):
+        if plain_cpu(t):
+            groups.setdefault(t.element_size(), []).append(i)
+        else:
+            others.append(i)
+    return groups, others
+
+
 def plain_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The entries of ``tensors`` that are :func:`plain_cpu`, in order."""
     if all_plain_cpu(list(tensors.values())):

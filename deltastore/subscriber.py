@@ -21,7 +21,7 @@ from . import progress as _progress, segments, tracking
 from ._gc import paused
 from ._memory import pin_allocator, release_memory
 from .apply import (FullState, Reader, SparseOverlay, check_layout, check_overlaps, check_target, check_tied,
-                    fits, mapping_reader, plain_cpu, restored_after, write_sparse)
+                    fits, mapping_reader, plain_cpu_groups, restored_after, write_sparse)
 from .checksum import full_checksum, tensor_keys
 from .codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
@@ -693,12 +693,9 @@ def _join(rec: TensorRecord, got: list[tuple[Part, Update]], role: Role, step: i
 def _full_checksums(items: list[tuple[str, torch.Tensor]]) -> list[int]:
     """Whole checksums of ``(name, flat bits)`` pairs; plain CPU tensors in one kernel pass per element width."""
     out: list[int | None] = [None] * len(items)
-    groups: dict[int, list[int]] = {}
-    for i, (_, t) in enumerate(items):
-        if plain_cpu(t):
-            groups.setdefault(t.element_size(), []).append(i)
-        else:
-            out[i] = full_checksum(*items[i])
+    groups, others = plain_cpu_groups([t for _, t in items])
+    for i in others:
+        out[i] = full_checksum(*items[i])
     for idx in groups.values():
         keys = tensor_keys([items[i][0] for i in idx], len(idx))
         for i, v in zip(idx, segments.full_sums([items[i][1] for i in idx], keys).tolist()):

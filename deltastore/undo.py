@@ -26,7 +26,7 @@ import functools
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import IO
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ._memory import c_library
-from .apply import all_plain_cpu, plain_cpu
+from .apply import plain_cpu_groups
 from .segments import copy_at, is_zero, lengths, pointers, zero_flags_at
 from .tensors import bits_dtype, bits_view
 
@@ -52,9 +52,9 @@ def _libc_writev() -> ctypes._CFuncPtr | None:
     return f
 
 
-def _pick(items: list, indices: np.ndarray) -> list:
+def _pick(items: Sequence[torch.Tensor], indices: Iterable[int]) -> list[torch.Tensor]:
     """``[items[i] for i in indices]`` by C-level calls."""
-    return list(map(items.__getitem__, indices.tolist()))
+    return list(map(items.__getitem__, indices))
 
 
 def _writev(fd: int, iov: np.ndarray) -> int:
@@ -113,18 +113,12 @@ class UndoJournal:
         zeros in one kernel pass, then packed into memory by one copy kernel or written to the file
         by a few ``writev`` calls (by address: no view per tensor), so a target's many small tensors
         cost their bytes, not their count."""
-        by_width: dict[int, list[torch.Tensor]] = {}
-        widths = set(map(torch.Tensor.element_size, flats)) if all_plain_cpu(flats) else ()
-        if len(widths) == 1:  # the common case, by C-level passes
-            by_width[widths.pop()] = list(flats)
-        else:
-            for flat in flats:
-                if plain_cpu(flat):
-                    by_width.setdefault(flat.element_size(), []).append(flat)
-                else:
-                    self.save(flat)
+        groups, others = plain_cpu_groups(flats)
+        for i in others:
+            self.save(flats[i])
         saved, add = self._saved, self._saved.add
-        for width, group in by_width.items():
+        for width, at in groups.items():
+            group = _pick(flats, at)
             ptrs, lens = pointers(group), lengths(group)
             # the first of each (address, length) not saved yet; an empty tensor has nothing to save
             fresh = [i for i, key in enumerate(zip(ptrs.tolist(), lens.tolist()))
@@ -132,12 +126,12 @@ class UndoJournal:
             if not fresh:
                 continue
             if len(fresh) < len(group):
-                ptrs, lens, group = ptrs[fresh], lens[fresh], list(map(group.__getitem__, fresh))
+                ptrs, lens, group = ptrs[fresh], lens[fresh], _pick(group, fresh)
             zero = zero_flags_at(width, ptrs, lens)
-            self._entries.extend(zip(_pick(group, np.flatnonzero(zero)), repeat("zeros"), repeat(None)))
+            self._entries.extend(zip(_pick(group, np.flatnonzero(zero).tolist()), repeat("zeros"), repeat(None)))
             kept = np.flatnonzero(~zero)
             if kept.size:
-                self._pack(_pick(group, kept), ptrs[kept], lens[kept], width)
+                self._pack(_pick(group, kept.tolist()), ptrs[kept], lens[kept], width)
 
     def _pack(self, flats: list[torch.Tensor], addresses: np.ndarray, sizes: np.ndarray, width: int) -> None:
         """Save ``flats`` (plain CPU, not saved yet, at ``addresses``, ``sizes`` elements of ``width`` bytes

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .. import progress, segments
-from ..apply import all_plain_cpu, plain_cpu
+from ..apply import all_plain_cpu, plain_cpu, plain_cpu_groups
 from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
@@ -59,8 +59,7 @@ def stream_anchor(store: DeltaStore, am: Manifest, *, workers: int, ahead: int,
     ``journal`` raises."""
     alias_dests = alias_dests or {}
     index = object_index(am, "full")
-    order = list(index)
-    placed = [_placeable(index[i], dests, alias_dests) for i in order]
+    placed = [_placeable(pairs, dests, alias_dests) for pairs in index.values()]
     # when every object is decoded straight into plain CPU tensors, the journal saves the next objects'
     # old bits on a thread of its own while this one decodes (nothing else saves into it meanwhile)
     saver = (journal.saving_ahead(placed) if journal is not None and all(f is not None for f in placed)
@@ -95,8 +94,9 @@ def _write(store: DeltaStore, am: Manifest, index: dict[int, list], placed: list
                 journal.save_many(flats)
             if decode_object_into(am, i, data, pairs, flats):
                 del data
-                complete = list(map(_NAME, map(record_of, pairs)))
-                received.update(zip(complete, map(_NUMEL, map(record_of, pairs))))
+                recs = list(map(record_of, pairs))
+                complete = list(map(_NAME, recs))
+                received.update(zip(complete, map(_NUMEL, recs)))
                 if verify:
                     _verify(am, complete, flats)
                 continue
@@ -173,20 +173,13 @@ def _verify(am: Manifest, names: list[str], tensors: list[torch.Tensor]) -> None
     """Compare each named tensor's full checksum (of the bits of ``tensors[i]``, in ``names`` order) with
     the manifest's; plain CPU tensors in one kernel pass and one array compare per element width."""
     want = am.checksum_values
-    widths = set(map(torch.Tensor.element_size, tensors)) if all_plain_cpu(tensors) else ()
-    by_width: dict[int, tuple[list[str], list[torch.Tensor]]] = {}
-    if len(widths) == 1:  # the common case, by C-level passes
-        by_width[widths.pop()] = (names, tensors)
-    else:
-        for n, t in zip(names, tensors):
-            if plain_cpu(t):
-                group = by_width.setdefault(t.element_size(), ([], []))
-                group[0].append(n)
-                group[1].append(t)
-            elif full_checksum(n, t) != want[n]:
-                _mismatch(am, n)
-    for group, ts in by_width.values():
-        got = segments.full_sums(ts, tensor_keys(group, len(group)))
+    groups, others = plain_cpu_groups(tensors)
+    for i in others:
+        if full_checksum(names[i], tensors[i]) != want[names[i]]:
+            _mismatch(am, names[i])
+    for at in groups.values():
+        group = [names[i] for i in at]
+        got = segments.full_sums([tensors[i] for i in at], tensor_keys(group, len(group)))
         off = np.flatnonzero(got != np.fromiter(map(want.__getitem__, group), dtype=np.uint64, count=len(group)))
         if off.size:
             _mismatch(am, group[int(off[0])])
