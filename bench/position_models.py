@@ -1,4 +1,4 @@
-"""What the positions of a step's changes cost under each model a decoder could use (real traces).
+"""What a step's changes cost under each model a decoder could use: positions, then value steps (real traces).
 
     DELTASTORE_TRACES=../shared/traces .venv/bin/python bench/position_models.py [--steps 2-8]
 
@@ -62,6 +62,7 @@ def _zero_order(values: np.ndarray) -> float:
 
 
 def _blocks(mask: np.ndarray, size: int) -> float:
+    """Bits of ``mask``'s members with one density per block of ``size`` elements, plus the block counts."""
     n = mask.size
     nb = -(-n // size)
     padded = np.zeros(nb * size, bool)
