@@ -37,6 +37,7 @@ as dense) is left out by default, as in ``bench/scale.py``.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,10 +79,9 @@ NEEDS = {"tensor": "the count", "block 1024": "block counts", "block 16384": "bl
          "row": "row counts", "previous step": "last step's positions", "old exponent": "every old element"}
 
 
-def measure(run: str, steps: range) -> tuple[dict[str, float], int, int]:
-    """Bits of every position model over ``steps`` of ``run`` (and of the value steps, as ``steps`` and
-    ``steps by exponent``), the changes counted, and the elements per step."""
-    tr = _trace.load(run)
+def measure(tr: Any, steps: range) -> tuple[dict[str, float], int, int]:
+    """Bits of every position model over ``steps`` of trace ``tr`` (a ``weight_trace`` trace; and of the value
+    steps, as ``steps`` and ``steps by exponent``), the changes counted, and the elements per step."""
     bits = dict.fromkeys(MODELS, 0.0)
     deltas: list[np.ndarray] = []
     classes: list[np.ndarray] = []
@@ -106,14 +106,14 @@ def measure(run: str, steps: range) -> tuple[dict[str, float], int, int]:
             before = np.zeros(n, bool)
             before[previous.get(name, np.zeros(0, np.int64))] = True
             bits["previous step"] += _bits([before.sum(), n - before.sum()], [mask[before].sum(), mask[~before].sum()])
-            exponent = (old.reshape(-1).view(torch.int16).numpy().astype(np.int32) >> 7) & 0xFF
+            old_bits = old.reshape(-1).view(torch.int16).numpy()
+            exponent = (old_bits.astype(np.int32) >> 7) & 0xFF
             per_class = np.bincount(exponent, minlength=256)
             changed_class = np.bincount(exponent[idx], minlength=256)
             bits["old exponent"] += _bits(per_class, changed_class)
             if k:
-                old_bits = old.reshape(-1).view(torch.int16).numpy()[idx]
                 new_bits = now[name][1].numpy()
-                deltas.append(ordered(new_bits, True).astype(np.int64) - ordered(old_bits, True).astype(np.int64))
+                deltas.append(ordered(new_bits, True).astype(np.int64) - ordered(old_bits[idx], True).astype(np.int64))
                 classes.append(exponent[idx])
         for name, (idx, new_bits) in now.items():  # the next step's old state
             state[name].reshape(-1).view(torch.int16)[idx] = new_bits
@@ -133,7 +133,7 @@ def main() -> None:
     for run in a.runs:
         tr = _trace.load(run)
         steps = range(int(first), (int(last) if last else tr.steps) + 1)
-        bits, changed, numel = measure(run, steps)
+        bits, changed, numel = measure(tr, steps)
         base = bits["tensor"]
         print(f"\n## {run}: steps {steps.start}-{steps.stop - 1}, {changed:,} changes "
               f"({100 * changed / (numel * len(steps)):.2f} % density)\n")

@@ -21,7 +21,7 @@ import reference_encoders  # noqa: E402
 def test_position_models_agree_with_the_bound(run):
     _trace_module()  # skips without the trace locally; fails under CI=true
     tr = position_models._trace.load(run)  # the loader the benchmark itself uses
-    bits, changed, numel = position_models.measure(run, range(3, 4))
+    bits, changed, numel = position_models.measure(tr, range(3, 4))
 
     old = tr.state(2)
     changes = {}
