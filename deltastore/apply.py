@@ -634,6 +634,9 @@ class SparseOverlay:
 
     ``addresses`` (optional, :class:`TargetAddresses`): ``tensors``' addresses, lengths and keys as the
     caller checked them; :meth:`in_place` then offers all of them at once without a pass per tensor.
+    ``table`` (optional, with ``addresses``): a list of names (compared by identity) that ``tensors``
+    follow row for row; names asked as rows of that list (:class:`~deltastore.codecs.base.RowNames`) are
+    then found by row, not by name.
 
     With ``write_through`` (for a path of one delta, whose changes are each
     staged once), a decoder may write a first touch of such tensors straight
@@ -645,7 +648,8 @@ class SparseOverlay:
     """
 
     def __init__(self, reader: Reader, base: Manifest, tensors: Mapping[str, torch.Tensor] | None = None,
-                 write_through: bool = False, addresses: TargetAddresses | None = None):
+                 write_through: bool = False, addresses: TargetAddresses | None = None,
+                 table: list[str] | None = None):
         self.reader = reader
         self.write_through = write_through
         # in-place writes made by decoders, oldest first: (names, tensors, their InPlace)
@@ -659,6 +663,7 @@ class SparseOverlay:
         # what :meth:`in_place` offers for all of ``tensors`` at once, when the caller knows it already
         self._addresses = addresses if (addresses is not None and len(self._fast) == len(addresses.names)
                                         and list(self._fast) == addresses.names) else None
+        self._table = table if self._addresses is not None else None
         # changes of plain CPU tensors staged as batches: (names, positions, bits, original, bounds); a batch
         # is written by one scatter while it holds the staged changes of every name in it (``_batched``: name
         # -> index of the batch that holds its changes)
@@ -768,7 +773,11 @@ class SparseOverlay:
         if known is not None and not self.pending and not self.whole:
             # tensors of the target, none touched yet: rows of the arrays the caller checked (one pass)
             n = len(names)
-            if names == known.names:
+            given = getattr(names, "rows", None)
+            if given is not None and self._table is not None and getattr(names, "table", None) is self._table:
+                rows = given  # rows of the list the target's tensors follow (RowNames)
+                tensors = list(map(list(self._fast.values()).__getitem__, given.tolist()))
+            elif names == known.names:
                 rows, tensors = slice(None), list(self._fast.values())
             else:
                 rows = known.rows(names)  # None: not the target's tensors, checked one by one below

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+import numpy as np
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
 from .quantize import check_record as check_quantization
@@ -350,6 +351,25 @@ class Manifest:
     def tensor_map(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.tensors}
 
+    def count_column(self, role: Role) -> np.ndarray:
+        """Each tensor's changed-element count for ``role`` (``diff_changed`` for "diff", else ``changed``),
+        int64 in manifest order, read-only (worked out once)."""
+        key = "_diff_counts" if role == "diff" else "_counts"
+        got = self.__dict__.get(key)
+        if got is None:
+            attr = operator.attrgetter("diff_changed" if role == "diff" else "changed")
+            got = np.fromiter(map(attr, self.tensors), dtype=np.int64, count=len(self.tensors))
+            got.flags.writeable = False
+            self.__dict__[key] = got
+        return got
+
+    @property
+    def row_layout(self) -> RowLayout | None:
+        """For a manifest parsed from plain columns (every role one whole object or none): the layout of its
+        tensors, shared by every manifest parsed with the same columns, whose rows are its tensors in order;
+        else None."""
+        return self.__dict__.get("_row_layout")
+
     def objects_for(self, role: Role) -> set[int]:
         """Indices of the objects a reader fetches for ``role`` (a new set each call; worked out once)."""
         key = f"_objects_{role}"
@@ -574,7 +594,7 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
     new_names = set(new_tensors)
     n_objects = len(objects)
     tensors: list[TensorRecord] | None = None
-    layout: _Layout | None = None
+    layout: RowLayout | None = None
     used: set[int | None] | None = None
     role_objects: dict[str, frozenset[int]] = {}
     layout_ref = known = None
@@ -640,7 +660,7 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
                  differential=differential, files=files, format_version=version, new_tensors=new_tensors,
                  dropped_tensors=dropped, quantization=quantization)
     if layout is not None:  # the cached properties, shared by every manifest of this layout
-        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns,
+        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns, _row_layout=layout,
                           checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
     if layout_ref is not None:
         m.__dict__["layout_ref"] = layout_ref
@@ -656,7 +676,7 @@ def _layout_ref(doc: dict[str, Any]) -> LayoutRef:
 
 
 def _named_layout_columns(section: dict[str, Any], ref: LayoutRef, layouts: LayoutReader | None
-                          ) -> tuple[tuple[list[Any], ...], _Layout | None]:
+                          ) -> tuple[tuple[list[Any], ...], RowLayout | None]:
     """The :data:`TENSOR_FIELDS` columns of a 1.3 manifest: its value columns after the columns of the layout
     object ``ref``, and that layout when this process parsed and checked it before (else None: the caller
     checks the columns read from the object)."""
@@ -847,8 +867,8 @@ def _plain_records(ts: list[Any], n_objects: int) -> list[TensorRecord | None]:
     return [_plain_record(t, n_objects) for t in ts] if got is None else got[0]  # type: ignore[return-value]
 
 
-def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _Layout | None = None
-                   ) -> tuple[list[TensorRecord], _Layout, tuple[int, ...], tuple[set[int | None], ...]] | None:
+def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: RowLayout | None = None
+                   ) -> tuple[list[TensorRecord], RowLayout, tuple[int, ...], tuple[set[int | None], ...]] | None:
     """The records of tensor ``columns`` (:data:`TENSOR_FIELDS` order, equal lengths) when every entry is
     what :func:`_plain_record` accepts, checked a column at a time, their layout, their checksums as
     integers and the distinct values of each role column (delta, full, diff); None otherwise. ``layout``: the
@@ -856,7 +876,7 @@ def _plain_columns(columns: Sequence[Sequence[Any]], n_objects: int, layout: _La
     names, dtypes, shapes, changed, checksums, delta, full, diff, diff_changed = columns
     n = len(names)
     if not n:
-        return [], _Layout.of([], [], [], []), (), (set(), set(), set())
+        return [], RowLayout.of([], [], [], []), (), (set(), set(), set())
     if layout is None:
         layout = _known_layout(names, dtypes, shapes)
     if layout is None:
@@ -922,10 +942,11 @@ def _checksum_ints(checksums: Sequence[Any]) -> tuple[int, ...] | None:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class RowLayout:
     """The checked layout columns of a parsed manifest (names, dtype names, shapes as parsed) and what
     follows from them (shape tuples, element counts, specs, the manifest's layout key and columns): made
-    once per layout and shared by the records of every later manifest with the same columns."""
+    once per layout and shared by the records of every later manifest with the same columns. Its rows are
+    those manifests' tensors in order (:attr:`Manifest.row_layout`)."""
 
     columns_in: tuple[list[str], list[str], list[list[int]]]
     names: list[str]
@@ -941,7 +962,7 @@ class _Layout:
     part_table: dict[tuple[int | None, int], Parts] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> _Layout:
+    def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> RowLayout:
         names, dtypes = list(names), list(dtypes)  # copies of the columns as checked: the document is the caller's
         tuples = list(map(tuple, shapes))
         specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
@@ -950,6 +971,27 @@ class _Layout:
     @functools.cached_property
     def name_set(self) -> frozenset[str]:
         return frozenset(self.names)
+
+    @functools.cached_property
+    def name_rank(self) -> np.ndarray:
+        """Each row's place in name order (int64, read-only)."""
+        order = sorted(range(len(self.names)), key=self.names.__getitem__)
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order), dtype=np.int64)
+        rank.flags.writeable = False
+        return rank
+
+    @functools.cached_property
+    def numel_array(self) -> np.ndarray:
+        """Each row's element count (int64, read-only)."""
+        got = np.array(self.numels, dtype=np.int64)
+        got.flags.writeable = False
+        return got
+
+    @functools.cached_property
+    def one_dtype(self) -> bool:
+        """Whether every row has one dtype."""
+        return len(set(self.dtypes)) <= 1
 
     @functools.cached_property
     def key(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -970,24 +1012,24 @@ def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> 
 
 #: the layouts of the manifests parsed last (a reader follows one model, a process few), by tensor count and
 #: first and last name; a hit needs the very same columns
-_LAYOUTS: dict[tuple[int, str, str], _Layout] = {}
+_LAYOUTS: dict[tuple[int, str, str], RowLayout] = {}
 _MAX_LAYOUTS = 4
 _LAYOUTS_LOCK = threading.Lock()
 
 
 #: the layouts of the layout objects parsed last, by digest (an object's bytes are verified against its digest
 #: when read, so a digest names one layout for good)
-_LAYOUT_OBJECTS: dict[str, _Layout] = {}
+_LAYOUT_OBJECTS: dict[str, RowLayout] = {}
 
 
-def _remember_layout_object(digest: str, layout: _Layout) -> None:
+def _remember_layout_object(digest: str, layout: RowLayout) -> None:
     with _LAYOUTS_LOCK:
         if len(_LAYOUT_OBJECTS) >= _MAX_LAYOUTS:
             _LAYOUT_OBJECTS.pop(next(iter(_LAYOUT_OBJECTS)))
         _LAYOUT_OBJECTS[digest] = layout
 
 
-def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _Layout | None:
+def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> RowLayout | None:
     """The layout already checked for exactly these columns, or None."""
     first, last = names[0], names[-1]
     if type(first) is not str or type(last) is not str:
@@ -1004,7 +1046,7 @@ def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _La
     return None
 
 
-def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _Layout | None:
+def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> RowLayout | None:
     """The layout of these columns when every entry is what :func:`_plain_record` accepts (kept for
     :func:`_known_layout`), else None."""
     n = len(names)
@@ -1021,7 +1063,7 @@ def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> _
     numels = list(map(math.prod, shapes))
     if max(numels) > MAX_NUMEL:
         return None
-    layout = _Layout.of(names, dtypes, shapes, numels)
+    layout = RowLayout.of(names, dtypes, shapes, numels)
     with _LAYOUTS_LOCK:  # manifests are parsed on several threads
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))

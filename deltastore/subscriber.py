@@ -431,7 +431,7 @@ class Subscriber:
             # the same tensors as checked before, in the version's order: their addresses are known already
             known = self._checked.addresses() if checked is not None and held is tensors else None
             overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held,
-                                    write_through=through, addresses=known)
+                                    write_through=through, addresses=known, table=names)
             tracking.set_version(target, None)  # unknown while writing
             try:
                 fetched = self._apply_steps(plan, overlay)

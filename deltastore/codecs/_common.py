@@ -28,7 +28,7 @@ from .._memo import LastList
 from ..errors import CorruptObjectError
 from ..kernels import bitstream as K
 from . import _bits as B
-from .base import TensorSpec, Update
+from .base import RowSpecs, TensorSpec, Update
 
 T = TypeVar("T")
 
@@ -136,11 +136,31 @@ def _name_order_and_digest(specs: list[TensorSpec]) -> tuple[list[TensorSpec], s
 _sorted_with_digest = LastList(_name_order_and_digest)
 
 
+#: (table, rows, names digest) of the last :class:`RowSpecs` in name order whose digest was worked out
+_last_row_digest: tuple[list[str], np.ndarray, str] | None = None
+
+
+def _row_digest(specs: RowSpecs) -> str:
+    """:func:`names_digest` of ``specs`` (in name order), kept for the last table and rows asked (a follower's
+    objects hold the same rows step after step, or nearly: compared as one array)."""
+    global _last_row_digest
+    last = _last_row_digest
+    if last is not None and last[0] is specs.table and np.array_equal(last[1], specs.rows):
+        return last[2]
+    digest = names_digest(list(map(_NAME, specs)))
+    _last_row_digest = (specs.table, specs.rows.copy(), digest)
+    return digest
+
+
 def check_object(meta: dict[str, str], specs: Sequence[TensorSpec], codec_id: str) -> list[TensorSpec]:
     """Check an object's name digest against the specs the manifest gives for it; returns those specs in
-    name order (:func:`sorted_specs`, the order of the object's layout)."""
-    ordered, want = _sorted_with_digest(specs)
-    ordered = ordered[:]  # the caller's own list
+    name order (:func:`sorted_specs`, the order of the object's layout), a list of the caller's own
+    (:class:`RowSpecs` already in name order: a copy with its facts)."""
+    if isinstance(specs, RowSpecs) and specs.name_sorted:
+        ordered, want = specs.copy(), _row_digest(specs)
+    else:
+        ordered, want = _sorted_with_digest(specs)
+        ordered = ordered[:]  # the caller's own list
     got = meta.get("deltastore.names")
     if got != want:
         raise CorruptObjectError(f"{codec_id}: object holds tensors {got!r}, manifest expects {want!r}")
@@ -237,7 +257,8 @@ def read_header(frames: dict[str, memoryview], specs: Sequence[TensorSpec], code
     if used != len(hdr):
         raise CorruptObjectError(f"{codec_id}: header has trailing bytes")
     n = len(specs)
-    numels = np.fromiter(map(_NUMEL, specs), dtype=np.uint64, count=n)
+    numels = specs.numels.astype(np.uint64) if isinstance(specs, RowSpecs) else \
+        np.fromiter(map(_NUMEL, specs), dtype=np.uint64, count=n)
     over = np.flatnonzero(vals[:n] > numels)  # both uint64: compared exactly
     if over.size:
         s = specs[int(over[0])]

@@ -45,7 +45,8 @@ from ..errors import CorruptObjectError, UnsupportedFormatError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import pack_meta, u8, unpack_frames
-from .base import Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, decode_batched, encode_batched
+from .base import (Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, copy_specs, decode_batched,
+                   encode_batched)
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -261,9 +262,9 @@ def _parts_of(meta: dict[str, str], specs: Sequence[TensorSpec]) -> dict[str, li
     if not used <= set(_PARTS):
         raise CorruptObjectError(f"auto: unknown part codec {sorted(used - set(_PARTS))[0]!r}")
     if not other:  # one codec for every tensor (the usual case): no pass per tensor
-        return {default: list(specs)} if specs else {}
+        return {default: copy_specs(specs)} if specs else {}
     if len(used) == 1:
-        return {used.pop(): list(specs)}
+        return {used.pop(): copy_specs(specs)}
     by_codec: dict[str, list[TensorSpec]] = {}
     for s in specs:
         by_codec.setdefault(other.get(s.name, default), []).append(s)

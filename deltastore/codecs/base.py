@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import abc
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
@@ -49,6 +50,8 @@ import numpy as np
 import torch
 
 from ..tensors import bits_dtype
+
+_SPEC_NAME = operator.attrgetter("name")
 
 OldBits = Callable[[str, Optional[torch.Tensor]], torch.Tensor]
 """``old(name, positions) -> raw bits`` the receiver holds at those flat positions.
@@ -118,7 +121,7 @@ def write_in_place(old: OldBits, names: Sequence[str], bounds: np.ndarray) -> In
     ``undo`` if anything fails.
     """
     get = getattr(old, "in_place", None)
-    return get(list(names), bounds) if get is not None else None
+    return get(names.copy() if isinstance(names, list) else list(names), bounds) if get is not None else None
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,58 @@ class TensorSpec:
         if got is None:
             got = self.__dict__["_bits_dtype"] = bits_dtype(self.dtype)
         return got
+
+
+class RowSpecs(list):  # type: ignore[type-arg]
+    """A list of :class:`TensorSpec` that are rows of one table (a parsed manifest's layout), with what the
+    reader knows of them as arrays, so that the built-in decoders' helpers need no pass per tensor.
+
+    ``rows``: int64, each spec's row in ``table`` (the table's list of names, compared by identity);
+    ``numels``: int64, each spec's element count; ``name_sorted``: the specs are in name order;
+    ``one_dtype``: they all have one dtype. The facts are the maker's word (the read path makes them from the
+    parsed layout, :func:`deltastore.pull.objects.decode_sparse_object`). To anything else it is the list it
+    is: a codec may ignore the facts, and :meth:`copy` keeps them (a slice or ``list()`` does not).
+    """
+
+    __slots__ = ("rows", "table", "numels", "name_sorted", "one_dtype")
+
+    def __init__(self, specs: Sequence[TensorSpec], rows: np.ndarray, table: list[str], numels: np.ndarray,
+                 name_sorted: bool, one_dtype: bool):
+        super().__init__(specs)
+        self.rows, self.table, self.numels = rows, table, numels
+        self.name_sorted, self.one_dtype = name_sorted, one_dtype
+
+    def copy(self) -> RowSpecs:  # type: ignore[override]
+        return RowSpecs(self, self.rows, self.table, self.numels, self.name_sorted, self.one_dtype)
+
+    def names(self) -> RowNames:
+        """The specs' names, carrying the same rows."""
+        return RowNames(map(_SPEC_NAME, self), self.rows, self.table)
+
+
+class RowNames(list):  # type: ignore[type-arg]
+    """Tensor names that are rows ``rows`` (int64) of ``table`` (a list of names, compared by identity): a
+    receiver that lays its tensors out as ``table`` finds them by row instead of by name
+    (:meth:`deltastore.apply.SparseOverlay.in_place`). Otherwise a plain list of names."""
+
+    __slots__ = ("rows", "table")
+
+    def __init__(self, names: Any, rows: np.ndarray, table: list[str]):
+        super().__init__(names)
+        self.rows, self.table = rows, table
+
+    def copy(self) -> RowNames:  # type: ignore[override]
+        return RowNames(self, self.rows, self.table)
+
+
+def spec_names(specs: Sequence[TensorSpec]) -> list[str]:
+    """The names of ``specs`` (a :class:`RowNames` when they are :class:`RowSpecs`)."""
+    return specs.names() if isinstance(specs, RowSpecs) else list(map(_SPEC_NAME, specs))
+
+
+def copy_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """A list of ``specs`` of the caller's own (a :class:`RowSpecs` keeps its facts)."""
+    return specs.copy() if isinstance(specs, list) else list(specs)
 
 
 @dataclass

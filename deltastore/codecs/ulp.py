@@ -31,16 +31,16 @@ from . import _bits as B
 from ._common import (MANTISSA_BITS, ZstdLevel, position_bits, check_object, encode_positions, names_digest, np_bits,
                       pack_meta, position_stream, read_header, read_positions, sorted_updates,
                       to_torch_bits, u8, unpack_frames, zstd_compress, zstd_decompress)
-from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, read_old_bits,
-                   write_in_place)
+from .base import (Codec, InPlace, OldBits, RowSpecs, TensorSpec, Update, UpdateBatch, WrittenBatch, copy_specs,
+                   read_old_bits, spec_names, write_in_place)
 
 
-_NAME, _DTYPE = operator.attrgetter("name"), operator.attrgetter("dtype")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
     """Indices of ``specs`` grouped by (bits dtype, is float): one vectorised pass per group (usually one)."""
-    if len(set(map(_DTYPE, specs))) == 1:  # the usual object: one kind
+    if (isinstance(specs, RowSpecs) and specs.one_dtype) or len(set(map(_DTYPE, specs))) == 1:  # the usual one
         return [(specs[0].dtype in MANTISSA_BITS, list(range(len(specs))))]
     groups: dict[tuple[Any, bool], list[int]] = {}
     for i, s in enumerate(specs):
@@ -50,7 +50,7 @@ def _kinds(specs: Sequence[TensorSpec]) -> list[tuple[bool, list[int]]]:
 
 def _take(specs: list[TensorSpec], idxs: list[int]) -> list[TensorSpec]:
     """``specs[i]`` for each of ``idxs`` (a group of :func:`_kinds`; all of them: a copy, no pass)."""
-    return specs[:] if len(idxs) == len(specs) else [specs[i] for i in idxs]
+    return copy_specs(specs) if len(idxs) == len(specs) else [specs[i] for i in idxs]
 
 
 def _elements(bounds: np.ndarray, idxs: Sequence[int]) -> np.ndarray:
@@ -177,15 +177,15 @@ class UlpCodec(ZstdLevel, Codec):
         if total and nplanes == 0:
             raise CorruptObjectError("ulp: changes without value planes")
 
-        def unpack_planes() -> None:
-            for j, frame in enumerate(frames):
-                planes[j] = np.frombuffer(zstd_decompress(frame, total, f"ulp plane{j}"), np.uint8)
+        def unpack_planes(js: range | None = None) -> None:  # planes js (all of them by default)
+            for j in range(len(frames)) if js is None else js:
+                planes[j] = np.frombuffer(zstd_decompress(frames[j], total, f"ulp plane{j}"), np.uint8)
 
         kinds = _kinds(specs)
         counts_a = np.asarray(counts, np.int64)
         if in_place and total:  # each kind's tensors, if the receiver lets them: decode, step and write in one pass
             kind_bounds = [np.concatenate([[0], np.cumsum(counts_a[idxs])]).astype(np.int64) for _, idxs in kinds]
-            targets = [write_in_place(old, list(map(_NAME, _take(specs, idxs))), b)
+            targets = [write_in_place(old, spec_names(_take(specs, idxs)), b)
                        for (_, idxs), b in zip(kinds, kind_bounds)]
             if all(t is not None for t in targets):
                 return self._write_in_place(raw, specs, counts_a, raw_len, unpack_planes, planes, kinds, kind_bounds,
@@ -216,16 +216,21 @@ class UlpCodec(ZstdLevel, Codec):
         return out
 
     def _write_in_place(self, raw: dict[str, memoryview], specs: list[TensorSpec], counts: np.ndarray, raw_len: int,
-                        unpack_planes: Callable[[], None], planes: np.ndarray, kinds: list[tuple[bool, list[int]]],
-                        kind_bounds: list[np.ndarray], targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
+                        unpack_planes: Callable[[range | None], None], planes: np.ndarray,
+                        kinds: list[tuple[bool, list[int]]], kind_bounds: list[np.ndarray], targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
         """The object's changes written into the receiver's tensors (``targets``: one per element kind, its
         tensors' counts laid out by ``kind_bounds``) by
-        :class:`deltastore.kernels.bitstream.StepsInPlace`: the position stream and the value planes
-        decompressed on two threads at once, then per kind one pass over the stream that reads each gap,
+        :class:`deltastore.kernels.bitstream.StepsInPlace`: the value planes and the position stream
+        decompressed on two threads at once (the first plane, the largest, on one; the stream and the
+        others on the other), then per kind one pass over the stream that reads each gap,
         steps the value there and writes it back, on every kernel thread."""
         stream: list[bytes] = []
-        each(2, lambda k: unpack_planes() if k == 0 else
-             stream.append(position_stream(raw, counts.tolist(), raw_len, self.codec_id)))
+
+        def second() -> None:  # the position stream, then the planes above the first (usually one, small)
+            stream.append(position_stream(raw, counts.tolist(), raw_len, self.codec_id))
+            unpack_planes(range(1, planes.shape[0]))
+
+        each(2, lambda k: unpack_planes(range(min(1, planes.shape[0]))) if k == 0 else second())
         gaps = np.frombuffer(stream[0], np.uint8)
         out: list[UpdateBatch | WrittenBatch] = []
         for (f, idxs), b, target in zip(kinds, kind_bounds, targets):

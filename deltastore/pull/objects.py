@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -31,13 +31,24 @@ from .._memo import LastList
 from ..apply import check_update
 from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec,
                       read_old_bits, write_in_place)
-from ..codecs.base import decode_batched, decode_placed
+from ..codecs.base import RowSpecs, decode_batched, decode_placed
 from ..errors import ChecksumMismatchError, CorruptObjectError, ManifestError
-from ..manifest import Manifest, Part, Role, TensorRecord
+from ..manifest import Manifest, Part, Role, RowLayout, TensorRecord
 from ..store import DeltaStore
 from ..tensors import DTYPES
 
 Pairs = list[tuple[TensorRecord, Part]]
+
+
+class RowPairs(list):  # type: ignore[type-arg]
+    """The ``(tensor, part)`` pairs of one object (:data:`Pairs`), every part a whole tensor, with ``rows``
+    (int64): each pair's row in its manifest's tensors (:attr:`Manifest.row_layout`)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, pairs: Iterable[tuple[TensorRecord, Part]], rows: np.ndarray):
+        super().__init__(pairs)
+        self.rows = rows
 
 #: the record and the part of a ``(tensor, part)`` pair, as C-level getters for passes over many pairs
 record_of, part_of = operator.itemgetter(0), operator.itemgetter(1)
@@ -55,7 +66,12 @@ def object_index(manifest: Manifest, role: Role) -> dict[int, Pairs]:
         parts = list(map(_FIRST, itertools.compress(held, held)))
         objs = list(map(_OBJECT, parts))
         if len(set(objs)) == 1:
-            return {objs[0]: list(zip(recs, parts))}
+            if manifest.row_layout is None:
+                return {objs[0]: list(zip(recs, parts))}
+            # parsed from plain columns: every part is its whole tensor, and the rows let a decoder skip
+            # passes per tensor (decode_sparse_object)
+            rows = np.fromiter(itertools.compress(itertools.count(), held), dtype=np.int64, count=len(recs))
+            return {objs[0]: RowPairs(zip(recs, parts), rows)}
         pairs = zip(objs, zip(recs, parts))
     else:
         pairs = ((p.object, (t, p)) for t, ps in zip(tensors, held) for p in ps)
@@ -222,12 +238,18 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
     left to the receiver), and ``(tensor, part, update)`` for every tensor it
     holds a part of (positions in the part, joined by the caller), or for
     everything when the codec is dense (:func:`decode_object`). Raises as
-    :func:`decode_object`.
+    :func:`decode_object`. ``pairs`` from :func:`object_index` with rows
+    (:class:`RowPairs`) are prepared from the manifest's row layout: arrays,
+    no pass per tensor, and a decoder that writes them all in place is
+    checked the same way.
     """
     rec = manifest.objects[index]
     codec = get_codec(rec.codec)
     if codec.dense:
         return [], decode_object(manifest, index, data, pairs, role, old)
+    layout = manifest.row_layout
+    if isinstance(pairs, RowPairs) and layout is not None:
+        return _decode_rows(manifest, index, data, pairs, layout, role, old, codec)
     recs = list(map(record_of, pairs))
     names = list(map(_NAME, recs))
     order = _name_order(names)
@@ -248,6 +270,44 @@ def decode_sparse_object(manifest: Manifest, index: int, data: bytes, pairs: Pai
         old, dict(zip(names, map(part_of, pairs))), frozenset(itertools.compress(names, whole)))
     with _typed_errors(manifest, index, codec):
         batches = decode_batched(codec, data, specs, reader)
+    return _checked_batches(manifest, index, codec, batches, pairs, records, all_whole, whole, specs, role)
+
+
+def _decode_rows(manifest: Manifest, index: int, data: bytes, pairs: RowPairs, layout: RowLayout, role: Role,
+                 old: OldBits | None, codec: Codec
+                 ) -> tuple[list[UpdateBatch | WrittenBatch], list[tuple[TensorRecord, Part, Update]]]:
+    """:func:`decode_sparse_object` of whole tensors at known rows of ``manifest``'s layout: the specs in name
+    order as :class:`RowSpecs`, and a decoder's one :class:`WrittenBatch` of exactly those specs checked
+    against the count column; anything else is checked as :func:`decode_sparse_object` checks it."""
+    order = np.argsort(layout.name_rank[pairs.rows], kind="stable")
+    rows = pairs.rows[order]
+    specs = RowSpecs(list(map(layout.specs.__getitem__, rows.tolist())), rows, layout.names,
+                     layout.numel_array[rows], True, layout.one_dtype)
+    with _typed_errors(manifest, index, codec):
+        batches = decode_batched(codec, data, specs, None if old is None else PartReader(old, None))
+    b = batches[0] if isinstance(batches, list) and len(batches) == 1 else None
+    if isinstance(b, WrittenBatch) and len(b.specs) == len(specs) and all(map(operator.is_, b.specs, specs)):
+        expected = manifest.count_column(role)[rows]
+        _check_counts_of(b.bounds, expected, lambda i: manifest.tensors[int(rows[i])].name, manifest.step)
+        if not bool(b.target.done.all()):
+            raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned tensors it "
+                                     "did not finish writing in place", digest=manifest.objects[index].digest)
+        return [WrittenBatch(specs, b.bounds, b.target)], []
+    ordered = list(map(pairs.__getitem__, order.tolist()))
+    records = dict(zip(map(_NAME, map(record_of, ordered)), ordered))
+    return _checked_batches(manifest, index, codec, batches, ordered, records, True, [True] * len(ordered), specs,
+                            role)
+
+
+def _checked_batches(manifest: Manifest, index: int, codec: Codec, batches: object, pairs: Pairs,
+                     records: dict[str, tuple[TensorRecord, Part]], all_whole: bool, whole: list[bool],
+                     specs: list[TensorSpec], role: Role
+                     ) -> tuple[list[UpdateBatch | WrittenBatch], list[tuple[TensorRecord, Part, Update]]]:
+    """What a decoder returned for the ``pairs`` (in name order; ``records``: by name; ``whole``: each part
+    its whole tensor; ``specs``: what the decoder was given) checked against the manifest: the batches of
+    whole tensors, and ``(tensor, part, update)`` of the parts (:func:`decode_sparse_object`)."""
+    rec = manifest.objects[index]
+    names = list(records)
     if not isinstance(batches, list) or not all(isinstance(b, (UpdateBatch, WrittenBatch)) for b in batches):
         raise CorruptObjectError(f"version {manifest.step}: codec {codec.codec_id!r} returned "
                                  f"{type(batches).__name__}, not a list of UpdateBatch", digest=rec.digest)
@@ -316,12 +376,6 @@ def _check_counts(bounds: np.ndarray, held: list[tuple[TensorRecord, Part]], who
                   step: int) -> None:
     """A decoded batch's ``bounds`` (one count per tensor of ``held``) against the manifest's counts of the
     tensors held whole (:class:`CorruptObjectError`)."""
-    first = held[0][0].name if held else "?"
-    if not isinstance(bounds, np.ndarray) or bounds.dtype != np.int64 or bounds.shape != (len(held) + 1,):
-        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
-    counts = np.diff(bounds)
-    if int(bounds[0]) != 0 or bool((counts < 0).any()):
-        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
     recs = list(map(record_of, held))
     attr = "diff_changed" if role == "diff" else "changed"
     if all(wholes):
@@ -329,11 +383,23 @@ def _check_counts(bounds: np.ndarray, held: list[tuple[TensorRecord, Part]], who
     else:
         expected = np.fromiter((getattr(t, attr) if whole else -1 for t, whole in zip(recs, wholes)),
                                dtype=np.int64, count=len(held))
+    _check_counts_of(bounds, expected, lambda i: recs[i].name, step)
+
+
+def _check_counts_of(bounds: object, expected: np.ndarray, name_of: Callable[[int], str], step: int) -> None:
+    """A decoded batch's ``bounds`` (one count per entry of ``expected``) well formed and each count the
+    expected one (``-1``: any); :class:`CorruptObjectError` naming tensor ``name_of(i)`` otherwise."""
+    first = name_of(0) if len(expected) else "?"
+    if not isinstance(bounds, np.ndarray) or bounds.dtype != np.int64 or bounds.shape != (len(expected) + 1,):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
+    counts = np.diff(bounds)
+    if int(bounds[0]) != 0 or bool((counts < 0).any()):
+        raise CorruptObjectError(f"version {step}, tensor {first!r}: a decoded batch has malformed bounds")
     off = np.flatnonzero((counts != expected) & (expected >= 0))
     if off.size:
-        t = held[int(off[0])][0]
-        raise CorruptObjectError(f"version {step}, tensor {t.name!r}: {int(counts[off[0]])} changed elements "
-                                 f"decoded, manifest says {int(expected[off[0]])}")
+        k = int(off[0])
+        raise CorruptObjectError(f"version {step}, tensor {name_of(k)!r}: {int(counts[k])} changed elements "
+                                 f"decoded, manifest says {int(expected[k])}")
 
 
 def _check_sparse_shape(u: Update, spec: TensorSpec, name: str, step: int, expected: int) -> None:
