@@ -13,7 +13,7 @@ import torch
 import deltastore as ds
 from deltastore import segments
 from deltastore.apply import _Pending, _PendingMap
-from deltastore.codecs import TensorSpec, Update, UpdateBatch, get_codec, register_codec
+from deltastore.codecs import TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec, register_codec
 from deltastore.codecs.auto import AutoCodec
 from deltastore.codecs.base import decode_batched, encode_batched
 from deltastore.codecs.raw import RawCodec
@@ -238,19 +238,44 @@ class _Lying(RawCodec):
         return got
 
 
+class _LyingInPlace(UlpCodec):
+    """ulp, whose batch written in place (the row path of a follower one behind) is described falsely
+    (``how``) after the writes."""
+
+    codec_id = "test-lying-in-place"
+    how = ""
+
+    def decode_batch(self, data, specs, old=None):
+        got = UlpCodec.decode_batch(self, data, specs, old)
+        (b,) = got
+        assert isinstance(b, WrittenBatch)
+        how = _LyingInPlace.how
+        if how == "count":
+            bounds = b.bounds.copy()
+            bounds[1] -= 1
+            return [WrittenBatch(b.specs, bounds, b.target)]
+        if how == "bounds":
+            return [WrittenBatch(b.specs, b.bounds[:-1], b.target)]
+        if how == "specs":  # the same tensors, named in another order than they were written
+            return [WrittenBatch(list(reversed(b.specs)), b.bounds, b.target)]
+        return got
+
+
 _NAMED = {"count": "changed elements decoded, manifest says|malformed bounds", "dtype": "decoded bits are torch.int32",
           "order": "not strictly increasing", "range": "not strictly increasing", "length": "disagree",
-          "bounds": "malformed bounds", "missing": "decoded tensors|failed on object"}
+          "bounds": "malformed bounds", "missing": "decoded tensors|failed on object",
+          "specs": "changed elements decoded, manifest says"}
 
 
-@pytest.mark.parametrize("how", ["count", "bounds", "missing", "order", "range", "dtype", "length", "numpy",
-                                 "not-a-list"])
-def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_version(memory_uri, how):
-    register_codec(_Lying.codec_id, _Lying, clobber=True)
+@pytest.mark.parametrize("liar, how", [(_Lying, h) for h in ["count", "bounds", "missing", "order", "range", "dtype",
+                                                             "length", "numpy", "not-a-list"]]
+                         + [(_LyingInPlace, h) for h in ["count", "bounds", "specs"]])
+def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_version(memory_uri, liar, how):
+    register_codec(liar.codec_id, liar, clobber=True)
     try:
         g = torch.Generator().manual_seed(2)
         state = {k: v for k, v in _state(6).items() if k.startswith("block")}
-        pub = ds.Publisher(memory_uri, codec=_Lying.codec_id, anchor_every=100)
+        pub = ds.Publisher(memory_uri, codec=liar.codec_id, anchor_every=100)
         pub.publish(state, step=0)
         before = {k: v.clone() for k, v in state.items()}
         _step(state, g, share=0.3)
@@ -259,14 +284,14 @@ def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_
         sub = ds.Subscriber(memory_uri)
         target = {k: v.clone() for k, v in before.items()}
         sub.pull(target, step=0)
-        _Lying.how = how
+        liar.how = how
         with pytest.raises(ds.errors.CorruptObjectError, match=_NAMED.get(how)):  # names what is wrong
             sub.pull(target, step=1, allow_anchor=False)
-        assert _equal(target, before)
-        _Lying.how = ""
+        assert _equal(target, before) and ds.tracking.get_version(target).step == 0
+        liar.how = ""
         sub.pull(target, step=1, allow_anchor=False)
         assert _equal(target, state)
     finally:
-        _Lying.how = ""
+        liar.how = ""
         with contextlib.suppress(Exception):
-            codec_registry.unregister(_Lying.codec_id)
+            codec_registry.unregister(liar.codec_id)

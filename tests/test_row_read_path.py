@@ -5,13 +5,13 @@ layout (:class:`deltastore.pull.objects.RowPairs` -> ``RowSpecs`` -> ``RowNames`
 no pass per tensor to sort, count or find the target's tensors. These tests
 check that the path is the one taken, that it stays bit-exact while the set
 of changed tensors moves from step to step, that a decoder's lies on it are
-typed errors with the target restored, and that rows are only trusted
-against the very list they index.
+typed errors with the target restored (``tests/test_decode_batch.py``, its
+in-place liar), and that rows are only trusted against the very list they
+index.
 """
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import numpy as np
@@ -22,13 +22,10 @@ import deltastore as ds
 from deltastore import manifest as manifest_mod
 from deltastore.apply import SparseOverlay, TargetAddresses, mapping_reader
 from deltastore.checksum import tensor_keys
-from deltastore.codecs import register_codec
 from deltastore.codecs._common import check_object, names_digest
-from deltastore.codecs.base import RowNames, RowSpecs, TensorSpec, WrittenBatch
-from deltastore.codecs.ulp import UlpCodec
-from deltastore.errors import ChecksumMismatchError, CorruptObjectError
+from deltastore.codecs.base import RowNames, RowSpecs, TensorSpec
+from deltastore.errors import CorruptObjectError
 from deltastore.pull import objects
-from deltastore.registry import codecs as codec_registry
 from deltastore.segments import pointers
 
 
@@ -77,58 +74,6 @@ def test_a_follower_pulls_deltas_by_rows_bit_exact_while_the_changed_set_moves(m
     pub.close()
     assert len(sets) > 1  # the object held another set of tensors from one step to the next
     assert not general and not by_name  # every delta went the row path: checks and target rows as arrays
-
-
-class _LyingInPlace(UlpCodec):
-    """ulp, whose batch written in place is described falsely (``how``) after the writes."""
-
-    codec_id = "test-lying-in-place"
-    how = ""
-
-    def decode_batch(self, data, specs, old=None):
-        got = UlpCodec.decode_batch(self, data, specs, old)
-        b = got[0]
-        assert isinstance(b, WrittenBatch)
-        how = _LyingInPlace.how
-        if how == "count":
-            bounds = b.bounds.copy()
-            bounds[1] -= 1
-            return [WrittenBatch(b.specs, bounds, b.target)]
-        if how == "bounds":
-            return [WrittenBatch(b.specs, b.bounds[:-1], b.target)]
-        if how == "specs":  # the same tensors, named in another order than they were written
-            return [WrittenBatch(list(reversed(b.specs)), b.bounds, b.target)]
-        return got
-
-
-@pytest.mark.parametrize("how", ["count", "bounds", "specs"])
-def test_a_decoder_lying_about_what_it_wrote_in_place_is_typed_and_the_target_is_restored(memory_uri, how):
-    register_codec(_LyingInPlace.codec_id, _LyingInPlace, clobber=True)
-    try:
-        g = torch.Generator().manual_seed(2)
-        state = _state(12)
-        pub = ds.Publisher(memory_uri, codec=_LyingInPlace.codec_id, anchor_every=100)
-        pub.publish(state, step=0)
-        before = {k: v.clone() for k, v in state.items()}
-        for v in state.values():  # every tensor changes, each by its own count
-            v.view(torch.int16)[: 1 + v.numel() // 9] += 1
-        pub.publish(state, step=1)
-        pub.close()
-        sub = ds.Subscriber(memory_uri)
-        target = {k: v.clone() for k, v in before.items()}
-        sub.pull(target, step=0)
-        _LyingInPlace.how = how
-        with pytest.raises((CorruptObjectError, ChecksumMismatchError)):
-            sub.pull(target, step=1, allow_anchor=False)
-        assert _equal(target, before)
-        assert ds.tracking.get_version(target).step == 0
-        _LyingInPlace.how = ""
-        sub.pull(target, step=1, allow_anchor=False)
-        assert _equal(target, state)
-    finally:
-        _LyingInPlace.how = ""
-        with contextlib.suppress(Exception):
-            codec_registry.unregister(_LyingInPlace.codec_id)
 
 
 def _overlay(names: list[str], table: list[str]) -> tuple[SparseOverlay, dict[str, torch.Tensor]]:
