@@ -986,7 +986,7 @@ def write_full(target: Mapping[str, torch.Tensor], state: FullState,
 
 def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                  copies: Mapping[str, list[str]] | None = None, owner: Any = None,
-                 drop: list[str] | None = None) -> None:
+                 drop: list[str] | None = None, undo_out: list[Callable[[], object]] | None = None) -> None:
     """Write the overlay's net changes into ``target``; restore the touched elements on failure.
 
     Plain CPU tensors are written by one kernel scatter per element width
@@ -996,7 +996,9 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     tensor is copied into the target's tensor when that one has its dtype and
     shape, else set as a new tensor in ``owner`` (the caller's mapping;
     :func:`check_target` made sure it is one); the ``drop`` names are deleted
-    from ``owner``. All of it is undone on failure.
+    from ``owner``. All of it is undone on failure. ``undo_out``: after a write that succeeded, gets the
+    steps that put back what it wrote (run newest first; the caller's, for a write it may still have to
+    take back, as a later delta of the same pull failing).
     """
     undo: list[Callable[[], object]] = []
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
@@ -1043,6 +1045,8 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                 _write_layout(target, overlay, copies, owner, drop or [], undo)
     except BaseException as e:
         _rollback(undo, e)
+    if undo_out is not None:
+        undo_out += undo
 
 
 _ABSENT = object()

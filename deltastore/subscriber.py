@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,8 +20,8 @@ import torch
 from . import progress as _progress, segments, tracking
 from ._gc import paused
 from ._memory import pin_allocator, release_memory
-from .apply import (FullState, Reader, SparseOverlay, check_layout, check_overlaps, check_target, check_tied,
-                    fits, mapping_reader, plain_cpu_groups, restored_after, write_sparse)
+from .apply import (FullState, Reader, SparseOverlay, TargetAddresses, check_layout, check_overlaps, check_target,
+                    check_tied, fits, mapping_reader, plain_cpu_groups, restored_after, write_sparse)
 from .checksum import full_checksum, tensor_keys
 from .codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
@@ -53,7 +53,9 @@ class PullResult:
     path: ``"anchor"``, ``"delta"`` or ``"none"`` (already at the version).
     digest: sha256 of the version's manifest.
     written: tensor name -> elements written into the target (every element of
-        every tensor after an anchor; the net changed elements after deltas).
+        every tensor after an anchor; after deltas, the changed elements: the net ones
+        of a path staged whole, what each delta wrote, summed, of deltas written one by
+        one, see ``docs/architecture.md``).
     lag: committed versions newer than ``step`` when the pull started.
     created: wall-clock time (seconds since the epoch) the version was committed;
         ``age`` is how old it is now.
@@ -425,36 +427,75 @@ class Subscriber:
             names = lay.start_manifest.layout_columns[0]
             # the version's tensors, contiguous (check_target): the target itself when it holds just those
             held = tensors if list(tensors) == names else dict(zip(names, map(tensors.__getitem__, names)))
-            # one delta that keeps the layout: each change is staged once, so decoders may write it as they
-            # decode it (one pass over the target instead of a read and a write), undone if the version fails
-            through = len(plan.deltas) == 1 and plan.differential is None and not lay.changes and not copies
+            # deltas that keep the layout are written one after the other, each as it is decoded (its changes
+            # staged once: one pass over the target per delta, nothing held for the next), every one undone
+            # if a later one fails; any other path is staged whole, then written
+            through = (plan.differential is None and not lay.changes and not copies
+                       and (len(plan.deltas) == 1 or not drop))
             # the same tensors as checked before, in the version's order: their addresses are known already
             known = self._checked.addresses() if checked is not None and held is tensors else None
-            overlay = SparseOverlay(mapping_reader(tensors), self.store.manifest(current.step), held,
-                                    write_through=through, addresses=known, table=names)
-            tracking.set_version(target, None)  # unknown while writing
-            try:
-                fetched = self._apply_steps(plan, overlay)
-                written = overlay.pending.counts()
-                written.update(overlay.written_in_place)
-                written.update((n, b.numel()) for n, b in overlay.whole.items())
-                write_sparse(tensors, overlay, copies, owner=target, drop=drop)
-            except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised
-                refused = overlay.undo_in_place()
-                tracking.set_version(target, current if restored_after(e) and not refused else None)
-                if refused:
-                    err = ApplyError(f"pulling version {step} failed ({e!r}) and {refused} in-place write(s) "
-                                     "refused the restore; the target's version is unknown: pull again (from an "
-                                     "anchor) to repair it")
-                    err.restored = False
-                    raise err from e
-                raise
+            fetched, written = self._write_deltas(target, tensors, held, known, names, plan, current, copies, drop,
+                                                  through)
             path = "delta"
         tracking.set_version(target, ref)
         if not (tied or copies or drop or lay.changes):
             self._checked.remember(target, manifest)
         release_memory()
         return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
+
+    def _write_deltas(self, target: Target, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
+                      known: TargetAddresses | None, names: list[str], plan: Plan, current: VersionRef,
+                      copies: dict[str, list[str]], drop: list[str], through: bool) -> tuple[int, dict[str, int]]:
+        """Write the plan's differential and deltas into the live target from ``current``; all or nothing.
+
+        With ``through``, each delta is staged on its own overlay, its decoders writing into the target as
+        they decode (one delta behind each time), and written before the next is read; otherwise the whole
+        path is staged on one overlay, then written. Returns the bytes read and the elements written per
+        tensor (summed over the deltas written one by one). On any failure, an interrupt too, every write
+        is undone, newest first, and the error re-raised (:class:`ApplyError` with ``restored = False`` when
+        an undo refused: the target's version is then unknown).
+        """
+        groups: list[list[int] | None] = [[s] for s in plan.deltas] if through else [None]
+        done: list[tuple[SparseOverlay, list[Callable[[], object]]]] = []
+        base = self.store.manifest(current.step)
+        fetched, written = 0, {}
+        tracking.set_version(target, None)  # unknown while writing
+        try:
+            for k, group in enumerate(groups):
+                overlay = SparseOverlay(mapping_reader(tensors), base, held, write_through=through,
+                                        addresses=known, table=names)
+                undo: list[Callable[[], object]] = []
+                done.append((overlay, undo))
+                if group is None:
+                    fetched += self._apply_steps(plan, overlay)
+                else:
+                    base = self.store.manifest(group[0])
+                    fetched += self.advance(overlay, base, "delta")
+                counts = overlay.pending.counts()
+                counts.update(overlay.written_in_place)
+                counts.update((n, b.numel()) for n, b in overlay.whole.items())
+                for name, n in counts.items():
+                    written[name] = written.get(name, 0) + n
+                write_sparse(tensors, overlay, copies, owner=target, drop=drop if k == len(groups) - 1 else None,
+                             undo_out=undo)
+        except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised
+            refused = 0
+            for overlay, undo in reversed(done):
+                for put_back in reversed(undo):  # the staged writes of a delta written whole already
+                    try:
+                        put_back()
+                    except Exception:  # noqa: BLE001 - counted; the target is then reported as unknown
+                        refused += 1
+                refused += overlay.undo_in_place()
+            tracking.set_version(target, current if restored_after(e) and not refused else None)
+            if refused:
+                err = ApplyError(f"pulling version {plan.deltas[-1] if plan.deltas else current.step} failed "
+                                 f"({e!r}) and {refused} write(s) refused the restore; the target's version is "
+                                 "unknown: pull again (from an anchor) to repair it")
+                err.restored = False
+                raise err from e
+            raise
+        return fetched, written
 
     def _held(self, current: VersionRef | None) -> Manifest | None:
         """The manifest of the version a target holds, if this store has exactly that version."""

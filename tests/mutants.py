@@ -90,6 +90,17 @@ MUTANTS = [
                         for names, b in written]""",
              """        written_sums = [[int(manifest.checksum_values[n]) for n in names] for names, b in written]""")],
            ["tests/test_bad_inputs.py"]),
+    Mutant("row-counts-unchecked", "the counts of a batch a decoder wrote in place are not compared with the "
+           "manifest's on the row path (a follower one delta behind)",
+           [("deltastore/pull/objects.py",
+             "        _check_counts_of(b.bounds, expected, lambda i: manifest.tensors[int(rows[i])].name, manifest.step)\n",
+             "")],
+           ["tests/test_decode_batch.py"]),
+    Mutant("earlier-deltas-not-undone", "a pull several deltas behind that fails in its last delta puts back only "
+           "that one, not the deltas it wrote before it",
+           [("deltastore/subscriber.py", "            for overlay, undo in reversed(done):\n",
+             "            for overlay, undo in reversed(done[-1:]):\n")],
+           ["tests/test_bad_inputs.py", "tests/test_batched_reads.py"]),
     Mutant("in-place-not-undone", "a failed pull leaves what decoders wrote in place in the target",
            [("deltastore/apply.py", "                    target.undo()\n", "                    pass\n")],
            ["tests/test_bad_inputs.py"]),

@@ -289,64 +289,73 @@ def test_interrupted_write_with_successful_restore_keeps_the_version(published):
     assert bits_equal(_plain(target), states[4])
 
 
-def test_interrupted_write_of_plain_cpu_tensors_is_undone(published, monkeypatch):
-    """Plain CPU tensors are written by the library's batched scatter, not through torch: a failure right after
-    it landed must be undone too. (A path of two deltas: a single one is written in place as it is decoded,
-    next test.)"""
+def test_interrupted_write_of_plain_cpu_tensors_is_undone(store_uri, monkeypatch):
+    """Plain CPU tensors are written by the library's batched scatter, not through torch, when the codec
+    does not write in place (``raw``): a failure right after a write landed must be undone, and so must the
+    deltas written before it on the same pull (two behind: each delta is written before the next is read)."""
     import deltastore.apply as apply_mod
 
-    uri, states, sub, _ = published
-    target = sub.pull(step=0).state
-    sub.pull(target, step=2)
+    states = _states(5)
+    publish_all(store_uri, states, anchor_every=100, codec="raw")
+    sub, target = follower_at(store_uri, 2)
     real = apply_mod.segments.scatter
     calls = []
 
     def scatter_then_fail(*args, **kwargs):
         calls.append(len(calls))
         real(*args, **kwargs)
-        if len(calls) == 1:
+        if len(calls) == 2:  # the second delta's write
             raise RuntimeError("injected failure after the write landed")
 
     monkeypatch.setattr(apply_mod.segments, "scatter", scatter_then_fail)
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
-    assert len(calls) >= 2  # the write, then its undo
+    assert len(calls) >= 4  # both writes, then both undone
     assert e.value.restored is True and sub.version_of(target).step == 2
     assert bits_equal(target, states[2])
     monkeypatch.undo()
     assert sub.pull(target, step=4).path == "delta" and bits_equal(target, states[4])
 
 
+@pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("failure", ["decoder", "checksum", "interrupt"])
-def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, failure):
-    """One delta behind, the decoder writes each change into the target as it decodes it. Whatever fails
-    after that write (the decoder itself, the checksum check after it, an interrupt), the target is put
-    back bit for bit and keeps its version."""
+def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, failure, behind):
+    """Each delta behind, the decoder writes each change into the target as it decodes it. Whatever fails
+    after that write of the last delta (the decoder itself, the checksum check after it, an interrupt),
+    the target is put back bit for bit, with every delta the pull wrote before it, and keeps its version."""
     from deltastore import apply as apply_mod
     from deltastore.kernels import bitstream
 
     uri, states, sub, target = published
-    real = bitstream.StepsInPlace.run
-    landed = []
+    start = 4 - behind
+    if start != 3:
+        sub.pull(target, step=start, allow_anchor=True)
+    real, real_advance = bitstream.StepsInPlace.run, ds.Subscriber.advance
+    real_sums = apply_mod._expect_sums
+    at, landed = [], []
 
     def write_then_fail(self):
         got = real(self)
         landed.append(bool(self.done.all()))  # every tensor written
-        if failure == "decoder":
+        if at[-1] == 4 and failure == "decoder":
             raise RuntimeError("injected failure after the in-place write")
-        if failure == "interrupt":
+        if at[-1] == 4 and failure == "interrupt":
             raise KeyboardInterrupt
         return got
 
+    monkeypatch.setattr(ds.Subscriber, "advance", lambda self, state, m, role="delta":
+                        (at.append(m.step), real_advance(self, state, m, role))[1])
     monkeypatch.setattr(bitstream.StepsInPlace, "run", write_then_fail)
     if failure == "checksum":
-        monkeypatch.setattr(apply_mod, "_expect_sums", lambda manifest, names, *a: _raise_mismatch(names))
+        monkeypatch.setattr(apply_mod, "_expect_sums", lambda manifest, names, *a:
+                            _raise_mismatch(names) if manifest.step == 4 else real_sums(manifest, names, *a))
     expected = {"decoder": CorruptObjectError, "checksum": ChecksumMismatchError, "interrupt": KeyboardInterrupt}
     with pytest.raises(expected[failure]):
         sub.pull(target, step=4, allow_anchor=False)
-    assert landed and all(landed)  # the write had landed before the failure
-    assert sub.version_of(target).step == 3
-    assert bits_equal(target, states[3])
+    assert at == list(range(start + 1, 5))
+    assert len(landed) >= behind and all(landed)  # the writes had landed before the failure
+    assert sub.version_of(target).step == start
+    assert bits_equal(target, states[start])
     monkeypatch.undo()
     assert sub.pull(target, step=4, allow_anchor=False).path == "delta" and bits_equal(target, states[4])
 

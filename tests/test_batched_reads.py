@@ -140,10 +140,43 @@ def test_a_ulp_pull_one_delta_behind_reads_and_writes_each_change_once(memory_ur
     assert sum(seen["check"]) == 0, seen
 
 
-def test_a_ulp_pull_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypatch):
+def test_a_ulp_pull_over_two_deltas_writes_each_in_place_in_turn(memory_uri, monkeypatch):
     states, sub, target = _ulp_follower_at_zero(memory_uri)
     seen = _counting(monkeypatch)
-    sub.pull(target, step=2, allow_anchor=False)
+    runs = []
+    real_advance = ds.Subscriber.advance
+    monkeypatch.setattr(ds.Subscriber, "advance", lambda self, state, m, role="delta":
+                        (runs.append((m.step, len(seen["in_place"]))), real_advance(self, state, m, role))[1])
+    res = sub.pull(target, step=2, allow_anchor=False)
+    assert bits_equal(target, states[2]) and res.versions_applied == [1, 2]
+    # each delta read, stepped and wrote where it lies, one after the other: nothing staged or gathered
+    assert seen["gather"] == [] and seen["scatter"] == [] and sum(seen["check"]) == 0, seen
+    (s1, before1), (s2, before2) = runs
+    assert (s1, s2) == (1, 2)
+    assert sum(seen["in_place"][before1:before2]) == sub.manifest(1).changed, seen
+    assert sum(seen["in_place"][before2:]) == sub.manifest(2).changed, seen
+    # written: what each delta wrote, summed over them
+    assert sum(res.written.values()) == sub.manifest(1).changed + sub.manifest(2).changed
+
+
+def _staged_path(sub, target, start, steps):
+    """The path from version ``start`` through ``steps`` staged on one overlay over ``target``, then written
+    (what a pull does for a path with a differential or a layout change, and ``stage()`` for an
+    integration); returns the elements staged per tensor."""
+    from deltastore.apply import SparseOverlay, mapping_reader, write_sparse
+
+    overlay = SparseOverlay(mapping_reader(target), sub.manifest(start), target)
+    for s in steps:
+        sub.advance(overlay, sub.manifest(s))
+    written = overlay.pending.counts()
+    write_sparse(target, overlay)
+    return written
+
+
+def test_a_ulp_path_staged_over_two_deltas_reads_each_old_bit_once(memory_uri, monkeypatch):
+    states, sub, target = _ulp_follower_at_zero(memory_uri)
+    seen = _counting(monkeypatch)
+    _staged_path(sub, target, 0, [1, 2])
     assert bits_equal(target, states[2])
     # staged across two deltas, nothing is written before the end: each delta's old bits are read once
     # (the decoder's read, reused by the overlay), and the net changes written once
@@ -324,9 +357,9 @@ def _overlapping_states(n=5, seed=1):
 
 
 @pytest.mark.parametrize("codec", ["ulp", "raw"])
-def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
-    """Several deltas pulled at once into a live target: a batch touching staged tensors again is merged
-    by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
+def test_a_staged_path_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
+    """Several deltas staged on one overlay over a live target: a batch touching staged tensors again is
+    merged by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
     from deltastore.apply import SparseOverlay, _PendingMap
 
     states = _overlapping_states()
@@ -348,8 +381,7 @@ def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_u
     monkeypatch.setattr(_PendingMap, "_flat", lambda self, names: (events.append(tuple(names)),
                                                                    real_flat(self, names))[1])
     monkeypatch.setattr(_PendingMap, "add_batch", lambda self, b: (events.append("staged"), real_add(self, b))[1])
-    got = sub.pull(target, step=4, allow_anchor=False)
-    assert got.path == "delta" and got.versions_applied == [1, 2, 3, 4]
+    written = _staged_path(sub, target, 0, [1, 2, 3, 4])
     assert bits_equal(target, states[4])
     between = [[]]
     for e in events:
@@ -357,15 +389,15 @@ def test_a_lagging_follower_merges_each_batch_touched_again_in_one_pass(memory_u
     assert any(between) and all(len(b) == len(set(b)) for b in between), events  # read once, reused to merge
     assert set(merges) <= {"norm"}  # every sparse touch went through the batch merge (raw may store norm whole)
     assert sorted(sizes)[-1] == 5 and sizes.count(5) == 1, sizes  # the bf16 batch: one write
-    for k in (k for k in states[0] if k != "norm"):  # written: the union of the elements any delta changed
+    for k in (k for k in states[0] if k != "norm"):  # staged: the union of the elements any delta changed
         ints = [s[k].view(torch.int16).reshape(-1) for s in states]
         union = torch.zeros_like(ints[0], dtype=torch.bool)
         for a, b in zip(ints, ints[1:]):
             union |= a != b
-        assert got.written[k] == int(union.sum()), k
+        assert written[k] == int(union.sum()), k
 
 
-def test_a_failed_write_of_merged_batches_restores_the_bits_before_the_pull(memory_uri, monkeypatch):
+def test_a_failed_write_of_merged_batches_restores_the_bits_before_it(memory_uri, monkeypatch):
     states = _overlapping_states()
     _publish(memory_uri, states, "ulp")
     sub = ds.Subscriber(memory_uri)
@@ -382,11 +414,48 @@ def test_a_failed_write_of_merged_batches_restores_the_bits_before_the_pull(memo
 
     monkeypatch.setattr(segments, "scatter", failing_second)
     with pytest.raises(ds.errors.ApplyError):
-        sub.pull(target, step=4, allow_anchor=False)
-    assert bits_equal(target, states[0])  # the first batch's write undone from its merged originals
+        _staged_path(sub, target, 0, [1, 2, 3, 4])
+    assert len(calls) >= 3 and bits_equal(target, states[0])  # the first batch's write undone from its originals
     monkeypatch.setattr(segments, "scatter", real)
     assert sub.pull(target, step=4, allow_anchor=False).path == "delta"
     assert bits_equal(target, states[4])
+
+
+@pytest.mark.parametrize("codec", ["ulp", "raw"])
+def test_a_lagging_follower_writes_delta_after_delta_and_a_late_failure_undoes_them_all(memory_uri, monkeypatch,
+                                                                                          codec):
+    """Several deltas behind, each delta is written before the next is read (``ulp`` in place as it decodes,
+    ``raw`` staged, then scattered). A failure in the last one, after it landed, puts back every delta
+    written before it as well: the target keeps its version, bit for bit."""
+    states = _overlapping_states()
+    _publish(memory_uri, states, codec)
+    sub = ds.Subscriber(memory_uri)
+    target = {k: v.clone() for k, v in states[0].items()}
+    sub.pull(target, step=0)
+    real_advance, real_write = ds.Subscriber.advance, ds.apply.write_sparse
+    at = []
+
+    def advance(self, state, m, role="delta"):
+        at.append(m.step)
+        got = real_advance(self, state, m, role)
+        if at[-1] == 4 and codec == "ulp":  # in the target already: fail before it is written whole
+            raise RuntimeError("injected: the last delta fails after its in-place write")
+        return got
+
+    def write(target_, overlay, *a, **kw):
+        real_write(target_, overlay, *a, **kw)
+        if at[-1] == 4:
+            raise OSError("injected: the last delta fails after its write landed")
+
+    monkeypatch.setattr(ds.Subscriber, "advance", advance)
+    monkeypatch.setattr(ds.subscriber, "write_sparse", write)
+    with pytest.raises((RuntimeError, OSError)):
+        sub.pull(target, step=4, allow_anchor=False)
+    assert at == [1, 2, 3, 4]
+    assert sub.version_of(target).step == 0 and bits_equal(target, states[0])
+    monkeypatch.undo()
+    res = sub.pull(target, step=4, allow_anchor=False)
+    assert res.versions_applied == [1, 2, 3, 4] and bits_equal(target, states[4])
 
 
 class _XorRaw(ds.codecs.raw.RawCodec):
