@@ -458,7 +458,8 @@ class Subscriber:
         groups: list[list[int] | None] = [[s] for s in plan.deltas] if through else [None]
         done: list[tuple[SparseOverlay, list[Callable[[], object]]]] = []
         base = self.store.manifest(current.step)
-        fetched, written = 0, {}
+        fetched = 0
+        written: dict[str, int] = {}
         tracking.set_version(target, None)  # unknown while writing
         try:
             for k, group in enumerate(groups):
@@ -474,8 +475,11 @@ class Subscriber:
                 counts = overlay.pending.counts()
                 counts.update(overlay.written_in_place)
                 counts.update((n, b.numel()) for n, b in overlay.whole.items())
-                for name, n in counts.items():
-                    written[name] = written.get(name, 0) + n
+                if not written:
+                    written = counts
+                else:  # a later delta of the path: summed with what the ones before wrote
+                    for name, n in counts.items():
+                        written[name] = written.get(name, 0) + n
                 write_sparse(tensors, overlay, copies, owner=target, drop=drop if k == len(groups) - 1 else None,
                              undo_out=undo)
         except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised
