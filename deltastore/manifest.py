@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
+
 from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
 from .quantize import check_record as check_quantization

@@ -434,8 +434,8 @@ class Subscriber:
                        and (len(plan.deltas) == 1 or not drop))
             # the same tensors as checked before, in the version's order: their addresses are known already
             known = self._checked.addresses() if checked is not None and held is tensors else None
-            fetched, written = self._write_deltas(target, tensors, held, known, names, plan, current, copies, drop,
-                                                  through)
+            fetched, written = self._write_deltas(target, tensors, held, known, names, step, plan, current, copies,
+                                                  drop, through)
             path = "delta"
         tracking.set_version(target, ref)
         if not (tied or copies or drop or lay.changes):
@@ -444,9 +444,10 @@ class Subscriber:
         return PullResult(step, target, fetched, applied, path, ref.digest, written, lag, created)
 
     def _write_deltas(self, target: Target, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
-                      known: TargetAddresses | None, names: list[str], plan: Plan, current: VersionRef,
+                      known: TargetAddresses | None, names: list[str], step: int, plan: Plan, current: VersionRef,
                       copies: dict[str, list[str]], drop: list[str], through: bool) -> tuple[int, dict[str, int]]:
-        """Write the plan's differential and deltas into the live target from ``current``; all or nothing.
+        """Write the plan's differential and deltas (to version ``step``) into the live target from ``current``;
+        all or nothing.
 
         With ``through``, each delta is staged on its own overlay, its decoders writing into the target as
         they decode (one delta behind each time), and written before the next is read; otherwise the whole
@@ -493,9 +494,8 @@ class Subscriber:
                 refused += overlay.undo_in_place()
             tracking.set_version(target, current if restored_after(e) and not refused else None)
             if refused:
-                err = ApplyError(f"pulling version {plan.deltas[-1] if plan.deltas else current.step} failed "
-                                 f"({e!r}) and {refused} write(s) refused the restore; the target's version is "
-                                 "unknown: pull again (from an anchor) to repair it")
+                err = ApplyError(f"pulling version {step} failed ({e!r}) and {refused} write(s) refused the "
+                                 "restore; the target's version is unknown: pull again (from an anchor) to repair it")
                 err.restored = False
                 raise err from e
             raise

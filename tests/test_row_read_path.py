@@ -58,7 +58,8 @@ def test_a_follower_pulls_deltas_by_rows_bit_exact_while_the_changed_set_moves(m
     sub = ds.Subscriber(memory_uri)
     sub.pull(target, step=0)
     general, by_name = [], []
-    monkeypatch.setattr(objects, "_checked_batches", lambda *a, _f=objects._checked_batches: general.append(1) or _f(*a))
+    monkeypatch.setattr(objects, "_checked_batches",
+                        lambda *a, _f=objects._checked_batches: general.append(1) or _f(*a))
     monkeypatch.setattr(TargetAddresses, "rows", lambda self, names, _f=TargetAddresses.rows:
                         by_name.append(1) or _f(self, names))
     sets = set()

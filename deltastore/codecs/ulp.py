@@ -217,7 +217,8 @@ class UlpCodec(ZstdLevel, Codec):
 
     def _write_in_place(self, raw: dict[str, memoryview], specs: list[TensorSpec], counts: np.ndarray, raw_len: int,
                         unpack_planes: Callable[[range | None], None], planes: np.ndarray,
-                        kinds: list[tuple[bool, list[int]]], kind_bounds: list[np.ndarray], targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
+                        kinds: list[tuple[bool, list[int]]], kind_bounds: list[np.ndarray],
+                        targets: list[InPlace]) -> list[UpdateBatch | WrittenBatch]:
         """The object's changes written into the receiver's tensors (``targets``: one per element kind, its
         tensors' counts laid out by ``kind_bounds``) by
         :class:`deltastore.kernels.bitstream.StepsInPlace`: the value planes and the position stream
