@@ -285,8 +285,14 @@ MUTANTS = [
            ["tests/test_checked_target.py"]),
     Mutant("known-addresses-ignore-names", "the overlay offers every known address for a decoder's subset of "
            "the tensors",
-           [("deltastore/apply.py", "            if names == known.names:\n", "            if True:\n")],
+           [("deltastore/apply.py", "            elif names == known.names:\n", "            elif True:\n")],
            ["tests/test_checked_target.py"]),
+    Mutant("rows-of-another-list", "the overlay takes a decoder's rows as the target's though they index another "
+           "list of names",
+           [("deltastore/apply.py",
+             '            if given is not None and self._table is not None and getattr(names, "table", None) is '
+             'self._table:\n', "            if given is not None:\n")],
+           ["tests/test_row_read_path.py"]),
 ]
 
 
