@@ -1117,6 +1117,18 @@ def restored_after(error: BaseException) -> bool:
     return getattr(error, "deltastore_restored", True)
 
 
+def put_back(undo: list[Callable[[], object]]) -> int:
+    """Run the undo steps of writes (newest first); returns how many refused (raised), each still tried."""
+    failed = 0
+    with torch.no_grad():
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
+                failed += 1
+    return failed
+
+
 def _rollback(undo: list[Callable[[], object]], cause: BaseException) -> None:
     """Undo the writes made so far (newest first) and raise :class:`ApplyError`.
 
@@ -1127,13 +1139,7 @@ def _rollback(undo: list[Callable[[], object]], cause: BaseException) -> None:
     ``Exception``) is re-raised as itself once the writes are undone, with
     ``deltastore_restored`` set (:func:`restored_after`).
     """
-    failed = 0
-    with torch.no_grad():
-        for step in reversed(undo):
-            try:
-                step()
-            except Exception:
-                failed += 1
+    failed = put_back(undo)
     if not isinstance(cause, Exception):
         try:
             cause.deltastore_restored = failed == 0  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from . import progress as _progress, segments, tracking
 from ._gc import paused
 from ._memory import pin_allocator, release_memory
 from .apply import (FullState, Reader, SparseOverlay, TargetAddresses, check_layout, check_overlaps, check_target,
-                    check_tied, fits, mapping_reader, plain_cpu_groups, restored_after, write_sparse)
+                    check_tied, fits, mapping_reader, plain_cpu_groups, put_back, restored_after, write_sparse)
 from .checksum import full_checksum, tensor_keys
 from .codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
@@ -486,11 +486,7 @@ class Subscriber:
         except BaseException as e:  # an interrupt too: undone by write_sparse and here, then re-raised
             refused = 0
             for overlay, undo in reversed(done):
-                for put_back in reversed(undo):  # the staged writes of a delta written whole already
-                    try:
-                        put_back()
-                    except Exception:  # noqa: BLE001 - counted; the target is then reported as unknown
-                        refused += 1
+                refused += put_back(undo)  # the staged writes of a delta written whole already
                 refused += overlay.undo_in_place()
             tracking.set_version(target, current if restored_after(e) and not refused else None)
             if refused:
