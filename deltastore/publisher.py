@@ -51,7 +51,7 @@ from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Mirror, Pending
 from .publish.resume import resume_chain
 from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
-from .publish.stream import diff_stream
+from .publish.stream import diff_stream, owned_items
 from .publish.version import Captured, write_version
 from .quantize import get_quantizer
 from .tensors import StateLike, dtype_name, named_tensors
@@ -198,10 +198,16 @@ class Publisher:
 
         Synchronous (default): returns the :class:`VersionInfo` once the
         version is committed; on any error nothing is committed and the
-        Publisher is unchanged, so the same step can be retried. An iterator
-        (not a mapping or module) on a chain whose layout the Publisher knows
-        is compared piece by piece as it is consumed, so each tensor may be
-        produced just in time and dropped (``deltastore/publish/stream.py``).
+        Publisher is unchanged, so the same step can be retried. An iterable
+        of pairs (not a mapping or module) is a stream: each item need only
+        stay valid until the next one is requested (a producer may recycle one
+        buffer, or refill a tensor after yielding it). On a chain whose layout
+        the Publisher knows it is compared piece by piece as it is consumed,
+        so each tensor may be produced just in time and dropped; otherwise (a
+        new chain, a layout change, ``quantize``, ``adapter_only``, background
+        mode) each item is copied before the next is requested
+        (``deltastore/publish/stream.py``). A ``list`` or ``tuple`` of pairs is
+        held by the caller and taken as it is.
 
         With ``background=True``: returns a :class:`PendingVersionInfo` (a
         ``VersionInfo``) as soon as the changes are captured (the bit-compare is
@@ -245,6 +251,8 @@ class Publisher:
                 return self._write_sync(Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
                                                   time.time()))
             state = streamed.pairs  # it left the layout: the ordinary capture below
+        elif not isinstance(state, (Mapping, torch.nn.Module, list, tuple)):
+            state = owned_items(state)  # a stream captured whole: each item copied before the next is produced
         tensors, specs, aliases = self._normalise(state)
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
