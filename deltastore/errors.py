@@ -179,3 +179,8 @@ class UnknownOptionError(DeltaStoreError, ValueError):
 
 def _rebuild_too_large(message: str, size: int | None) -> ValueTooLargeError:
     return ValueTooLargeError(message, size=size)
+
+
+class ReentrantCallError(DeltaStoreError, RuntimeError):
+    """A call that would wait on itself: ``Publisher.publish`` (or ``flush``/``close``) from the Publisher's own
+    background writer thread (a ``PendingVersionInfo`` done-callback, say), where it would deadlock."""

@@ -293,6 +293,21 @@ MUTANTS = [
              '            if given is not None and self._table is not None and getattr(names, "table", None) is '
              'self._table:\n', "            if given is not None:\n")],
            ["tests/test_row_read_path.py"]),
+    Mutant("publish-unserialised", "publish() from several threads runs concurrently (no lock)",
+           [("deltastore/publisher.py", "        with self._lock:\n            yield\n", "        yield\n")],
+           ["tests/test_concurrent_use.py"]),
+    Mutant("pull-target-unserialised", "pulls into one target from several threads or Subscribers run concurrently",
+           [("deltastore/subscriber.py", "        with self._lock, tracking.exclusive(target):",
+             "        if True:")],
+           ["tests/test_concurrent_use.py"]),
+    Mutant("stream-holds-items", "a streamed publish holds live items for a later compare (no copy of small ones)",
+           [("deltastore/publish/stream.py",
+             "            piece[name] = t.detach().to(device=mirror.device, dtype=sp.dtype, copy=True)",
+             "            piece[name] = t")],
+           ["tests/test_publish_stream.py"]),
+    Mutant("whole-stream-not-copied", "a stream captured whole keeps references to its items (no copies)",
+           [("deltastore/publisher.py", "            state = owned_items(state)", "            state = list(state)")],
+           ["tests/test_publish_stream.py"]),
 ]
 
 
