@@ -117,3 +117,7 @@ def test_the_api_reference_links_its_names_and_shows_real_defaults(site):
     assert constants and not [name for name in constants if name in signature]
     # the formatter laid the signature out one parameter a line
     assert signature.count("\n") > 10
+    # the TRL callback, a class built on first access, is documented from the class its factory defines
+    integrations = (site / "api" / "integrations" / "index.html").read_text()
+    assert 'id="deltastore.integrations.trl.DeltaStoreCallback"' in integrations
+    assert "publishes the model after every optimizer step" in integrations
