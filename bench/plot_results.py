@@ -95,7 +95,7 @@ def plot_times(out: Path) -> None:
     ax.set_yticks(range(len(TIMES)), [f"{n} ÷ {r}" for n, r, _, _ in TIMES], fontsize=9.5)
     ax.invert_yaxis()
     commits = " and ".join(dict.fromkeys(RUNS))
-    ax.set_xlabel(f"time ÷ the reference timed in the same run; dots: {len(RUNS)} runs at {commits}; red: target")
+    ax.set_xlabel(f"time ÷ the reference timed in the same run\n(dots: {len(RUNS)} runs at {commits}; red: the target)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "time-ratios.png", dpi=150)
