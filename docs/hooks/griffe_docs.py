@@ -40,7 +40,9 @@ _LITERAL_NODES = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.oper
 ROOT_PACKAGE = "deltastore"
 
 
-class SphinxRolesAndDefaults(griffe.Extension):
+class ApiReference(griffe.Extension):
+    """Runs once the `deltastore` package is loaded: every change listed in the module docstring."""
+
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         if pkg.name != ROOT_PACKAGE:
             return
