@@ -283,6 +283,10 @@ class Trust:
     def key_ids(self) -> list[str]:
         return sorted(self.keys)
 
+    def texts(self) -> list[str]:
+        """The trusted keys as OpenSSH lines (what travels to vLLM workers; :func:`as_trust` reads them)."""
+        return [k.openssh().decode() for ks in self.keys.values() for k in ks]
+
     def __repr__(self) -> str:
         return f"Trust({', '.join(self.key_ids)})"
 
@@ -356,6 +360,12 @@ def as_trust(trusted_keys: Any) -> Trust | None:
     if trusted_keys is None or isinstance(trusted_keys, Trust):
         return trusted_keys
     return Trust(trusted_keys)
+
+
+def key_texts(trusted_keys: Any) -> list[str] | None:
+    """``trusted_keys`` (anything :func:`as_trust` takes) as OpenSSH lines, for an RPC; None stays None."""
+    trust = as_trust(trusted_keys)
+    return None if trust is None else trust.texts()
 
 
 def keys_from_env(name: str = "DELTASTORE_TRUSTED_KEYS") -> list[str] | None:
