@@ -1,4 +1,4 @@
-"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3; 1.0 to 1.2 are read too).
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3, 1.4 when signed; 1.0 to 1.2 are read too).
 
 A manifest is the only thing a reader trusts: it names every object of a
 version by digest, the codec that decodes each, and every tensor's dtype,

@@ -39,7 +39,8 @@ class LatestCheck:
                 raise ValueError(f"max_latest_age must be a positive number of seconds, got {max_age!r}")
         self.trust = trust
         self.max_age = max_age
-        #: the newest signed latest seen (its step and issue time never go down)
+        #: the newest signed latest accepted (its step and issue time never go down); in memory: a restarted
+        #: follower starts again from its target's version and the age bound
         self.seen: SignedLatest | None = None
         #: seconds between the last resolved latest's signature (or commit) and its check; None unsigned
         self.age: float | None = None
@@ -67,7 +68,6 @@ class LatestCheck:
                                 f"{signed.issued:.3f}, older than version {seen.step} issued at {seen.issued:.3f} "
                                 "seen before: a replayed latest is refused", what=LATEST_KEY, step=signed.step,
                                 key_id=signed.key_id)
-        self.seen = signed
         step = signed.step if listed is None else max(signed.step, listed)
         manifest, digest = store.manifest_with_digest(step)  # checked against the trusted keys
         if step == signed.step and digest != signed.digest:
@@ -87,4 +87,5 @@ class LatestCheck:
                                 f"{held.step} the target holds: a follower does not move backward unless asked "
                                 f"for that step (pull(step={step}))", what=f"version {step}", step=step,
                                 key_id=manifest.signed_by)
+        self.seen = signed  # remembered only once every check passed (a refused latest leaves no trace)
         return step
