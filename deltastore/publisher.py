@@ -309,8 +309,11 @@ class Publisher:
 
         Followers that bound the age of the signed latest (``Subscriber(max_latest_age=...)``) take it as
         fresh again: call it while the trainer publishes nothing for longer than that bound (evaluation, a
-        checkpoint). A no-op without a signing key or before the first commit.
+        checkpoint). A no-op without a signing key or before the first commit. With ``background=True`` the
+        queued versions are committed first (:meth:`flush`), so the ref never names an older version than
+        the last commit's; call it from the thread that publishes.
         """
+        self.flush()
         last = self.head.last
         if self.store.signer is not None and last is not None:
             self.store.write_latest(last.step, last.digest)

@@ -171,6 +171,35 @@ def test_tampered_delta_on_the_path_refused(target, keys):
     assert same_bits(bits(tgt), before) and sub.version_of(tgt).step == 2
 
 
+def test_tampered_anchor_refused_for_a_joiner(target, keys):
+    """A joiner's path starts at an anchor: a tampered anchor leaves no path, and its weights are never read."""
+    a, _ = keys
+    vs = states(4)
+    publish(target, a, vs, anchor_every=10)  # the anchor is version 0, the latest a delta
+    store = raw(target)
+    doc = json.loads(store.get(version_key(0)))
+    doc["tensors"]["checksum"][0] = "f" * 16
+    store.put(version_key(0), json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    sub, backend = follower(target, [a.public])
+    tgt = {k: torch.zeros_like(v) for k, v in vs[0].items()}
+    before = bits(tgt)
+    with pytest.raises(SignatureError) as info:
+        sub.pull(tgt)
+    assert info.value.step == 0 and info.value.key_id == a.key_id
+    assert set(backend.objects_read()) <= {object_key(sub.manifest(3).layout_ref.digest)}  # metadata only
+    assert same_bits(bits(tgt), before) and sub.version_of(tgt) is None
+
+
+def test_oversized_latest_is_typed(target, keys):
+    a, _ = keys
+    publish(target, a, states(2))
+    raw(target).put("refs/latest", b"{" + b" " * (128 << 10) + b"}")
+    sub, backend = follower(target, [a.public])
+    with pytest.raises(ds.errors.ManifestError, match="refs/latest is over"):
+        sub.pull()
+    assert backend.objects_read() == []
+
+
 def test_swapped_objects_refused(target, keys):
     """A bucket writer who stores objects of their own and names them in a manifest: the signature fails
     (edited manifest), or the manifest is theirs (unsigned or another key)."""
