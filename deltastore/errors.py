@@ -181,6 +181,11 @@ def _rebuild_too_large(message: str, size: int | None) -> ValueTooLargeError:
     return ValueTooLargeError(message, size=size)
 
 
+class ReentrantCallError(DeltaStoreError, RuntimeError):
+    """A call that would wait on itself: ``Publisher.publish`` (or ``flush``/``close``) from the Publisher's own
+    background writer thread (a ``PendingVersionInfo`` done-callback, say), where it would deadlock."""
+
+
 # -- signed versions (issue 51) -----------------------------------------------------
 class SigningKeyError(DeltaStoreError, ValueError):
     """A signing or trusted key cannot be used: a missing or unreadable file, not an Ed25519 key, malformed text.

@@ -28,8 +28,10 @@ Publisher unchanged, so the same step can be retried.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,7 +44,7 @@ from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState
 from .codecs import Codec, TensorSpec
 from .diff import DEFAULT_CHUNK_ELEMS
-from .errors import ManifestError, TargetMismatchError
+from .errors import ManifestError, ReentrantCallError, TargetMismatchError
 from .gc import Retention
 from .manifest import VersionRef, check_tensor_name
 from .publish.background import BackgroundWriter
@@ -51,7 +53,7 @@ from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Mirror, Pending
 from .publish.resume import resume_chain
 from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
-from .publish.stream import diff_stream
+from .publish.stream import diff_stream, owned_items
 from .publish.version import Captured, write_version
 from .quantize import get_quantizer
 from .tensors import StateLike, dtype_name, named_tensors
@@ -144,6 +146,7 @@ class Publisher:
         #: version files recorded in every manifest (``source_dir``'s config and tokenizer, an adapter's config)
         self.files: dict[str, dict[str, Any]] = {}
         self._closed = False
+        self._lock = threading.Lock()  # one publish/flush/close at a time (publish's docstring)
         self.quantizer = get_quantizer(quantize)
         self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
@@ -189,9 +192,17 @@ class Publisher:
         """The codec of whole tensors (anchors)."""
         return self.planner.anchor_codec
 
-    @paused
     def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
+
+        Thread-safe: calls from several threads are serialised (one runs at a
+        time, in the order they take the Publisher's lock), and each is
+        checked against the step the previous one published, so a step that
+        is no longer above the last raises :class:`StepOrderError` and one
+        already committed :class:`VersionExistsError`; ``flush()`` and
+        ``close()`` wait for a publish in progress. Calling any of them from
+        the background writer's own thread (a done-callback of a pending
+        version) raises :class:`ReentrantCallError`.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
         ``(name, tensor)``, on any device. Raises :class:`VersionExistsError`
@@ -201,10 +212,16 @@ class Publisher:
 
         Synchronous (default): returns the :class:`VersionInfo` once the
         version is committed; on any error nothing is committed and the
-        Publisher is unchanged, so the same step can be retried. An iterator
-        (not a mapping or module) on a chain whose layout the Publisher knows
-        is compared piece by piece as it is consumed, so each tensor may be
-        produced just in time and dropped (``deltastore/publish/stream.py``).
+        Publisher is unchanged, so the same step can be retried. An iterable
+        of pairs (not a mapping or module) is a stream: each item need only
+        stay valid until the next one is requested (a producer may recycle one
+        buffer, or refill a tensor after yielding it). On a chain whose layout
+        the Publisher knows it is compared piece by piece as it is consumed,
+        so each tensor may be produced just in time and dropped; otherwise (a
+        new chain, a layout change, ``quantize``, ``adapter_only``, background
+        mode) each item is copied before the next is requested
+        (``deltastore/publish/stream.py``). A ``list`` or ``tuple`` of pairs is
+        held by the caller and taken as it is.
 
         With ``background=True``: returns a :class:`PendingVersionInfo` (a
         ``VersionInfo``) as soon as the changes are captured (the bit-compare is
@@ -231,9 +248,14 @@ class Publisher:
         (see :mod:`deltastore.progress`); it counts objects stored (not
         reported in background mode).
         """
-        if progress is not None and progress is not False:
-            with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
-                return self.publish(state, step=step)
+        with self._serialised():
+            if progress is not None and progress is not False:
+                with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
+                    return self._publish(state, step)
+            return self._publish(state, step)
+
+    @paused
+    def _publish(self, state: StateLike, step: int) -> VersionInfo:
         if self._closed:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
@@ -248,6 +270,8 @@ class Publisher:
                 return self._write_sync(Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
                                                   time.time()))
             state = streamed.pairs  # it left the layout: the ordinary capture below
+        elif not isinstance(state, (Mapping, torch.nn.Module, list, tuple)):
+            state = owned_items(state)  # a stream captured whole: each item copied before the next is produced
         tensors, specs, aliases = self._normalise(state)
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
@@ -320,23 +344,35 @@ class Publisher:
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
-        if self._writer is not None:
-            self._writer.join()
-            self._raise_background_error()
+        with self._serialised():
+            if self._writer is not None:
+                self._writer.join()
+                self._raise_background_error()
 
     def close(self) -> None:
         """Drain queued versions, finish deferred deletions whose grace has passed, release everything.
 
         Raises a background error after closing, if one occurred.
         """
-        if self._closed:
-            return
-        error = self._writer.close() if self._writer is not None else None
-        self._closed = True
-        self._mirror = self._capture_mirror = None
-        self.stages.close()
+        with self._serialised():
+            if self._closed:
+                return
+            error = self._writer.close() if self._writer is not None else None
+            self._closed = True
+            self._mirror = self._capture_mirror = None
+            self.stages.close()
         if error is not None:
             raise error
+
+    @contextmanager
+    def _serialised(self) -> Iterator[None]:
+        """Hold the Publisher's lock: one publish, flush or close at a time (see :meth:`publish`)."""
+        if self._writer is not None and self._writer.is_writer_thread():
+            raise ReentrantCallError("publish(), flush() and close() cannot be called from the Publisher's "
+                                     "background writer thread (a pending version's callback): it would wait "
+                                     "for itself; hand the call to another thread")
+        with self._lock:
+            yield
 
     def __enter__(self) -> Publisher:
         return self

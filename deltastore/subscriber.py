@@ -10,6 +10,7 @@ target back (see :mod:`deltastore.pull.anchor` and ``docs/architecture.md``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -153,6 +154,9 @@ class Subscriber:
         self.journal_memory = journal_memory
         self.replans = 0  # pulls that had to plan again because GC removed part of their path
         self._checked = CheckedTarget()  # the last target's checks, reused while it stays as they saw it
+        # one pull or stage at a time (they share _checked and the store's prefetches); re-entrant: a pull
+        # into a new dict stages its anchor
+        self._lock = threading.RLock()
 
     # -- discovery ---------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -162,13 +166,15 @@ class Subscriber:
     def latest(self) -> int | None:
         """The highest committed step, or None; with trusted keys, the signed latest (checked as in
         :meth:`pull`, :mod:`deltastore.pull.latest`)."""
-        return self.latest_check.resolve(self.store, self.versions())
+        with self._lock:  # the latest accepted is this Subscriber's state, shared with its pulls
+            return self.latest_check.resolve(self.store, self.versions())
 
     def resolve_latest(self, current: VersionRef | None = None) -> int:
         """The version a pull of the latest brings a target holding ``current`` to: :meth:`latest`, and with
         trusted keys never below ``current`` (:class:`RollbackError`). Raises :class:`VersionNotFoundError`
         for an empty store."""
-        step = self.latest_check.resolve(self.store, self.versions(), current)
+        with self._lock:
+            step = self.latest_check.resolve(self.store, self.versions(), current)
         if step is None:
             raise VersionNotFoundError(f"{self.store.uri} holds no versions yet")
         return step
@@ -205,7 +211,6 @@ class Subscriber:
                          where=self.store.uri)
 
     # -- pulling -------------------------------------------------------------------
-    @paused
     def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True,
              progress: _progress.ProgressArg = None) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
@@ -238,12 +243,23 @@ class Subscriber:
         pull of the latest takes it from the signed ``refs/latest``: an unsigned version, an unknown key, a
         bad signature, a replayed or frozen latest, or a latest below the target's version raise a subclass
         of :class:`UntrustedVersionError` naming the version and the key id, the target untouched.
+
+        Thread-safe: a Subscriber runs one pull or stage at a time, and pulls
+        into one target, from any Subscribers and threads, run one at a time
+        (each starts from the version the one before it left).
         """
         if step is not None:
             _check_step_arg(step)
-        if progress is not None and progress is not False:
-            with _progress.reporting(progress, desc="pull"):
-                return self.pull(target, step=step, allow_anchor=allow_anchor)
+        with self._lock, tracking.exclusive(target):
+            if progress is not None and progress is not False:
+                with _progress.reporting(progress, desc="pull"):
+                    return self._pull_latest(target, step, allow_anchor)
+            return self._pull_latest(target, step, allow_anchor)
+
+    @paused
+    def _pull_latest(self, target: Target, step: int | None, allow_anchor: bool) -> PullResult:
+        """:meth:`pull` once the target is held: resolve the step, then pull, re-planning around GC and
+        corrupt objects."""
         t0 = time.perf_counter()
         versions = self.versions()
         latest_age = None
@@ -322,7 +338,7 @@ class Subscriber:
         Raises the same typed errors as :meth:`pull`.
         """
         _check_step_arg(step)
-        with self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
+        with self._lock, self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
             return self._stage(step, current, reader, allow_anchor, avoid, layout_changes)
 
     def _stage(self, step: int, current: VersionRef | None, reader: Reader | None, allow_anchor: bool,
