@@ -96,6 +96,10 @@ def test_bad_keys_are_typed(tmp_path):
     with pytest.raises(TypeError, match="picklable"):
         pickle.dumps(key)
     assert key.key_id in repr(key) and "PRIVATE" not in repr(key)
+    from cryptography.hazmat.primitives import serialization  # an ssh-keygen -t ed25519 key (no passphrase)
+    (tmp_path / "id_ed25519").write_bytes(key._key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    assert load_signing_key(tmp_path / "id_ed25519").key_id == key.key_id
 
 
 def test_missing_cryptography_is_typed(monkeypatch, tmp_path):
