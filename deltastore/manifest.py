@@ -1,4 +1,4 @@
-"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3; 1.0 to 1.2 are read too).
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3, 1.4 when signed; 1.0 to 1.2 are read too).
 
 A manifest is the only thing a reader trusts: it names every object of a
 version by digest, the codec that decodes each, and every tensor's dtype,
@@ -239,6 +239,14 @@ class Manifest:
     dropped_tensors: tuple[str, ...] = ()
     #: how the tensors were quantized (``deltastore.quantize``), None for weights as trained
     quantization: dict[str, Any] | None = None
+    #: format 1.4: ``{"alg", "key_id", "sig"}`` of the publisher's signature (:mod:`deltastore.signing`; a
+    #: Subscriber with ``trusted_keys`` checks it on the bytes before parsing), None when unsigned
+    signature: dict[str, str] | None = None
+
+    @property
+    def signed_by(self) -> str | None:
+        """The key id the version names as its signer (checked only by a reader with trusted keys), or None."""
+        return None if self.signature is None else self.signature.get("key_id")
 
     # -- derived figures -----------------------------------------------------
     @property
@@ -411,6 +419,8 @@ class Manifest:
             doc["quantization"] = self.quantization
         if self.layout_ref is not None:
             doc["layout"] = {"digest": self.layout_ref.digest, "size": self.layout_ref.size}
+        if self.signature is not None:
+            doc["signature"] = self.signature
         return doc
 
     def _tensors_json(self) -> list[dict[str, Any]] | dict[str, list[Any]]:
@@ -426,9 +436,12 @@ class Manifest:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, layouts: LayoutReader | None = None) -> Manifest:
+    def from_json(cls, data: bytes, layouts: LayoutReader | None = None,
+                  check: Callable[[bytes, Any], object] | None = None) -> Manifest:
         """Parse and validate manifest bytes; ``layouts`` reads the layout object a 1.3 manifest names when
         this process has not parsed it yet (:meth:`DeltaStore.parse_manifest` passes the store's).
+        ``check(data, document)`` runs on the JSON document before anything else is read or validated (a
+        :class:`~deltastore.signing.Trust`'s signature check) and raises what it raises.
 
         Raises :class:`ManifestError` for malformed content (bad JSON, duplicate
         keys, wrong types, out-of-range numbers, unsafe names, dangling object
@@ -437,7 +450,10 @@ class Manifest:
         and what ``layouts`` raises (a store's :class:`ObjectNotFoundError`,
         :class:`CorruptObjectError`).
         """
-        return _parse(_json_document(data, "manifest"), layouts)
+        doc = _json_document(data, "manifest")
+        if check is not None:
+            check(data, doc)
+        return _parse(doc, layouts)
 
 
 def _json_document(data: bytes, what: str) -> Any:
@@ -659,13 +675,25 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
     m = Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                  created=float(created), producer=producer, metadata=metadata, aliases=aliases,
                  differential=differential, files=files, format_version=version, new_tensors=new_tensors,
-                 dropped_tensors=dropped, quantization=quantization)
+                 dropped_tensors=dropped, quantization=quantization, signature=_signature(doc))
     if layout is not None:  # the cached properties, shared by every manifest of this layout
         m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns, _row_layout=layout,
                           checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
     if layout_ref is not None:
         m.__dict__["layout_ref"] = layout_ref
     return m
+
+
+def _signature(doc: dict[str, Any]) -> dict[str, str] | None:
+    """The ``signature`` record (format 1.4) as stored: its shape is checked here, the signature itself by a
+    reader with trusted keys (:class:`deltastore.signing.Trust`), before parsing."""
+    record = doc.get("signature")
+    if record is None:
+        return None
+    if (not isinstance(record, dict) or set(record) != {"alg", "key_id", "sig"}
+            or not all(isinstance(v, str) for v in record.values())):
+        raise ManifestError("the signature field is not {\"alg\", \"key_id\", \"sig\"} strings")
+    return record
 
 
 def _layout_ref(doc: dict[str, Any]) -> LayoutRef:

@@ -2,7 +2,7 @@
 
 Commands live in one module each (:mod:`.browse`: ls, inspect; :mod:`.verify`;
 :mod:`.pull`: pull, materialize; :mod:`.gc`; :mod:`.stats`; :mod:`.plugins`;
-:mod:`.demo`). Exit status: 0 success; 1 an error, or problems found by
+:mod:`.keys`: keygen and ``--trusted-key``; :mod:`.demo`). Exit status: 0 success; 1 an error, or problems found by
 ``verify``; 2 a usage error; 3 the URI holds no store. Every error is one
 line on stderr (a traceback only with ``--debug``).
 """
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import DeltaStoreError
-from . import browse, demo, gc, plugins, pull, stats, verify
+from . import browse, demo, gc, keys, plugins, pull, stats, verify
 from ._common import EXIT_FAILED, EXIT_USAGE, CliError, Parser, UsageError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (browse, verify, pull, gc, stats, plugins, demo)
+_COMMANDS = (browse, verify, pull, gc, stats, plugins, keys, demo)
 
 
 def _global_options(p: argparse.ArgumentParser, default: object) -> None:

@@ -16,6 +16,7 @@ import tempfile
 from typing import Any
 
 from ._common import CliError, add_store_arguments, callback, non_negative_int, open_existing
+from .keys import add_trust_arguments, latest_step, trust_of
 
 #: files a folder written by ``pull`` holds; a non-empty OUT_DIR without one of them is not replaced
 _CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -29,12 +30,14 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     add_store_arguments(s)
     s.add_argument("out_dir", metavar="OUT_DIR")
     s.add_argument("--step", type=non_negative_int, help="the version (default: the latest)")
+    add_trust_arguments(s)
     s.set_defaults(func=cmd_pull)
     s = sub.add_parser("materialize", parents=parents, help="alias of pull with the step as an argument",
                        description="The older spelling of `pull URI OUT_DIR --step STEP`.")
     add_store_arguments(s)
     s.add_argument("step", type=non_negative_int)
     s.add_argument("out_dir", metavar="OUT_DIR")
+    add_trust_arguments(s)
     s.set_defaults(func=cmd_pull)
 
 
@@ -43,10 +46,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     out = os.path.abspath(args.out_dir)
     _check_replaceable(out)
+    trust = trust_of(args)
     with open_existing(args) as store:
-        step = args.step if args.step is not None else store.latest()
-        if step is None:
-            raise CliError(f"{args.uri}: no versions")
+        store.trust = trust  # every manifest read is checked against the keys before any object is fetched
+        step = args.step if args.step is not None else latest_step(args, store)
         parent = os.path.dirname(out)
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.pull-", dir=parent)
