@@ -6,13 +6,15 @@ import argparse
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeltaStoreError
-from ..manifest import Manifest
-from ..store import DeltaStore
 from ._common import (CliError, add_json_argument, add_store_arguments, emit_json, format_time, non_negative_int,
                       open_existing, tracked)
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
+    from ..store import DeltaStore
 
 #: manifests fetched at once by ``ls`` and ``stats`` (each is one small GET)
 FETCH_WORKERS = 16
@@ -54,6 +56,8 @@ def row(m: Manifest) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ..manifest import Manifest
+
     with open_existing(args) as store:
         steps = store.versions()
         rows = []

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from ._common import CliError, add_store_arguments, callback, non_negative_int, open_existing
+from ._common import CliError, add_store_arguments, bar, non_negative_int, open_existing
 
 #: files a folder written by ``pull`` holds; a non-empty OUT_DIR without one of them is not replaced
 _CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -51,7 +51,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.pull-", dir=parent)
         try:
-            files = materialize(store, step, tmp, progress=callback(args, f"pull {step}"))
+            with bar(args, f"pull {step}") as cb:  # closed before the result line
+                files = materialize(store, step, tmp, progress=cb)
             os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
             _swap_in(tmp, out)
         finally:

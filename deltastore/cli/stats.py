@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingDependencyError
-from ..manifest import Manifest
 from ._common import CliError, add_json_argument, add_store_arguments, emit_json, human_bytes, open_existing
 from .browse import manifests
+
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
 
 
 def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -29,15 +32,19 @@ def version_stats(m: Manifest) -> dict[str, Any]:
     ``follower_bytes``: what a follower at the parent downloads (the delta
     objects; an anchor without a parent: its full objects).
     """
+    from ..tensor_spec import DTYPE_SIZES
+
     follower = m.object_bytes(m.delta_objects) if m.has_delta else m.object_bytes(m.full_objects)
     return {"step": m.step, "kind": m.kind, "changed": m.changed, "total": m.total,
             "changed_fraction": m.changed / m.total if m.total else 0.0,
             "stored_bytes": m.object_bytes(), "follower_bytes": follower,
-            "model_bytes": sum(t.spec.nbytes for t in m.tensors),
+            "model_bytes": sum(t.numel * DTYPE_SIZES[t.dtype] for t in m.tensors),
             "anchor": m.kind == "anchor", "differential": m.differential is not None}
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from ..manifest import Manifest
+
     if args.plot is not None:
         _pyplot()  # fail before any work when matplotlib is missing
     with open_existing(args) as store:

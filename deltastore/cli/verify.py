@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .. import progress
-from ._common import EXIT_FAILED, add_json_argument, add_store_arguments, bar, emit_json, open_existing
+from ._common import EXIT_FAILED, add_json_argument, add_store_arguments, advance, bar, emit_json, open_existing
 
 
 def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -24,7 +23,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with open_existing(args) as store:
         n = len(store.versions())
         with bar(args, "verify", 2 * n, unit="steps") as cb:  # each version: its objects, then its replay
-            report = verify_store(store, progress=lambda msg: progress.advance(cb))
+            report = verify_store(store, progress=lambda msg: advance(cb))
     problems = [{"step": step, "message": msg} for step, msg in report.problems]
     notes = [{"step": step, "message": msg} for step, msg in report.notes]
     if args.json:
