@@ -63,6 +63,9 @@ _TRANSIENT_NAMES = {
     "TransportError", "NetworkError", "TimeoutException", "RemoteProtocolError", "ProtocolError",
     "ChunkedEncodingError", "FSTimeoutError",
 }
+# ... except these, which some clients derive from their transport errors but which no retry can fix: a URL
+# the client cannot use (a missing or unknown scheme, a malformed host)
+_PERMANENT_NAMES = {"UnsupportedProtocol", "InvalidURL", "MissingSchema", "InvalidSchema", "InvalidUrlClientError"}
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError, KeyError, NotImplementedError)
 
@@ -125,6 +128,8 @@ def is_transient(exc: BaseException) -> bool:
     if status is not None:
         return status in _TRANSIENT_STATUS
     if isinstance(exc, _PERMANENT):
+        return False
+    if any(c.__name__ in _PERMANENT_NAMES for e in _chain(exc) for c in type(e).__mro__):
         return False
     for e in _chain(exc):
         if isinstance(e, (ConnectionError, TimeoutError)):

@@ -158,6 +158,21 @@ def format_time(created: float) -> str:
         return f"{created!r} (not a date)"
 
 
+def iso_time(created: float) -> str | None:
+    """A manifest's ``created`` as ISO 8601 UTC (``2026-03-01T12:00:00.250Z``), or None when no calendar date
+    fits it (what ``--json`` prints, the epoch seconds beside it)."""
+    try:
+        when = datetime.fromtimestamp(created, timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def dated(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its ``created`` (epoch seconds) as :func:`iso_time` and the seconds as ``created_unix``."""
+    return {**doc, "created": iso_time(doc["created"]), "created_unix": doc["created"]}
+
+
 def step_ranges(steps: Iterable[int]) -> str:
     """Steps as runs of consecutive numbers: ``[1, 2, 3, 7, 9, 10]`` -> ``"1-3, 7, 9-10"``."""
     runs: list[list[int]] = []

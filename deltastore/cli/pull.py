@@ -39,7 +39,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..materialize import materialize
+    from ..materialize import current_umask, materialize
 
     out = os.path.abspath(args.out_dir)
     _check_replaceable(out)
@@ -53,7 +53,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         try:
             with bar(args, f"pull {step}") as cb:  # closed before the result line
                 files = materialize(store, step, tmp, progress=cb)
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
             _swap_in(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -85,9 +85,3 @@ def _swap_in(new: str, out: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
