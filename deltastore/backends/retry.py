@@ -285,7 +285,7 @@ class RetryingBackend(WrapperBackend):
     def _call(self, op: str, key: str, fn: Callable[[], R]) -> R:
         start = time.monotonic()
         tries = [0]
-        what = f"{op} {key!r} on {self.inner!r}"
+        what = f"{op} {key!r} on {self.inner!r}" if key else f"{op} on {self.inner!r}"
 
         def attempt(n: int) -> R:
             tries[0] = n + 1

@@ -127,7 +127,9 @@ def summary_lines(totals: dict[str, Any]) -> list[str]:
     if a["steps"]:
         whole = (f"; downloaded whole: {step_ranges(a['without_parent'])} (no delta from a parent)"
                  if a["without_parent"] else "")
-        lines.append(f"anchors at {step_ranges(a['steps'])}: stored median {human_bytes(a['median_stored_bytes'])} "
+        steps = a["steps"]
+        where = step_ranges(steps) if len(steps) <= 8 else f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}"
+        lines.append(f"anchors at {where}: stored median {human_bytes(a['median_stored_bytes'])} "
                      f"each ({a['median_stored_bytes'] / max(full, 1):.2%} of the full checkpoint){whole}")
     lines.append(f"stored in all {human_bytes(totals['stored_bytes'])}; a follower of every version downloads "
                  f"{human_bytes(totals['follower_bytes'])}")
