@@ -31,8 +31,8 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     ``config.json`` gains the matching ``quantization_config``. A version
     published with ``adapter_only=True`` is written as a PEFT adapter folder
     (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written; each
-    has the mode any new file gets (0666 less the umask). ``progress`` is passed to :meth:`Subscriber.pull`. Raises what
-    :meth:`Subscriber.pull` raises.
+    has the mode any new file gets (0666 less the umask). ``progress`` is passed to
+    :meth:`Subscriber.pull`. Raises what :meth:`Subscriber.pull` raises.
     """
     names = _materialize(store, step, out_dir, shard_bytes, progress)
     _follow_umask(out_dir, names)

@@ -28,7 +28,7 @@ class _Entry:
     target: Any  # a class, or a dotted path "module:attr" not yet imported
     install_hint: str | None = None
     entry_point: str | None = None  # "group: name = value (distribution)" when found through an entry point
-    requires: tuple[str, ...] = ()  # modules the target imports that an extra installs (checked by find())
+    requires: tuple[str, ...] = ()  # modules the target imports that an extra installs (see missing())
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,7 @@ class Registry(Generic[T]):
         lazy plugin's module cannot be imported.
         """
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                self._load_entry_points()
-                entry = self._entries.get(name)
-            if entry is None:
-                raise self._error(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}")
+            entry = self._entry(name)
             if isinstance(entry.target, str):
                 try:
                     entry.target = _import_dotted(entry.target)
@@ -130,12 +125,7 @@ class Registry(Generic[T]):
         (:meth:`get` tells). Raises the registry's :class:`UnknownPluginError` subclass for an unknown name.
         """
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                self._load_entry_points()
-                entry = self._entries.get(name)
-            if entry is None:
-                raise self._error(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}")
+            entry = self._entry(name)
             if not isinstance(entry.target, str):
                 return None
             module = entry.target.partition(":")[0] if ":" in entry.target else entry.target.rpartition(".")[0]
@@ -144,6 +134,16 @@ class Registry(Generic[T]):
                     hint = f"; install it with: {entry.install_hint}" if entry.install_hint else ""
                     return f"{self.kind} {name!r} needs module {needed!r}, which is not installed{hint}"
             return None
+
+    def _entry(self, name: str) -> _Entry:
+        """The entry of ``name`` (entry points scanned when it is not registered); the caller holds the lock."""
+        entry = self._entries.get(name)
+        if entry is None:
+            self._load_entry_points()
+            entry = self._entries.get(name)
+        if entry is None:
+            raise self._error(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}")
+        return entry
 
     def names(self) -> list[str]:
         """All registered names, entry points included."""

@@ -128,13 +128,15 @@ def is_store(store: DeltaStore) -> bool:
 
 def open_existing(args: argparse.Namespace) -> DeltaStore:
     """Open the store ``args.uri`` names; :class:`CliError` (exit 3) when nothing there is a store."""
-    from ..errors import BucketNotFoundError, UnknownBackendError
+    from ..errors import BucketNotFoundError, UnknownBackendError, UnknownOptionError
     from ..store import STORE_MARKER, open_store
 
     try:
         store = open_store(args.uri, **storage_options(args))
     except BucketNotFoundError as e:
         raise CliError(f"{args.uri}: not a deltastore store ({e})", EXIT_NOT_A_STORE) from e
+    except UnknownOptionError as e:  # names the URI itself
+        raise UsageError(f"deltastore {args.command}: {e}") from e
     except UnknownBackendError as e:
         raise UsageError(f"deltastore {args.command}: {args.uri}: no backend serves this URI ({e})") from e
     except (TypeError, ValueError) as e:  # a malformed URI, or an option the backend does not take

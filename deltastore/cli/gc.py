@@ -12,7 +12,8 @@ from typing import Any
 from ._common import (add_json_argument, add_store_arguments, emit_json, human_bytes, non_negative_float,
                       open_existing, positive_int, sleeper, step_ranges)
 
-#: the policy shown by a bare ``gc URI`` (and filled in for the flag not given with the other)
+#: the policy shown by a bare ``gc URI`` (and filled in for the flag not given with the other): the defaults of
+#: :class:`deltastore.gc.Retention`, not imported here (--help stays light; a test keeps them equal)
 DEFAULT_KEEP_LAST, DEFAULT_KEEP_ANCHORS = 20, 2
 
 

@@ -23,7 +23,7 @@ from conftest import ROOT, require_module
 from deltastore.cli._common import step_ranges
 from deltastore.errors import CredentialsError, DeviceUnavailableError, UnknownOptionError
 
-from .conftest import make_states, publish_all
+from .conftest import make_states
 from .test_progress import _on_a_pty
 
 
@@ -74,6 +74,13 @@ def test_gc_without_a_policy_deletes_nothing_and_says_which_flags_would(long_sto
     assert r.rc == 0 and r.out.splitlines()[0] == "kept 6 versions: 20, 25-29"
     assert r.out.splitlines()[1].startswith("deleted 24 versions: 0-19, 21-24; ")
     assert ds.Subscriber(uri).versions() == [20, 25, 26, 27, 28, 29]
+
+
+def test_the_gc_command_shows_the_library_default_policy():
+    from deltastore.cli.gc import DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_LAST
+    from deltastore.gc import Retention
+
+    assert (DEFAULT_KEEP_LAST, DEFAULT_KEEP_ANCHORS) == (Retention().keep_last, Retention().keep_anchors)
 
 
 def test_step_ranges():
@@ -406,7 +413,8 @@ def test_ctrl_c_while_torch_is_imported_leaves_the_old_folder(store, tmp_path):
     done = _interrupt_at_import("torch", "pull", uri, str(out))
     assert done.returncode == 130, done.stderr
     assert done.stderr.splitlines() == ["deltastore: interrupted"], done.stderr
-    assert os.listdir(out) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"the old checkpoint"
+    assert os.listdir(out) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"the old checkpoint"
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "s"]  # the store and the old folder; no temporary folder
 
 

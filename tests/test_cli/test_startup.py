@@ -112,3 +112,39 @@ def test_dtype_tables_agree():
 
     assert DTYPE_SIZES.keys() == DTYPES.keys()
     assert all(DTYPES[name].itemsize == size for name, size in DTYPE_SIZES.items())
+
+
+def test_ls_of_an_s3_store_does_not_import_torch(seaweed):
+    from conftest import require_module
+    from test_backends.conftest import make_bucket
+
+    from .conftest import make_states, publish_all
+
+    require_module("s3fs")
+    bucket = make_bucket("s3-seaweedfs", seaweed)
+    uri = f"s3://{bucket}/run"
+    publish_all(uri, make_states(3), storage_options=seaweed.storage_options())
+    opts = [x for k, v in seaweed.storage_options().items() for x in ("-o", f"{k}={json.dumps(v)}")]
+    for command in ("ls", "stats", "inspect"):
+        got = _probe(command, uri, *opts)
+        assert got["rc"] == 0 and not got["torch"], (command, got)
+
+
+def test_plugins_tells_a_missing_extra_without_importing_it(cli):
+    from deltastore.registry import backends
+
+    backends.register("cli-test-extra", "deltastore_no_such_module:Backend", install_hint="pip install extra-x")
+    backends.register("cli-test-needs", "deltastore.backends.memory:MemoryBackend", requires=("no_such_dep_x",),
+                      install_hint="pip install needs-x")
+    try:
+        rows = {r["name"]: r for r in json.loads(cli("plugins", "--json").out)["backends"]}
+        loaded = {r["name"]: r for r in json.loads(cli("plugins", "--load", "--json").out)["backends"]}
+    finally:
+        backends.unregister("cli-test-extra")
+        backends.unregister("cli-test-needs")
+    assert "deltastore_no_such_module" not in sys.modules
+    for name, module, hint in (("cli-test-extra", "deltastore_no_such_module", "pip install extra-x"),
+                               ("cli-test-needs", "no_such_dep_x", "pip install needs-x")):
+        assert not rows[name]["available"] and module in rows[name]["error"] and hint in rows[name]["error"]
+        assert not loaded[name]["available"]
+    assert rows["memory"]["available"] and loaded["memory"]["available"]
