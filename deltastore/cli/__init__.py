@@ -31,7 +31,8 @@ _COMMANDS = (browse, verify, pull, gc, stats, plugins, demo)
 def _global_options(p: argparse.ArgumentParser, default: object) -> None:
     """-v/-q/--debug, accepted before and after the command (``default`` SUPPRESS on the subparsers)."""
     p.add_argument("-v", "--verbose", action="count", default=default,
-                   help="log progress: -v INFO (each commit and pull), -vv DEBUG (each retry)")
+                   help="log progress: -v INFO (each commit and pull, the first retry of an unreachable "
+                        "store), -vv DEBUG (each retry)")
     p.add_argument("-q", "--quiet", action="store_true", default=default,
                    help="no progress bars and only errors on stderr")
     p.add_argument("--debug", action="store_true", default=default, help="print a traceback on errors")
