@@ -235,3 +235,14 @@ class StaleLatestError(UntrustedVersionError, StaleVersionError):
 def _rebuild_untrusted(cls: type, message: str, what: str, step: int | None, key_id: str | None
                        ) -> UntrustedVersionError:
     return cls(message, what=what, step=step, key_id=key_id)
+
+
+# -- an operator's first hour (issue 47) -------------------------------------------
+class CredentialsError(AccessDeniedError):
+    """No credentials for the store were found (or the named ones do not exist, such as an AWS profile):
+    nothing was sent. The message names where the client looked and how to provide them."""
+
+
+class DeviceUnavailableError(DeltaStoreError, ValueError):
+    """A device argument (``mirror_device``) names a device this process does not have (``"cuda"`` on a
+    machine or torch build without CUDA, ``"cuda:3"`` with two GPUs, a misspelt device type)."""

@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
 from .quantize import check_record as check_quantization
-from .tensors import DTYPES
+from .tensor_spec import DTYPE_SIZES, TensorSpec, spec_from_name, torch_dtypes_if_loaded
 
 if TYPE_CHECKING:
     import torch
@@ -166,20 +165,19 @@ class TensorRecord(_RecordFields):
 
     An immutable tuple (every field a C-level read, and a parsed manifest's
     records made in one C call per tensor, :func:`_plain_columns`); raises
-    ``ValueError`` for a dtype :data:`~deltastore.tensors.DTYPES` lacks.
+    ``ValueError`` for a dtype :data:`~deltastore.tensor_spec.DTYPE_SIZES` lacks.
     """
 
     __slots__ = ()
 
     def __new__(cls, name: str, dtype: str, shape: Sequence[int], changed: int, checksum: str,
                 delta: Parts = (), full: Parts = (), diff: Parts = (), diff_changed: int = 0) -> TensorRecord:
-        torch_dtype = DTYPES.get(dtype)
-        if torch_dtype is None:
+        if dtype not in DTYPE_SIZES:
             raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
         shape = tuple(shape)
         numel = math.prod(shape)
         return tuple.__new__(cls, (name, dtype, shape, changed, checksum, delta, full, diff, diff_changed, numel,
-                                   _spec(name, torch_dtype, shape, numel)))
+                                   spec_from_name(name, dtype, shape, numel, torch_dtypes_if_loaded())))
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy / deepcopy
         return tuple(self)[:len(TENSOR_FIELDS)]
@@ -327,7 +325,11 @@ class Manifest:
 
     @functools.cached_property
     def layout_columns(self) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
-        """Names, torch dtypes and shapes of the tensors, in order (read-only lists)."""
+        """Names, torch dtypes and shapes of the tensors, in order (read-only lists; for a parsed manifest
+        the very lists of its :class:`RowLayout`, shared by every manifest of that layout). Imports torch."""
+        layout = self.__dict__.get("_row_layout")
+        if layout is not None:
+            return layout.columns
         return [t.name for t in self.tensors], [t.spec.dtype for t in self.tensors], [t.shape for t in self.tensors]
 
     @functools.cached_property
@@ -677,7 +679,7 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
                  differential=differential, files=files, format_version=version, new_tensors=new_tensors,
                  dropped_tensors=dropped, quantization=quantization, signature=_signature(doc))
     if layout is not None:  # the cached properties, shared by every manifest of this layout
-        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns, _row_layout=layout,
+        m.__dict__.update(layout_key=layout.key, _row_layout=layout,
                           checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
     if layout_ref is not None:
         m.__dict__["layout_ref"] = layout_ref
@@ -711,7 +713,7 @@ def _named_layout_columns(section: dict[str, Any], ref: LayoutRef, layouts: Layo
     checks the columns read from the object)."""
     values = _tensor_columns(section, VALUE_FIELDS)
     known = _LAYOUT_OBJECTS.get(ref.digest)
-    if known is not None and not set(known.dtypes) <= DTYPES.keys():
+    if known is not None and not set(known.dtypes) <= DTYPE_SIZES.keys():
         known = None  # the table of dtypes this reader knows decides, not the one it knew then
     if known is not None:
         layout_columns = known.columns_in
@@ -806,7 +808,7 @@ def _record(t: Any, i: int, n_objects: int) -> TensorRecord:
     where = f"tensors[{i}]"
     name = check_tensor_name(_get(t, "name", str, where))
     dtype = _get(t, "dtype", str, where)
-    if dtype not in DTYPES:
+    if dtype not in DTYPE_SIZES:
         raise ManifestError(f"{where} ({name}): unsupported dtype {dtype!r}")
     shape_list = _get(t, "shape", list, where)
     if len(shape_list) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL
@@ -836,7 +838,7 @@ def _plain_record(t: Any, n_objects: int) -> TensorRecord | None:
     name, dtype, shape, changed, checksum = t.get("name"), t.get("dtype"), t.get("shape"), t.get("changed"), \
         t.get("checksum")
     if (type(name) is not str or type(dtype) is not str or type(shape) is not list or type(changed) is not int
-            or type(checksum) is not str or dtype not in DTYPES or len(shape) > MAX_DIMS
+            or type(checksum) is not str or dtype not in DTYPE_SIZES or len(shape) > MAX_DIMS
             or not _NAME.match(name) or ".." in name or not _CHECKSUM.match(checksum)):
         return None
     numel = 1
@@ -994,7 +996,8 @@ class RowLayout:
     def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> RowLayout:
         names, dtypes = list(names), list(dtypes)  # copies of the columns as checked: the document is the caller's
         tuples = list(map(tuple, shapes))
-        specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
+        known = torch_dtypes_if_loaded()
+        specs = [spec_from_name(nm, d, t, k, known) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
         return cls((names, dtypes, [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
 
     @functools.cached_property
@@ -1031,14 +1034,6 @@ class RowLayout:
         return self.names, [s.dtype for s in self.specs], self.shapes
 
 
-def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> TensorSpec:
-    """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, not a frozen dataclass's
-    per-field ``object.__setattr__`` (made per tensor of every layout)."""
-    got = TensorSpec.__new__(TensorSpec)
-    object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "numel": numel})
-    return got
-
-
 #: the layouts of the manifests parsed last (a reader follows one model, a process few), by tensor count and
 #: first and last name; a hit needs the very same columns
 _LAYOUTS: dict[tuple[int, str, str], RowLayout] = {}
@@ -1070,7 +1065,7 @@ def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> Row
     # equal lists of strings are the same strings; equal shapes could still hold 2.0 or True for 2 or 1; the
     # dtypes are looked up again (the table of dtypes this reader knows decides, not the one it knew then)
     if (names == seen_names and dtypes == seen_dtypes and shapes == seen_shapes
-            and set(map(type, itertools.chain.from_iterable(shapes))) <= {int} and set(dtypes) <= DTYPES.keys()):
+            and set(map(type, itertools.chain.from_iterable(shapes))) <= {int} and set(dtypes) <= DTYPE_SIZES.keys()):
         return got
     return None
 
@@ -1080,7 +1075,7 @@ def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> R
     :func:`_known_layout`), else None."""
     n = len(names)
     if not (set(map(type, names)) == set(map(type, dtypes)) == {str} and set(map(type, shapes)) == {list}
-            and set(dtypes) <= DTYPES.keys()):
+            and set(dtypes) <= DTYPE_SIZES.keys()):
         return None
     joined = "\n".join(names) + "\n"
     if (".." in joined or joined.count("\n") != n or _NAME_LINES.fullmatch(joined) is None

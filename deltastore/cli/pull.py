@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from ._common import CliError, add_store_arguments, callback, non_negative_int, open_existing
+from ._common import CliError, add_store_arguments, bar, non_negative_int, open_existing
 from .keys import add_trust_arguments, latest_step, trust_of
 
 #: files a folder written by ``pull`` holds; a non-empty OUT_DIR without one of them is not replaced
@@ -42,7 +42,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..materialize import materialize
+    from ..materialize import current_umask, materialize
 
     out = os.path.abspath(args.out_dir)
     _check_replaceable(out)
@@ -54,8 +54,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.pull-", dir=parent)
         try:
-            files = materialize(store, step, tmp, progress=callback(args, f"pull {step}"))
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
+            with bar(args, f"pull {step}") as cb:  # closed before the result line
+                files = materialize(store, step, tmp, progress=cb)
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
             _swap_in(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -87,9 +88,3 @@ def _swap_in(new: str, out: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

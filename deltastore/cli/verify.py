@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .. import progress
 from ..errors import DeltaStoreError
-from ._common import EXIT_FAILED, add_json_argument, add_store_arguments, bar, emit_json, open_existing
+from ._common import EXIT_FAILED, add_json_argument, add_store_arguments, advance, bar, emit_json, open_existing
 from .keys import add_trust_arguments, latest_step, trust_of
 
 
@@ -36,7 +35,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 latest_problem = None
         n = len(store.versions())
         with bar(args, "verify", 2 * n, unit="steps") as cb:  # each version: its objects, then its replay
-            report = verify_store(store, progress=lambda msg: progress.advance(cb))
+            report = verify_store(store, progress=lambda msg: advance(cb))
     if trust is not None and latest_problem is not None:
         report.problems.append((None, f"refs/latest: {latest_problem}"))
     problems = [{"step": step, "message": msg} for step, msg in report.problems]
