@@ -443,7 +443,7 @@ def test_ctrl_c_during_the_gc_wait_is_130_one_line_and_deletes_no_object(store, 
         except OSError:
             break
     os.close(master)
-    assert proc.returncode == 130 and took < 10
+    assert proc.returncode == 130 and took < 25, took  # bounded; a loaded 2-core machine can be slow to deliver it
     text = term.decode(errors="replace")
     assert text.rstrip().splitlines()[-1].split("\r")[-1].strip() == "deltastore: interrupted", text
     assert "Traceback" not in text and out == b""
