@@ -1,4 +1,4 @@
-"""Codec benchmark on the shared weight trace.
+"""Codec benchmark on a real weight trace (the shared SmolLM2 one, or another by --trace: bench/_trace.py).
 
     .venv/bin/python bench/codecs.py [--trace minilm-l6] [--steps 1,2,5,10] [--runs cold-lr1e-6,...]
 

