@@ -96,7 +96,7 @@ class OursRun:
         self.sub = ds.Subscriber(self.dir, max_workers=threads)
         self.target = {k: torch.zeros_like(v) for k, v in base.items()}
         self.sub.pull(self.target, step=0)
-        self.step, self.nbytes, self.kind = 0, 0, ""
+        self.step, self.nbytes, self.manifest, self.kind = 0, 0, 0, ""
 
     def send(self, state) -> None:
         self.step += 1
@@ -104,8 +104,8 @@ class OursRun:
 
     def receive(self) -> None:
         res = self.sub.pull(self.target, step=self.step)
-        manifest = os.path.getsize(os.path.join(self.dir, "versions", f"{self.step:012d}.json"))
-        self.nbytes = res.bytes_fetched + manifest
+        self.manifest = os.path.getsize(os.path.join(self.dir, "versions", f"{self.step:012d}.json"))
+        self.nbytes = res.bytes_fetched + self.manifest
 
     def close(self) -> None:
         self.pub.close()
@@ -184,6 +184,8 @@ def run_trace(tr, names: list[str], steps: list[int], threads: int, workdir: str
                 except peer_formats.IntegrityError as e:
                     row["exact"], row["error"] = False, str(e)
                 row["bytes"] = s.nbytes
+                if isinstance(s, OursRun):
+                    row["manifest"] = s.manifest
                 if getattr(s, "kind", "delta") not in ("", "delta"):
                     row["kind"] = s.kind
                 out[s.name].append(row)
@@ -228,6 +230,7 @@ def summarise(one: dict, model_bytes: int) -> dict:
         for link, bps in LINKS.items():
             fig[f"sync_ms {link}"] = stat([1e3 * (r["enc_cpu"] + r["dec_cpu"] + 8 * r["bytes"] / bps) for r in ok])
         fig["anchors"] = sum(r.get("kind") == "anchor" for r in rows1)  # ours: steps whose version is also an anchor
+        fig["manifest_share"] = stat([r["manifest"] / r["bytes"] for r in ok if "manifest" in r])
         out[name] = fig
     return out
 
@@ -242,6 +245,10 @@ def report(title: str, density: dict, figs: dict, threads: list[int]) -> None:
             exact += f" ({f['anchors']} of them also wrote an anchor)"
         print(f"| {name} | {exact} | {fmt(f['bytes_per_changed'], 3)} | {fmt(f['x_bound'], 2)} | "
               + " | ".join(fmt(f[f'sync_ms {k}'], 1) for k in LINKS) + " |")
+    for name, f in figs.items():
+        if f["manifest_share"]:
+            print(f"- {name}: its version manifest is {fmt(f['manifest_share'], 2)} of its bytes per step (the "
+                  "bound counts positions and values only; each peer's bytes include its own headers)")
     cols = [(w, c, t) for w in ("enc", "dec") for t in threads for c in ("cpu", "wall")]
     print("\nMB of model per second (CPU = per second of process CPU time, all threads; wall = elapsed):\n")
     print("| sync | " + " | ".join(f"{'encode' if w == 'enc' else 'decode+apply'} {t}t {c}" for w, c, t in cols)
