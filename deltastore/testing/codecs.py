@@ -1,0 +1,1023 @@
+"""The codec conformance suite: what every :class:`~deltastore.codecs.Codec` must do.
+
+Use it from pytest by subclassing :class:`CodecConformance` and providing a
+``codec`` fixture that returns the codec, configured as it will be used and
+registered under its ``codec_id`` (readers rebuild it from the manifest by
+name)::
+
+    import pytest
+    from deltastore.testing import CodecConformance
+
+    class TestMyCodec(CodecConformance):
+        @pytest.fixture
+        def codec(self):
+            return MyCodec(level=3)
+
+Optional fixtures a subclass may override: ``entry_point`` (True when the
+codec reaches the registry through an entry point of the group
+``deltastore.codecs``, which is then checked too; default False),
+``representative`` (the :class:`Change` list of one step of the data the
+codec is made for, default :func:`representative_changes`: bf16 weights moved
+by a few ulp), ``estimate_factor`` (how far ``estimate_size`` may be from the
+bytes written on that data, default 2), ``fresh_process`` (False skips
+re-encoding in a fresh interpreter, for a codec class that cannot be imported
+by its dotted path there; default True) and ``decode_deadline`` (seconds one
+hostile decode may take, default 10).
+
+What is checked, following :mod:`deltastore.codecs.base` and ``docs/codecs.md``:
+
+* round trip, bit for bit (integer views), on every dtype deltastore
+  publishes (:data:`deltastore.tensors.DTYPES`): edge values (±0, ±inf, NaN
+  payloads, subnormals, extremes, every transition between them), sign
+  crossings, one- and multi-ulp and wrapping steps, changes at both ends,
+  empty, 0-d, one-element, unchanged and wholly changed tensors, every dtype
+  in one object, seeded random sizes and densities; through every path the
+  library calls (``encode`` and ``encode_batch`` write the same bytes,
+  ``decode`` and ``decode_batch`` the same updates, ``decode_into`` the same
+  bits or nothing), with the encoder's inputs filled as ``needs_for`` asks,
+  the receiver asked only what ``receiver_needs`` declares, and no input or
+  old tensor modified;
+* byte-stable output: the same input gives the same bytes twice, from other
+  memory, from a codec rebuilt from its manifest record, and in a fresh
+  interpreter with another hash seed; every object a safetensors file;
+* ``estimate_size``: an integer ``>= 0`` for every spec, and on
+  representative data within ``estimate_factor`` of the bytes written;
+* config: ``get_config`` survives JSON, ``describe()`` rebuilds an equal
+  codec through :func:`~deltastore.codecs.get_codec`, an unknown option is
+  :class:`~deltastore.errors.ManifestError`, another major version
+  :class:`~deltastore.errors.UnsupportedFormatError`;
+* registration: the registry (and, with ``entry_point``, the entry point)
+  gives the codec's class under its ``codec_id``;
+* bomb-safe decode: truncated, extended, garbage and oversized-header
+  objects raise :class:`~deltastore.errors.CorruptObjectError` (or
+  :class:`~deltastore.errors.UnsupportedFormatError`); bit flips, length
+  fields overwritten with huge values, inflated numbers in the header
+  metadata and zstd bombs in place of byte streams either raise one of those
+  or decode; each within ``decode_deadline`` and allocating no more than
+  ``4 x (object bytes + the specs' output bytes) + 16 MiB`` (peak resident
+  memory and :mod:`tracemalloc`);
+* a Publisher and Subscriber through a local store with the codec (as the
+  delta codec, or as the anchor codec for a dense one), every version bit-exact.
+
+Each check is a plain function too (``check_*``), for use outside pytest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib
+import json
+import operator
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ..codecs import Codec, TensorSpec, Update, UpdateBatch, get_codec
+from ..codecs.base import RECEIVER_NEEDS, decode_batched, decode_placed, encode_batched
+from ..errors import CorruptObjectError, ManifestError, UnsupportedFormatError
+from ..tensors import DTYPE_NAMES, DTYPES, bits_dtype
+
+MiB = 1 << 20
+#: what a decoder may raise for bytes it cannot decode
+DECODE_ERRORS = (CorruptObjectError, UnsupportedFormatError)
+
+_NP_BITS = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+# float formats: (mantissa bits, has infinities); float8_e4m3fn has none, and one NaN pattern per sign
+_FLOATS = {torch.bfloat16: (7, True), torch.float16: (10, True), torch.float32: (23, True),
+           torch.float64: (52, True), torch.float8_e4m3fn: (3, False)}
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Change:
+    """One tensor's step: ``old`` its flat raw bits before (integer view), ``positions`` (int64, strictly
+    increasing) where they changed, ``bits`` the new bits there."""
+
+    spec: TensorSpec
+    old: torch.Tensor
+    positions: torch.Tensor
+    bits: torch.Tensor
+
+    @classmethod
+    def between(cls, spec: TensorSpec, old: torch.Tensor, new: torch.Tensor) -> Change:
+        """The change from flat bits ``old`` to ``new`` (same integer dtype and length)."""
+        pos = torch.ne(old, new).nonzero().reshape(-1)
+        return cls(spec, old, pos, new[pos].clone())
+
+    def new(self) -> torch.Tensor:
+        """The whole tensor after the step (flat raw bits)."""
+        out = self.old.clone()
+        out[self.positions] = self.bits
+        return out
+
+
+def edge_bits(dtype: torch.dtype) -> torch.Tensor:
+    """Raw bit patterns (the dtype's integer view) of ``dtype``'s edge values.
+
+    Floats: ±0, ±inf, NaNs with payloads (quiet, signalling, negative), the
+    smallest and largest subnormals, the smallest normal, ±max, ±1. Integers:
+    0, ±1, ±2, min, max and their neighbours; bool: False, True.
+    """
+    w = dtype.itemsize * 8
+    if dtype == torch.bool:
+        pats = [0, 1]
+    elif dtype in _FLOATS:
+        mant, has_inf = _FLOATS[dtype]
+        sign, exp_all, mant_all = 1 << (w - 1), ((1 << (w - 1 - mant)) - 1) << mant, (1 << mant) - 1
+        one = ((1 << (w - 2 - mant)) - 1) << mant
+        nans = [exp_all | 1, exp_all | (1 << (mant - 1)), exp_all | mant_all, sign | exp_all | 3] if has_inf \
+            else [exp_all | mant_all]
+        top = exp_all - 1 if has_inf else (exp_all | mant_all) - 1
+        pats = [0, 1, mant_all, 1 << mant, top, one] + ([exp_all] if has_inf else []) + nans
+        pats += [p | sign for p in pats if p | sign not in pats]
+    elif dtype == torch.uint8:
+        pats = [0, 1, 2, 127, 128, 254, 255]
+    else:  # signed integers
+        lo, hi = -(1 << (w - 1)), (1 << (w - 1)) - 1
+        pats = [0, 1, -1, 2, -2, hi, lo, hi - 1, lo + 1, int("55" * (w // 8), 16)]
+    return _wrapped(pats, dtype)
+
+
+def _wrapped(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Integers (any size) as ``dtype``'s raw bits, modulo the width."""
+    w, b = dtype.itemsize * 8, bits_dtype(dtype)
+    wrapped = [x % (1 << w) for x in values]
+    if b != torch.uint8:  # signed views
+        wrapped = [x - (1 << w) if x >= 1 << (w - 1) else x for x in wrapped]
+    return torch.tensor(wrapped, dtype=b)
+
+
+def _random_old(dtype: torch.dtype, n: int, rng: np.random.Generator, scale: float = 0.02) -> torch.Tensor:
+    """``n`` plausible old values of ``dtype`` as raw bits: normal floats at ``scale``, integers over their
+    whole range, bools 0/1."""
+    b = bits_dtype(dtype)
+    if dtype == torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, n, dtype=np.uint8))
+    if dtype.is_floating_point:
+        return (torch.from_numpy(rng.standard_normal(n)) * scale).to(dtype).view(b).clone()
+    return _random_bits(dtype, n, rng)
+
+
+def _random_bits(dtype: torch.dtype, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """``n`` uniformly random bit patterns of ``dtype``'s width."""
+    return torch.from_numpy(rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(_NP_BITS[bits_dtype(dtype)]))
+
+
+def _stepped(dtype: torch.dtype, old: torch.Tensor, kind: str, rng: np.random.Generator) -> torch.Tensor:
+    """New raw bits for ``old`` by ``kind``: ``ulp`` (±1..5 in the bits), ``big`` (up to ±2**(w-2)),
+    ``sign`` (the top bit flipped: a sign crossing), ``edge`` (an edge pattern), ``random`` (any pattern);
+    bool always flips. Wraps modulo the width."""
+    n, w, b = old.numel(), dtype.itemsize * 8, bits_dtype(dtype)
+    if dtype == torch.bool:
+        return 1 - old
+    o = old.numpy().astype(np.int64)
+    if kind == "ulp":
+        v = o + rng.choice([-5, -3, -2, -1, 1, 1, 2, 3], n)
+    elif kind == "big":
+        v = o + rng.integers(-(1 << (w - 2)), 1 << (w - 2), n, dtype=np.int64)  # wraps at 64 bits, as it should
+    elif kind == "sign":
+        v = o ^ np.int64(-(1 << 63) if w == 64 else 1 << (w - 1))
+    elif kind == "edge":
+        pats = edge_bits(dtype)
+        return pats[torch.from_numpy(rng.integers(0, pats.numel(), n))]
+    else:
+        return _random_bits(dtype, n, rng)
+    return torch.from_numpy(v.astype(_NP_BITS[b]))  # a C cast: modulo the width
+
+
+KINDS = ("ulp", "big", "sign", "edge", "random")
+SIZES = (0, 1, 2, 7, 100, 1000, 70_000)
+DENSITIES = (0.0, 0.001, 0.01, 0.3, 0.7, 1.0)
+
+
+def edge_cases(dtype: torch.dtype) -> dict[str, list[Change]]:
+    """Named objects (lists of changes) of ``dtype``: ``transitions`` (every edge pattern to every other),
+    ``steps`` (a 2-D tensor changed at both ends and throughout by every kind of step), ``shapes`` (empty,
+    0-d, one-element, unchanged, one change, ends only, all changed, under unsorted names) and ``nothing``
+    (an object in which nothing changed)."""
+    rng = np.random.default_rng(sum(map(ord, DTYPE_NAMES[dtype])))
+    b = bits_dtype(dtype)
+    pats = edge_bits(dtype)
+    k = pats.numel()
+    out = {"transitions": [Change.between(TensorSpec("edges", dtype, (k * k,)), pats.repeat_interleave(k),
+                                          pats.repeat(k))]}
+    n = 17 * 241
+    old = _random_old(dtype, n, rng)
+    new = old.clone()
+    where = np.sort(rng.choice(np.arange(1, n - 1), n // 10, replace=False))
+    for i, kind in enumerate(KINDS):
+        at = torch.from_numpy(where[i::len(KINDS)])
+        new[at] = _stepped(dtype, old[at], kind, rng)
+    ends = torch.tensor([0, n - 1])
+    new[ends] = _stepped(dtype, old[ends], "ulp", rng)
+    new[ends] = torch.where(new[ends] == old[ends], 1 - old[ends] if dtype == torch.bool else old[ends] + 1,
+                            new[ends])
+    out["steps"] = [Change.between(TensorSpec("layers.0.steps", dtype, (17, 241)), old, new)]
+
+    def one(name: str, shape: tuple[int, ...], changed: Callable[[int], Any]) -> Change:
+        numel = int(np.prod(shape, dtype=np.int64))
+        o = _random_old(dtype, numel, rng)
+        nw = o.clone()
+        at = torch.as_tensor(changed(numel), dtype=torch.int64).reshape(-1)
+        nw[at] = _stepped(dtype, o[at], "ulp", rng) if dtype != torch.bool else 1 - o[at]
+        nw[at] = torch.where(nw[at] == o[at], o[at] ^ 1, nw[at])  # every chosen element really changes
+        return Change.between(TensorSpec(name, dtype, shape), o, nw)
+
+    out["shapes"] = [one("z.empty", (0,), lambda m: []), one("a.empty2d", (0, 3), lambda m: []),
+                     one("m.scalar", (), lambda m: [0]), one("b.one", (1,), lambda m: [0]),
+                     one("y.unchanged", (5, 7), lambda m: []), one("c.single", (64, 33), lambda m: [m // 2]),
+                     one("x.ends", (64, 33), lambda m: [0, m - 1]), one("d.all", (37, 5), lambda m: range(m))]
+    e = torch.zeros(0, dtype=b)
+    same = _random_old(dtype, 300, rng)
+    out["nothing"] = [Change.between(TensorSpec("same", dtype, (300,)), same, same.clone()),
+                      Change.between(TensorSpec("empty", dtype, (0,)), e, e)]
+    return out
+
+
+def random_cases(dtype: torch.dtype, rounds: int = 8, seed: int = 0) -> Iterator[list[Change]]:
+    """``rounds`` seeded random objects of ``dtype``, each of two tensors: a size from :data:`SIZES`, a
+    density from :data:`DENSITIES`, a step kind from :data:`KINDS` (the second tensor: the first's old
+    values reversed), flat or 2-D."""
+    rng = np.random.default_rng([seed, sum(map(ord, DTYPE_NAMES[dtype]))])
+    for r in range(rounds):
+        n = int(SIZES[(r + int(rng.integers(len(SIZES)))) % len(SIZES)])
+        density = float(rng.choice(DENSITIES))
+        kind = str(rng.choice(KINDS))
+        old = _random_old(dtype, n, rng, scale=float(rng.choice([1e-3, 0.02, 1.0, 1e4])))
+        if dtype in _FLOATS and n and rng.random() < 0.5:  # edge values among the old ones
+            pats = edge_bits(dtype)
+            at = torch.from_numpy(rng.integers(0, n, min(n, pats.numel())))
+            old[at] = pats[: at.numel()]
+        new = old.clone()
+        mask = torch.from_numpy(rng.random(n) < density)
+        if int(mask.sum()):
+            new[mask] = _stepped(dtype, old[mask], kind, rng)
+        shape = (10, n // 10) if n >= 10 and n % 10 == 0 and rng.random() < 0.5 else (n,)
+        yield [Change.between(TensorSpec("t.weight", dtype, shape), old, new),
+               Change.between(TensorSpec("a.other", dtype, shape), old, old.flip(0))]
+
+
+def mixed_case(seed: int = 1) -> list[Change]:
+    """One object holding a changed tensor of every dtype, under names in no sorted order."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, dtype in enumerate(DTYPES.values()):
+        n = 50 + 37 * i
+        old = _random_old(dtype, n, rng)
+        at = torch.from_numpy(np.sort(rng.choice(n, n // 4, replace=False)))
+        new = old.clone()
+        new[at] = _stepped(dtype, old[at], KINDS[i % len(KINDS)], rng)
+        out.append(Change.between(TensorSpec(f"block.{(7 * i) % 11}.{DTYPE_NAMES[dtype]}", dtype, (n,)), old, new))
+    return out
+
+
+def representative_changes(seed: int = 0) -> list[Change]:
+    """One optimizer step of the data deltastore is made for: bf16 weights ~N(0, 0.02) of which 0.5-3 %
+    moved by 1-3 ulp (a few by more), and a norm vector of which a third moved."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, shape, density in (("layers.0.mlp.weight", (512, 384), 0.02), ("layers.0.attn.weight", (384, 384),
+                                                                          0.005), ("layers.0.norm", (384,), 0.3)):
+        n = int(np.prod(shape))
+        old = _random_old(torch.bfloat16, n, rng)
+        at = torch.from_numpy(np.sort(rng.choice(n, int(n * density), replace=False)))
+        step = rng.choice([-3, -2, -1, -1, 1, 1, 2, 3, 40], at.numel())
+        new = old.clone()
+        new[at] = torch.from_numpy((old[at].numpy().astype(np.int64) + step).astype(np.int16))
+        out.append(Change.between(TensorSpec(name, torch.bfloat16, shape), old, new))
+    return out
+
+
+def updates_for(codec: Codec, changes: Sequence[Change]) -> list[Update]:
+    """What a Publisher hands ``codec`` for ``changes``: whole new tensors for a dense codec; else each
+    tensor's positions, new and old bits, and its whole old tensor only where ``needs_for`` asks for it."""
+    if codec.dense:
+        return [Update(c.spec, c.new()) for c in changes]
+    out = []
+    for c in changes:
+        need = codec.needs_for(c.spec, c.positions.numel())
+        assert need in RECEIVER_NEEDS, f"needs_for({c.spec.name!r}) answered {need!r}, not one of {RECEIVER_NEEDS}"
+        out.append(Update(c.spec, c.bits, c.positions, c.old[c.positions], c.old if need == "old_tensor" else None))
+    return out
+
+
+def _batch(updates: Sequence[Update]) -> UpdateBatch | None:
+    """The updates as one flat :class:`UpdateBatch` (as the Publisher hands a compare's group), or None when
+    they are not of one bits dtype."""
+    if not updates or len({u.bits.dtype for u in updates}) != 1:
+        return None
+    bounds = np.zeros(len(updates) + 1, dtype=np.int64)
+    np.cumsum([u.count for u in updates], out=bounds[1:])
+    return UpdateBatch([u.spec for u in updates], torch.cat([u.positions for u in updates]), bounds,  # type: ignore[misc]
+                       torch.cat([u.bits for u in updates]), torch.cat([u.old_bits for u in updates]),  # type: ignore[misc]
+                       {u.spec.name: u.old_tensor for u in updates if u.old_tensor is not None})
+
+
+# -- comparing ------------------------------------------------------------------------------------------------
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of two integer views: same dtype, same shape, same bits."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _expect(codec: Codec, c: Change, positions: torch.Tensor | None, bits: torch.Tensor, how: str) -> None:
+    name, want = c.spec.name, c.spec.bits_dtype
+    assert bits.dtype == want, f"{how}: {name!r} decoded as {bits.dtype}, expected its bits dtype {want}"
+    if codec.dense:
+        assert positions is None, f"{how}: a dense codec returned positions for {name!r}"
+        assert _same(bits, c.new()), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) differs from the input"
+        return
+    assert positions is not None, f"{how}: a sparse codec returned {name!r} without positions"
+    assert positions.dtype == torch.int64, f"{how}: {name!r} positions are {positions.dtype}, not int64"
+    assert _same(positions, c.positions), f"{how}: {name!r} ({c.spec.dtype}) decoded other positions"
+    assert _same(bits, c.bits), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) decoded other bits"
+
+
+class _Receiver:
+    """The receiver's side of a decode: the old bits of ``changes``, handed out as ``receiver_needs`` allows.
+
+    Calling it is the plain :data:`~deltastore.codecs.OldBits`; :meth:`many` is the one-call form a library
+    receiver offers. What the codec should not have asked is recorded (not raised, so that a decoder
+    cannot turn it into another error) and reported by :meth:`assert_honest`, with any change to the old
+    tensors the decoder was handed.
+    """
+
+    def __init__(self, codec: Codec, changes: Sequence[Change]):
+        self.needs = codec.receiver_needs
+        self.old = {c.spec.name: c.old.clone() for c in changes}
+        self.pristine = {c.spec.name: c.old for c in changes}
+        self.wrong: list[str] = []
+
+    def __call__(self, name: str, positions: torch.Tensor | None) -> torch.Tensor:
+        if name not in self.old:
+            self.wrong.append(f"asked for {name!r}, which is not in the object")
+            raise KeyError(name)
+        if self.needs == "nothing":
+            self.wrong.append(f"asked for old bits of {name!r} but declares receiver_needs='nothing'")
+        if positions is None:
+            if self.needs != "old_tensor":
+                self.wrong.append(f"asked for the whole old {name!r} but declares receiver_needs={self.needs!r}")
+            return self.old[name]
+        return self.old[name][positions]
+
+    def plain(self) -> Callable[[str, torch.Tensor | None], torch.Tensor]:
+        return lambda name, positions: self(name, positions)
+
+    def many(self, names: list[str], positions: torch.Tensor, bounds: np.ndarray) -> torch.Tensor:
+        b = bounds.tolist()
+        parts = [self(n, positions[b[i]:b[i + 1]]).reshape(-1) for i, n in enumerate(names)]
+        return torch.cat(parts) if parts else positions.new_empty(0)
+
+    def assert_honest(self, how: str) -> None:
+        assert not self.wrong, f"{how}: the decoder {self.wrong[0]}" + (f" (and {len(self.wrong) - 1} more)"
+                                                                        if len(self.wrong) > 1 else "")
+        for name, t in self.old.items():
+            assert _same(t, self.pristine[name]), f"{how}: the decoder modified the receiver's old {name!r}"
+
+
+def _snapshot(updates: Sequence[Update]) -> list[tuple[torch.Tensor | None, ...]]:
+    return [tuple(None if t is None else t.clone() for t in (u.bits, u.positions, u.old_bits, u.old_tensor))
+            for u in updates]
+
+
+def _assert_untouched(updates: Sequence[Update], before: list[tuple[torch.Tensor | None, ...]], how: str) -> None:
+    for u, was in zip(updates, before):
+        for field, now, then in zip(("bits", "positions", "old_bits", "old_tensor"),
+                                    (u.bits, u.positions, u.old_bits, u.old_tensor), was):
+            assert (now is None) == (then is None) and (now is None or _same(now, then)), \
+                f"{how} modified the input's {field} of {u.spec.name!r}"
+
+
+# -- checks (plain functions) ---------------------------------------------------------------------------------
+def check_roundtrip(codec: Codec, changes: Sequence[Change]) -> bytes:
+    """``changes`` through every path the library calls, bit-exact; returns the object's bytes.
+
+    ``encode`` (and ``encode_batch`` for one bits dtype, the same bytes), then ``decode`` with a plain
+    receiver and the specs in another order, ``decode_batch`` (sparse) with a receiver offering ``many``,
+    ``decode_into`` (dense: the same bits, or False with nothing written; a destination that does not fit
+    is ``ValueError``). Fails when an encoder modifies its inputs, or a decoder asks the receiver for more
+    than ``receiver_needs`` or modifies what it was handed.
+    """
+    ups = updates_for(codec, changes)
+    before = _snapshot(ups)
+    data = codec.encode(ups)
+    assert isinstance(data, bytes), f"encode returned {type(data).__name__}, not bytes"
+    _assert_untouched(ups, before, "encode")
+    batch = None if codec.dense else _batch(ups)
+    if batch is not None:
+        assert encode_batched(codec, batch) == data, "encode_batch wrote other bytes than encode"
+        _assert_untouched(ups, before, "encode_batch")
+    by_name = {c.spec.name: c for c in changes}
+    assert len(by_name) == len(changes), "conformance input with a repeated name"
+    specs = [c.spec for c in changes][::-1]  # not the encoder's order: decoders look tensors up by name
+    receiver = _Receiver(codec, changes)
+    got = codec.decode(data, specs, receiver.plain())
+    assert set(got) == set(by_name), f"decode returned {sorted(got)[:5]}, expected {sorted(by_name)[:5]}"
+    for name, u in got.items():
+        _expect(codec, by_name[name], u.positions, u.bits, "decode")
+    receiver.assert_honest("decode")
+    if codec.dense:
+        _check_placed(codec, data, changes)
+        return data
+    receiver = _Receiver(codec, changes)
+    seen: list[str] = []
+    for b in decode_batched(codec, data, specs, receiver):
+        assert isinstance(b, UpdateBatch), f"decode_batch returned a {type(b).__name__} (no in-place target offered)"
+        assert b.bounds.shape == (len(b.specs) + 1,) and int(b.bounds[0]) == 0, "decode_batch: malformed bounds"
+        assert int(b.bounds[-1]) == b.positions.numel() == b.bits.numel(), "decode_batch: bounds do not cover it"
+        assert np.all(np.diff(b.bounds) >= 0), "decode_batch: decreasing bounds"
+        for u in b.updates():
+            seen.append(u.spec.name)
+            _expect(codec, by_name[u.spec.name], u.positions, u.bits, "decode_batch")
+    assert sorted(seen) == sorted(by_name), "decode_batch did not return every tensor exactly once"
+    receiver.assert_honest("decode_batch")
+    return data
+
+
+def _check_placed(codec: Codec, data: bytes, changes: Sequence[Change]) -> None:
+    fill = 0xA5
+
+    def dests(short: int = 0) -> list[torch.Tensor]:
+        return [torch.full((max(0, c.spec.numel - short) * c.spec.bits_dtype.itemsize,), fill, dtype=torch.uint8)
+                .view(c.spec.bits_dtype) for c in changes]
+
+    specs = [c.spec for c in changes]
+    out = dests()
+    if not decode_placed(codec, data, specs, out):
+        assert all(bool((d.view(torch.uint8) == fill).all()) for d in out), "decode_into returned False but wrote"
+        return
+    for c, d in zip(changes, out):
+        _expect(codec, c, None, d, "decode_into")
+    if any(s.numel for s in specs):
+        bad = dests(short=1)
+        with pytest.raises(ValueError):
+            decode_placed(codec, data, specs, bad)
+        assert all(bool((d.view(torch.uint8) == fill).all()) for d in bad), "decode_into wrote into a misfit"
+
+
+def check_edge_values(codec: Codec, dtype: torch.dtype) -> None:
+    """:func:`check_roundtrip` of every :func:`edge_cases` object of ``dtype``."""
+    for name, changes in edge_cases(dtype).items():
+        try:
+            check_roundtrip(codec, changes)
+        except AssertionError as e:
+            raise AssertionError(f"{DTYPE_NAMES[dtype]} {name}: {e}") from e
+
+
+def check_random(codec: Codec, dtype: torch.dtype, rounds: int = 8, seed: int = 0) -> None:
+    """:func:`check_roundtrip` of ``rounds`` :func:`random_cases` objects of ``dtype``."""
+    for i, changes in enumerate(random_cases(dtype, rounds, seed)):
+        try:
+            check_roundtrip(codec, changes)
+        except AssertionError as e:
+            c = changes[0]
+            raise AssertionError(f"{DTYPE_NAMES[dtype]} random case {i} (seed {seed}; shape {c.spec.shape}, "
+                                 f"{c.positions.numel()} changed): {e}") from e
+
+
+def check_mixed_object(codec: Codec) -> None:
+    """:func:`check_roundtrip` of one object holding every dtype (:func:`mixed_case`)."""
+    check_roundtrip(codec, mixed_case())
+
+
+def _stable_cases() -> list[list[Change]]:
+    cases = edge_cases(torch.bfloat16)
+    return [cases["steps"], cases["shapes"], mixed_case(), representative_changes()]
+
+
+def _copies(changes: Sequence[Change]) -> list[Change]:
+    return [Change(c.spec, c.old.clone(), c.positions.clone(), c.bits.clone()) for c in changes]
+
+
+def check_byte_stable(codec: Codec, fresh_process: bool = True) -> None:
+    """The same input encodes to the same bytes: twice, from copies in other memory, with the codec rebuilt
+    from its manifest record, and (``fresh_process``: :func:`check_fresh_process`) in a fresh interpreter
+    (content addressing stores an object once only if its bytes depend on its contents alone)."""
+    rebuilt = get_codec(json.loads(json.dumps(codec.describe())))
+    for changes in _stable_cases():
+        data = codec.encode(updates_for(codec, changes))
+        assert codec.encode(updates_for(codec, changes)) == data, "two encodes of one input differ"
+        assert codec.encode(updates_for(codec, _copies(changes))) == data, "a copy of the input encodes otherwise"
+        assert rebuilt.encode(updates_for(rebuilt, changes)) == data, \
+            "the codec rebuilt from its manifest record (describe) encodes otherwise"
+    if fresh_process:
+        check_fresh_process([codec])
+
+
+def check_fresh_process(codecs: Sequence[Codec]) -> None:
+    """Each of ``codecs`` encodes the byte-stability inputs to the same bytes in one fresh interpreter, with
+    another ``PYTHONHASHSEED``, as here (its class imported there by its dotted path, built from its
+    config). One interpreter for them all: a test of several codecs pays its start once."""
+    from safetensors.torch import save_file
+
+    paths = []
+    for codec in codecs:
+        cls = type(codec)
+        paths.append(f"{cls.__module__}:{cls.__qualname__}")
+        assert "<locals>" not in cls.__qualname__ and cls.__module__ != "__main__", (
+            f"{paths[-1]} cannot be imported in a fresh interpreter: define the codec class at module level, "
+            "or override the `fresh_process` fixture to return False")
+    cases = _stable_cases()
+    here = [hashlib.sha256(codec.encode(updates_for(codec, changes))).hexdigest()
+            for codec in codecs for changes in cases]
+    with tempfile.TemporaryDirectory() as tmp:
+        tensors, layout = {}, []
+        for i, changes in enumerate(cases):
+            layout.append([[c.spec.name, DTYPE_NAMES[c.spec.dtype], list(c.spec.shape)] for c in changes])
+            for j, c in enumerate(changes):
+                tensors.update({f"{i}.{j}.old": c.old, f"{i}.{j}.positions": c.positions, f"{i}.{j}.bits": c.bits})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, "cases.safetensors"))
+        with open(os.path.join(tmp, "cases.json"), "w") as f:
+            json.dump({"codecs": [[path, codec.get_config()] for path, codec in zip(paths, codecs)],
+                       "cases": layout}, f)
+        seed = "0" if os.environ.get("PYTHONHASHSEED") != "0" else "1"
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        run = subprocess.run([sys.executable, "-c", "import sys; from deltastore.testing.codecs import "
+                              "_encode_cases as e; e(sys.argv[1])", tmp], env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert run.returncode == 0, f"the fresh interpreter failed:\n{run.stderr[-3000:]}"
+    there = run.stdout.split()
+    for k, (a, b) in enumerate(zip(here, there)):
+        assert a == b, f"{paths[k // len(cases)]} ({codecs[k // len(cases)].describe()}) encodes input " \
+                       f"{k % len(cases)} to other bytes in a fresh interpreter (PYTHONHASHSEED={seed})"
+    assert len(there) == len(here), f"the fresh interpreter printed {run.stdout!r}"
+
+
+def _encode_cases(folder: str) -> None:
+    """(In the fresh interpreter of :func:`check_fresh_process`.) Print the sha256 of each case's object, for
+    each codec in turn."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "cases.json")) as f:
+        doc = json.load(f)
+    t = load_file(os.path.join(folder, "cases.safetensors"))
+    cases = [[Change(TensorSpec(name, DTYPES[dtype], tuple(shape)), t[f"{i}.{j}.old"], t[f"{i}.{j}.positions"],
+                     t[f"{i}.{j}.bits"]) for j, (name, dtype, shape) in enumerate(layout)]
+             for i, layout in enumerate(doc["cases"])]
+    for path, config in doc["codecs"]:
+        module, _, qual = path.partition(":")
+        cls: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            cls = getattr(cls, part)
+        codec = cls.from_config(config)
+        for changes in cases:
+            print(hashlib.sha256(codec.encode(updates_for(codec, changes))).hexdigest())
+
+
+def check_safetensors(codec: Codec) -> None:
+    """Every object is a safetensors file (what crosses the store is safetensors and JSON, never pickle)."""
+    from safetensors import deserialize
+
+    for changes in _stable_cases():
+        data = codec.encode(updates_for(codec, changes))
+        try:
+            deserialize(data)
+        except Exception as e:  # noqa: BLE001 - the parser's own error type
+            raise AssertionError(f"the object is not a safetensors file: {e}") from e
+
+
+def check_estimate(codec: Codec, representative: Sequence[Change], factor: float = 2.0) -> None:
+    """``estimate_size`` is an integer ``>= 0`` for every spec of the edge cases (any dtype, empty, 0-d), and
+    on ``representative`` the estimates summed are within ``factor`` of the bytes written (the Publisher
+    compares them to choose between sparse and whole)."""
+    for dtype in DTYPES.values():
+        for changes in edge_cases(dtype).values():
+            for c in changes:
+                for changed in {0, c.positions.numel(), c.spec.numel}:
+                    got = codec.estimate_size(c.spec, changed)
+                    assert operator.index(got) >= 0, f"estimate_size({c.spec}, {changed}) = {got!r}"
+    real = len(codec.encode(updates_for(codec, representative)))
+    estimate = sum(codec.estimate_size(c.spec, c.positions.numel()) for c in representative)
+    assert real / factor <= estimate <= real * factor, \
+        f"estimated {estimate} bytes, wrote {real}: not within {factor}x"
+
+
+def check_config(codec: Codec) -> None:
+    """The manifest's record of the codec (``describe()``: id, version, config) survives JSON and rebuilds an
+    equal codec through :func:`~deltastore.codecs.get_codec`; an unknown option is :class:`ManifestError`."""
+    cfg = codec.get_config()
+    assert isinstance(cfg, dict) and json.loads(json.dumps(cfg)) == cfg, f"get_config() is not plain JSON: {cfg!r}"
+    record = codec.describe()
+    assert set(record) == {"id", "version", "config"} and record["config"] == cfg, f"describe() gave {record!r}"
+    assert record["id"] == codec.codec_id and isinstance(codec.codec_id, str) and codec.codec_id
+    version = record["version"]
+    assert isinstance(version, str) and len(version.split(".")) == 2 and all(p.isdigit() for p in
+                                                                            version.split(".")), version
+    assert type(codec).reads_major(version.split(".")[0]), f"the codec cannot read the format {version} it writes"
+    rebuilt = get_codec(json.loads(json.dumps(record)))
+    assert type(rebuilt) is type(codec) and rebuilt.describe() == record, f"{record} rebuilt {rebuilt.describe()}"
+    assert type(codec).from_config(cfg).describe() == record, "from_config(get_config()) describes otherwise"
+    with pytest.raises(ManifestError):
+        get_codec({**record, "config": {**cfg, "no_such_option_of_any_codec": 1}})
+
+
+def check_format_versions(codec: Codec) -> None:
+    """A record naming a newer minor version is accepted (the object decides), each ``readable_majors`` too;
+    a major the class does not read is :class:`UnsupportedFormatError`."""
+    cls = type(codec)
+    base = {"id": codec.codec_id, "config": codec.get_config()}
+    majors = [int(v.split(".")[0]) for v in (codec.describe()["version"], cls.format_version)]
+    majors += [int(m) for m in cls.readable_majors]
+    for major in {*majors}:
+        get_codec({**base, "version": f"{major}.99"})
+    with pytest.raises(UnsupportedFormatError):
+        get_codec({**base, "version": f"{max(majors) + 1}.0"})
+
+
+def check_registered(codec: Codec, entry_point: bool = False) -> None:
+    """The registry gives the codec's class under its ``codec_id``; with ``entry_point``, through one entry
+    point of the group ``deltastore.codecs``, which the registry lists as the codec's origin."""
+    from ..registry import codecs as registry
+
+    cid = codec.codec_id
+    assert cid in registry.names(), f"{cid!r} is not registered (register_codec or an entry point)"
+    assert registry.get(cid) is type(codec), f"{cid!r} is registered as {registry.get(cid)}, not {type(codec)}"
+    if entry_point:
+        eps = [ep for ep in metadata.entry_points(group=registry.group) if ep.name == cid]
+        assert len(eps) == 1, f"{len(eps)} entry points named {cid!r} in {registry.group}"
+        assert eps[0].load() is type(codec), f"the entry point {eps[0].value} loads another class"
+        origin = next(p.origin for p in registry.describe() if p.name == cid)
+        assert origin.startswith("entry point"), f"the registry holds {cid!r} from {origin}, not the entry point"
+
+
+def _sample(codec: Codec) -> tuple[bytes, list[TensorSpec], _Receiver]:
+    """A small real object (bf16 ulp steps and an fp32 tensor), its specs and a receiver of its old bits."""
+    rng = np.random.default_rng(3)
+    changes = []
+    for name, dtype, n in (("w", torch.bfloat16, 5000), ("b", torch.float32, 300)):
+        old = _random_old(dtype, n, rng)
+        at = torch.from_numpy(np.sort(rng.choice(n, n // 25, replace=False)))
+        new = old.clone()
+        new[at] = _stepped(dtype, old[at], "ulp", rng)
+        changes.append(Change.between(TensorSpec(name, dtype, (n,)), old, new))
+    data = check_roundtrip(codec, changes)
+    return data, [c.spec for c in changes], _Receiver(codec, changes)
+
+
+class _Meter:
+    """Runs decodes on a worker thread, each under a deadline, and measures each one's memory growth: the
+    larger of the rise of the process's peak resident memory (``VmHWM``, reset before each where Linux
+    allows: it sees every allocator) and :mod:`tracemalloc`'s peak (Python and numpy, touched or not)."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="codec-conformance")
+        self.hwm = self._reset_hwm()
+        self.tracing = tracemalloc.is_tracing()
+        if not self.tracing:
+            tracemalloc.start()
+
+    def close(self) -> None:
+        if not self.tracing:
+            tracemalloc.stop()
+        self.pool.shutdown(wait=False)
+
+    @staticmethod
+    def _status_kb(field: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+            return True
+        except OSError:
+            return False
+
+    def run(self, fn: Callable[[], Any], what: str) -> tuple[BaseException | None, int]:
+        """(what ``fn`` raised or None, bytes it grew memory by); fails the test past the deadline."""
+        base = (self._status_kb("VmRSS") or 0) if self.hwm and self._reset_hwm() else None
+        tracemalloc.reset_peak()
+        traced = tracemalloc.get_traced_memory()[0]
+
+        def call() -> BaseException | None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - judged by the caller
+                return e
+            return None
+
+        start = time.monotonic()
+        future = self.pool.submit(call)
+        try:
+            error = future.result(timeout=self.deadline)
+        except concurrent.futures.TimeoutError:
+            pytest.fail(f"{what}: the decode did not finish within {self.deadline} s", pytrace=False)
+        grew = tracemalloc.get_traced_memory()[1] - traced
+        if base is not None:
+            grew = max(grew, ((self._status_kb("VmHWM") or 0) - base) * 1024)
+        assert time.monotonic() - start <= self.deadline
+        return error, grew
+
+
+def _allowance(data: bytes, specs: Sequence[TensorSpec]) -> int:
+    out = sum(s.numel * (s.bits_dtype.itemsize + 8) for s in specs)  # bits + int64 positions per element
+    return 4 * (len(data) + out) + 16 * MiB
+
+
+def _decode_each(codec: Codec, cases: dict[str, bytes], specs: list[TensorSpec], receiver: _Receiver,
+                 deadline: float, must_refuse: bool) -> None:
+    meter = _Meter(deadline)
+    try:
+        for what, data in cases.items():
+            limit = _allowance(data, specs)
+            for attempt in range(2):  # a second try where the first paid a first-use cost (a lazy import)
+                error, grew = meter.run(lambda: codec.decode(data, specs, receiver.plain()), what)
+                if grew <= limit:
+                    break
+            assert grew <= limit, f"{what}: decoding {len(data)} bytes grew memory by {grew / MiB:.1f} MiB " \
+                                  f"(allowed {limit / MiB:.1f} MiB)"
+            if error is not None and not isinstance(error, DECODE_ERRORS):
+                raise AssertionError(f"{what}: untyped {type(error).__name__}: {error}") from error
+            if must_refuse:
+                assert error is not None, f"{what}: decoded without an error"
+    finally:
+        meter.close()
+
+
+def _st_parts(data: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """A safetensors object's header and body, or None when ``data`` is not one."""
+    if len(data) < 8:
+        return None
+    n = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8:8 + n]) if 8 + n <= len(data) else None
+    except ValueError:
+        return None
+    return (header, data[8 + n:]) if isinstance(header, dict) else None
+
+
+def _st_pack(header: dict[str, Any], body: bytes) -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return len(h).to_bytes(8, "little") + h + body
+
+
+def check_refuses_bad_objects(codec: Codec, deadline: float = 10.0) -> None:
+    """Truncated objects (to every length class), bytes appended, garbage, and a safetensors header length
+    past the end or huge: each a typed error (:data:`DECODE_ERRORS`), in bounded time and memory."""
+    data, specs, receiver = _sample(codec)
+    rng = np.random.default_rng(0)
+    cases = {f"truncated to {n} of {len(data)} bytes": data[:n]
+             for n in sorted({0, 1, 7, 8, 9, 16, 64, len(data) // 2, len(data) - 8, len(data) - 1}) if 0 <= n < len(data)}
+    cases.update({"one byte appended": data + b"\0", "1 KiB appended": data + rng.bytes(1024),
+                  "64 zero bytes": bytes(64), "zeros of the object's length": bytes(len(data)),
+                  "random bytes of the object's length": rng.bytes(len(data))})
+    if _st_parts(data) is not None:
+        for n in (len(data), 2**40, 2**63 - 1, 2**64 - 1):
+            cases[f"header length {n}"] = n.to_bytes(8, "little") + data[8:]
+    _decode_each(codec, cases, specs, receiver, deadline, must_refuse=True)
+    receiver.assert_honest("decoding bad objects")
+
+
+_BOMB = 64 * MiB
+
+
+def _bombs() -> dict[str, bytes]:
+    import zstandard
+
+    zeros = bytes(_BOMB)
+    return {"declared": zstandard.ZstdCompressor(level=3).compress(zeros),
+            "undeclared": zstandard.ZstdCompressor(level=3, write_content_size=False).compress(zeros)}
+
+
+def _int_leaves(doc: Any, path: tuple = ()) -> Iterator[tuple]:
+    if isinstance(doc, bool):
+        return
+    if isinstance(doc, int):
+        yield path
+    elif isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _int_leaves(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _int_leaves(v, path + (i,))
+
+
+def _set(doc: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    doc = dict(doc) if isinstance(doc, dict) else list(doc)
+    doc[path[0]] = _set(doc[path[0]], path[1:], value)
+    return doc
+
+
+def _replaced(header: dict[str, Any], body: bytes, name: str, chunk: bytes) -> bytes:
+    """The safetensors object ``header`` + ``body`` with tensor ``name``'s bytes replaced by ``chunk`` (a
+    1-D tensor of its dtype; the other tensors keep their bytes, moved)."""
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    h, chunks, off = dict(header), [], 0
+    for n in sorted(tensors, key=lambda k: tensors[k]["data_offsets"][0]):
+        a, b = tensors[n]["data_offsets"]
+        c = chunk if n == name else body[a:b]
+        h[n] = {**tensors[n], "data_offsets": [off, off + len(c)]}
+        if n == name:
+            h[n]["shape"] = [len(c)]
+        chunks.append(c)
+        off += len(c)
+    return _st_pack(h, b"".join(chunks))
+
+
+def _framed_variants(header: dict[str, Any], body: bytes, bombs: dict[str, bytes], depth: int) -> dict[str, bytes]:
+    """:func:`hostile_objects` of a safetensors object, but the bit flips."""
+    out: dict[str, bytes] = {}
+    tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    for name, t in tensors.items():
+        a, b = t["data_offsets"]
+        for k in sorted({0, 1, 2, 3, 4, 5, 8, (b - a) // 2, b - a - 8}):
+            if 0 <= k < b - a:
+                run = min(8, b - a - k)
+                out[f"0xFF x {run} at byte {k} of {name!r}"] = _st_pack(header, body[:a + k] + b"\xff" * run
+                                                                       + body[a + k + run:])
+    meta = header.get("__metadata__") or {}
+    for key, value in meta.items():
+        try:
+            doc = json.loads(value)
+        except (TypeError, ValueError):
+            continue
+        leaves = list(_int_leaves(doc))
+        for i in sorted({*np.linspace(0, len(leaves) - 1, 16).astype(int).tolist()}) if leaves else []:
+            for huge in (2**40, 2**62, -1):
+                h = {**header, "__metadata__": {**meta, key: json.dumps(_set(doc, leaves[i], huge))}}
+                out[f"{key} {list(leaves[i])} = {huge}"] = _st_pack(h, body)
+    for name, t in tensors.items():
+        if t.get("dtype") != "U8":
+            continue
+        for kind, bomb in bombs.items():
+            out[f"{name!r} replaced by a zstd bomb ({kind} size)"] = _replaced(header, body, name, bomb)
+        a, b = t["data_offsets"]
+        nested = _st_parts(body[a:b]) if depth > 0 else None
+        if nested is not None:  # a whole object stored as bytes (auto's parts): its own variants, in place
+            for what, inner in _framed_variants(*nested, bombs, depth - 1).items():
+                out[f"in {name!r}: {what}"] = _replaced(header, body, name, inner)
+    return out
+
+
+def hostile_objects(data: bytes, bombs: dict[str, bytes]) -> dict[str, bytes]:
+    """Variants of a good object ``data`` a decoder must survive: single bits flipped, 8-byte runs of 0xFF
+    written over each stored tensor's start, middle and end (length fields made huge), each integer in the
+    header metadata's JSON values made huge or negative, each byte tensor replaced by each of ``bombs``
+    (zstd frames of 64 MiB of zeros), and the same inside a byte tensor that holds a safetensors object
+    itself. Without a safetensors frame, the runs go over the whole object."""
+    out: dict[str, bytes] = {}
+    for i in sorted({*range(min(16, len(data))), *np.linspace(0, len(data) - 1, 48).astype(int).tolist()}):
+        out[f"bit {i % 8} of byte {i} flipped"] = data[:i] + bytes([data[i] ^ (1 << (i % 8))]) + data[i + 1:]
+    parts = _st_parts(data)
+    if parts is None:
+        for i in np.linspace(0, max(0, len(data) - 8), 16).astype(int).tolist():
+            out[f"0xFF x 8 at byte {i}"] = data[:i] + b"\xff" * 8 + data[i + 8:]
+        return out
+    out.update(_framed_variants(*parts, bombs, depth=1))
+    return out
+
+
+def check_hostile_objects(codec: Codec, deadline: float = 10.0) -> None:
+    """Every :func:`hostile_objects` variant of a real object either decodes or raises a typed error
+    (:data:`DECODE_ERRORS`), in bounded time and memory (see :class:`CodecConformance`). What a variant
+    decodes to is not judged: the library validates every decoded update against the manifest."""
+    data, specs, receiver = _sample(codec)
+    _decode_each(codec, hostile_objects(data, _bombs()), specs, receiver, deadline, must_refuse=False)
+    receiver.assert_honest("decoding hostile objects")
+
+
+def _training_states(steps: int = 4) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    state = {"layer.weight": (torch.randn(64, 48, generator=g) * 0.02).to(torch.bfloat16),
+             "layer.bias": torch.randn(48, generator=g), "layer.scale": torch.randn(16, generator=g).half(),
+             "layer.q": torch.randn(40, generator=g).to(torch.float8_e4m3fn),
+             "counter": torch.arange(3, dtype=torch.int64), "mask": torch.rand(32, generator=g) < 0.5}
+    out = []
+    for _ in range(steps):
+        state = {k: v.clone() for k, v in state.items()}
+        w = state["layer.weight"].view(torch.int16)
+        w[torch.rand(w.shape, generator=g) < 0.05] += 1
+        state["layer.bias"][:3] += 1e-3
+        state["layer.scale"][-2:] *= -1
+        state["layer.q"].view(torch.uint8)[5:7] ^= 1
+        state["counter"] += 1
+        state["mask"][::7] = ~state["mask"][::7]
+        out.append(state)
+    return out
+
+
+def check_publish_pull(codec: Codec) -> None:
+    """A Publisher with the codec (sparse: the delta codec; dense: the anchor codec) and Subscribers through
+    a local store: a follower one delta behind and a fresh reader get every version bit-exact, and the
+    manifests record the codec so that it rebuilds as it was."""
+    import deltastore as ds
+
+    states = _training_states()
+    role = {"anchor_codec": codec} if codec.dense else {"codec": codec}
+    with tempfile.TemporaryDirectory() as uri:
+        with ds.Publisher(uri, anchor_every=100, **role) as pub:
+            for step, s in enumerate(states):
+                pub.publish(s, step=step)
+        sub = ds.Subscriber(uri)
+        target = sub.pull(step=0).state
+        for step, want in enumerate(states):
+            result = sub.pull(target, step=step, allow_anchor=False) if step else sub.pull(target, step=0)
+            if step:
+                assert result.path == "delta", f"step {step} pulled by {result.path!r}"
+            for name, t in want.items():
+                assert _same(target[name].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype))), (step, name)
+        fresh = ds.Subscriber(uri).pull().state
+        assert all(_same(fresh[k].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype)))
+                   for k, t in states[-1].items())
+        records = [o.codec for step in range(len(states)) for o in sub.manifest(step).objects
+                   if o.codec["id"] == codec.codec_id]
+        assert records, f"no object of the published versions was written with {codec.codec_id!r}"
+        for r in records:
+            assert get_codec(r).describe() == codec.describe(), f"the manifest records {r}"
+
+
+class CodecConformance:
+    """pytest mix-in: subclass it and provide a ``codec`` fixture (the codec, registered under its id)."""
+
+    @pytest.fixture
+    def codec(self) -> Codec:  # pragma: no cover - must be overridden
+        raise NotImplementedError("subclasses provide a `codec` fixture returning the codec to check")
+
+    @pytest.fixture
+    def entry_point(self) -> bool:
+        return False
+
+    @pytest.fixture
+    def representative(self) -> list[Change]:
+        return representative_changes()
+
+    @pytest.fixture
+    def estimate_factor(self) -> float:
+        return 2.0
+
+    @pytest.fixture
+    def fresh_process(self) -> bool:
+        return True
+
+    @pytest.fixture
+    def decode_deadline(self) -> float:
+        return 10.0
+
+    @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+    def test_edge_values(self, codec: Codec, dtype: torch.dtype) -> None:
+        check_edge_values(codec, dtype)
+
+    @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+    def test_random_roundtrip(self, codec: Codec, dtype: torch.dtype) -> None:
+        check_random(codec, dtype)
+
+    def test_every_dtype_in_one_object(self, codec: Codec) -> None:
+        check_mixed_object(codec)
+
+    def test_byte_stable(self, codec: Codec, fresh_process: bool) -> None:
+        check_byte_stable(codec, fresh_process)
+
+    def test_objects_are_safetensors(self, codec: Codec) -> None:
+        check_safetensors(codec)
+
+    def test_estimate_size(self, codec: Codec, representative: list[Change], estimate_factor: float) -> None:
+        check_estimate(codec, representative, estimate_factor)
+
+    def test_config_roundtrip(self, codec: Codec) -> None:
+        check_config(codec)
+
+    def test_format_versions(self, codec: Codec) -> None:
+        check_format_versions(codec)
+
+    def test_registered(self, codec: Codec, entry_point: bool) -> None:
+        check_registered(codec, entry_point)
+
+    def test_bad_objects_are_refused(self, codec: Codec, decode_deadline: float) -> None:
+        check_refuses_bad_objects(codec, decode_deadline)
+
+    def test_hostile_objects_are_bounded(self, codec: Codec, decode_deadline: float) -> None:
+        check_hostile_objects(codec, decode_deadline)
+
+    def test_publish_and_pull(self, codec: Codec) -> None:
+        check_publish_pull(codec)
+
+
+__all__ = ["DECODE_ERRORS", "DENSITIES", "KINDS", "SIZES", "Change", "CodecConformance", "check_byte_stable",
+           "check_config", "check_edge_values", "check_estimate", "check_format_versions", "check_fresh_process",
+           "check_hostile_objects",
+           "check_mixed_object", "check_publish_pull", "check_random", "check_refuses_bad_objects",
+           "check_registered", "check_roundtrip", "check_safetensors", "edge_bits", "edge_cases",
+           "hostile_objects", "mixed_case", "random_cases", "representative_changes", "updates_for"]
