@@ -651,8 +651,8 @@ def check_registered(codec: Codec, entry_point: bool = False) -> None:
         assert origin.startswith("entry point"), f"the registry holds {cid!r} from {origin}, not the entry point"
 
 
-def _sample(codec: Codec) -> tuple[bytes, list[TensorSpec], _Receiver]:
-    """A small real object (bf16 ulp steps and an fp32 tensor), its specs and a receiver of its old bits."""
+def _sample(codec: Codec) -> tuple[bytes, list[Change]]:
+    """A small real object (bf16 ulp steps and an fp32 tensor) and its changes."""
     rng = np.random.default_rng(3)
     changes = []
     for name, dtype, n in (("w", torch.bfloat16, 5000), ("b", torch.float32, 300)):
@@ -661,8 +661,7 @@ def _sample(codec: Codec) -> tuple[bytes, list[TensorSpec], _Receiver]:
         new = old.clone()
         new[at] = _stepped(dtype, old[at], "ulp", rng)
         changes.append(Change.between(TensorSpec(name, dtype, (n,)), old, new))
-    data = check_roundtrip(codec, changes)
-    return data, [c.spec for c in changes], _Receiver(codec, changes)
+    return check_roundtrip(codec, changes), changes
 
 
 class _Meter:
@@ -775,7 +774,8 @@ def _st_pack(header: dict[str, Any], body: bytes) -> bytes:
 def check_refuses_bad_objects(codec: Codec, deadline: float = 10.0) -> None:
     """Truncated objects (to every length class), bytes appended, garbage, and a safetensors header length
     past the end or huge: each a typed error (:data:`DECODE_ERRORS`), in bounded time and memory."""
-    data, specs, receiver = _sample(codec)
+    data, changes = _sample(codec)
+    specs, receiver = [c.spec for c in changes], _Receiver(codec, changes)
     rng = np.random.default_rng(0)
     cases = {f"truncated to {n} of {len(data)} bytes": data[:n]
              for n in sorted({0, 1, 7, 8, 9, 16, 64, len(data) // 2, len(data) - 8, len(data) - 1}) if 0 <= n < len(data)}
@@ -893,10 +893,27 @@ def hostile_objects(data: bytes, bombs: dict[str, bytes]) -> dict[str, bytes]:
 def check_hostile_objects(codec: Codec, deadline: float = 10.0) -> None:
     """Every :func:`hostile_objects` variant of a real object either decodes or raises a typed error
     (:data:`DECODE_ERRORS`), in bounded time and memory (see :class:`CodecConformance`). What a variant
-    decodes to is not judged: the library validates every decoded update against the manifest."""
-    data, specs, receiver = _sample(codec)
+    decodes to is not judged: the library validates every decoded update against the manifest. Decoded
+    against a manifest naming other tensors (one renamed, one missing, one more), the object gives a typed
+    error or updates for exactly the tensors named."""
+    data, changes = _sample(codec)
+    specs, receiver = [c.spec for c in changes], _Receiver(codec, changes)
     _decode_each(codec, hostile_objects(data, _bombs()), specs, receiver, deadline, must_refuse=False)
     receiver.assert_honest("decoding hostile objects")
+    w = specs[0]
+    unknown = [TensorSpec("not." + w.name, w.dtype, w.shape), TensorSpec("extra", torch.float16, (7,))]
+    held = {s.name: torch.zeros(s.numel, dtype=s.bits_dtype) for s in unknown}  # the receiver holds them too
+    receiver = _Receiver(codec, [*changes, *(Change.between(s, held[s.name], held[s.name]) for s in unknown)])
+    for what, other in {"one tensor renamed": [unknown[0], *specs[1:]], "one tensor missing": specs[1:],
+                        "one tensor more": [*specs, unknown[1]]}.items():
+        try:
+            got = codec.decode(data, other, receiver.plain())
+        except DECODE_ERRORS:
+            continue
+        except Exception as e:  # noqa: BLE001 - reported
+            raise AssertionError(f"decoded against a manifest with {what}: untyped {type(e).__name__}: {e}") from e
+        assert set(got) == {s.name for s in other}, \
+            f"decoded against a manifest with {what}: returned {sorted(got)}, not {sorted(s.name for s in other)}"
 
 
 def _training_states(steps: int = 4) -> list[dict[str, torch.Tensor]]:
