@@ -8,6 +8,7 @@ memory it took.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ MiB = 1 << 20
 BOMB_BYTES = 64 * MiB
 
 
+@functools.lru_cache(maxsize=1)
 def bombs() -> dict[str, bytes]:
     """zstd frames of :data:`BOMB_BYTES` zeros, a few KB each: one that declares its size, one that does not."""
     import zstandard
@@ -103,7 +105,11 @@ def safetensors_parts(data: bytes) -> tuple[dict[str, Any], bytes] | None:
         header = json.loads(data[8:8 + n]) if 8 + n <= len(data) else None
     except ValueError:
         return None
-    return (header, data[8 + n:]) if isinstance(header, dict) else None
+    if not isinstance(header, dict) or not all(
+            isinstance(t, dict) and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+            for k, t in header.items() if k != "__metadata__"):
+        return None
+    return header, data[8 + n:]
 
 
 def _st_pack(header: dict[str, Any], body: bytes) -> bytes:
@@ -152,7 +158,7 @@ def _replaced(header: dict[str, Any], body: bytes, name: str, chunk: bytes) -> b
 def _framed_variants(header: dict[str, Any], body: bytes, bombs: dict[str, bytes], depth: int) -> dict[str, bytes]:
     """:func:`hostile_objects` of a safetensors object, but the bit flips."""
     out: dict[str, bytes] = {}
-    tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for name, t in tensors.items():
         a, b = t["data_offsets"]
         for k in sorted({0, 1, 2, 3, 4, 5, 8, (b - a) // 2, b - a - 8}):
