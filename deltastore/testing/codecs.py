@@ -266,8 +266,17 @@ def check_random(codec: Codec, dtype: torch.dtype, rounds: int = 8, seed: int = 
 
 
 def check_mixed_object(codec: Codec) -> None:
-    """:func:`check_roundtrip` of one object holding every dtype (:func:`mixed_case`)."""
-    check_roundtrip(codec, mixed_case())
+    """:func:`check_roundtrip` of one object holding every dtype (:func:`mixed_case`), then of each group of
+    its dtypes that share a bits dtype (bf16, fp16 and int16; the 1-byte ones), as ``encode_batch`` gets
+    them from the Publisher."""
+    changes = mixed_case()
+    check_roundtrip(codec, changes)
+    groups: dict[torch.dtype, list[Change]] = {}
+    for c in changes:
+        groups.setdefault(c.spec.bits_dtype, []).append(c)
+    for group in groups.values():
+        if len(group) > 1:
+            check_roundtrip(codec, group)
 
 
 def _stable_cases() -> list[list[Change]]:
