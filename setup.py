@@ -18,7 +18,10 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 KERNELS = sorted((HERE / "deltastore" / "kernels").glob("_*.pyx"))
-ARGS = [] if sys.platform == "win32" else ["-O3"]
+SHARED = [str(p.relative_to(HERE)) for p in (HERE / "deltastore" / "kernels").glob("_*.[hp]*") if p.suffix in (".h", ".pxd")]
+# -O3: the loops vectorise; -ffp-contract=off: no fused multiply-add, so the one float sum (code costs) is the
+# same on every CPU the run-time dispatch may pick
+ARGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
 
 extensions = [
     Extension(
@@ -27,6 +30,7 @@ extensions = [
         include_dirs=[np.get_include(), str(pyx.parent.relative_to(HERE))],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=ARGS,
+        depends=SHARED,
     )
     for pyx in KERNELS
 ]

@@ -13,6 +13,32 @@ import numpy as np
 
 cnp.import_array()
 
+cdef extern from "_simd.h":
+    uint64_t ds_max_step_u8(const uint8_t* new, const uint8_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_u8(const uint8_t* new, const uint8_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_i8(const int8_t* new, const int8_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_i8(const int8_t* new, const int8_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_i16(const int16_t* new, const int16_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_i16(const int16_t* new, const int16_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_u16(const uint16_t* new, const uint16_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_u16(const uint16_t* new, const uint16_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_i32(const int32_t* new, const int32_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_i32(const int32_t* new, const int32_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_u32(const uint32_t* new, const uint32_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_u32(const uint32_t* new, const uint32_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_i64(const int64_t* new, const int64_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_i64(const int64_t* new, const int64_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+    uint64_t ds_max_step_u64(const uint64_t* new, const uint64_t* old, int64_t n, int64_t fmag) noexcept nogil
+    void ds_step_planes_u64(const uint64_t* new, const uint64_t* old, int64_t n, int64_t fmag, uint8_t* out,
+                            int64_t row_stride, int64_t npl) noexcept nogil
+
 ctypedef fused step_t:
     uint8_t
     int8_t
@@ -449,15 +475,6 @@ cdef inline int64_t _plane_step(const Planes* p, int64_t i) noexcept nogil:
     return <int64_t>u
 
 
-cdef uint64_t _max_step_s(const step_t* new, const step_t* old, int64_t n, int64_t fmag) noexcept nogil:
-    cdef uint64_t m = 0, x
-    cdef int64_t i
-    for i in range(n):
-        x = _step(<int64_t>new[i], <int64_t>old[i], fmag)
-        m = x if x > m else m
-    return m
-
-
 def _max_step(new, old, int64_t fmag):
     cdef int code = _code(new, "new")
     if _code(old, "old") != code:
@@ -468,23 +485,23 @@ def _max_step(new, old, int64_t fmag):
     cdef uint64_t r
     if size(old) < n:
         raise ValueError("old is shorter than new")
-    with nogil:
+    with nogil:  # the loops are _simd.h's ds_max_step_*
         if code == 0:
-            r = _max_step_s(<const uint8_t*>pn, <const uint8_t*>po, n, fmag)
+            r = ds_max_step_u8(<const uint8_t*>pn, <const uint8_t*>po, n, fmag)
         elif code == 1:
-            r = _max_step_s(<const int8_t*>pn, <const int8_t*>po, n, fmag)
+            r = ds_max_step_i8(<const int8_t*>pn, <const int8_t*>po, n, fmag)
         elif code == 2:
-            r = _max_step_s(<const int16_t*>pn, <const int16_t*>po, n, fmag)
+            r = ds_max_step_i16(<const int16_t*>pn, <const int16_t*>po, n, fmag)
         elif code == 3:
-            r = _max_step_s(<const uint16_t*>pn, <const uint16_t*>po, n, fmag)
+            r = ds_max_step_u16(<const uint16_t*>pn, <const uint16_t*>po, n, fmag)
         elif code == 4:
-            r = _max_step_s(<const int32_t*>pn, <const int32_t*>po, n, fmag)
+            r = ds_max_step_i32(<const int32_t*>pn, <const int32_t*>po, n, fmag)
         elif code == 5:
-            r = _max_step_s(<const uint32_t*>pn, <const uint32_t*>po, n, fmag)
+            r = ds_max_step_u32(<const uint32_t*>pn, <const uint32_t*>po, n, fmag)
         elif code == 6:
-            r = _max_step_s(<const int64_t*>pn, <const int64_t*>po, n, fmag)
+            r = ds_max_step_i64(<const int64_t*>pn, <const int64_t*>po, n, fmag)
         else:
-            r = _max_step_s(<const uint64_t*>pn, <const uint64_t*>po, n, fmag)
+            r = ds_max_step_u64(<const uint64_t*>pn, <const uint64_t*>po, n, fmag)
     return r
 
 
@@ -512,23 +529,43 @@ def _step_planes(new, old, int64_t fmag, out):
     cdef int64_t n = size(new)
     if size(old) < n or (pout.rows and pout.cols < n):
         raise ValueError("new, old and out of different lengths")
-    with nogil:
+    if pout.cols > 1 and pout.col_stride != 1:  # columns apart: the general loop
+        with nogil:
+            if code == 0:
+                _step_planes_s(<const uint8_t*>pn, <const uint8_t*>po, n, fmag, &pout)
+            elif code == 1:
+                _step_planes_s(<const int8_t*>pn, <const int8_t*>po, n, fmag, &pout)
+            elif code == 2:
+                _step_planes_s(<const int16_t*>pn, <const int16_t*>po, n, fmag, &pout)
+            elif code == 3:
+                _step_planes_s(<const uint16_t*>pn, <const uint16_t*>po, n, fmag, &pout)
+            elif code == 4:
+                _step_planes_s(<const int32_t*>pn, <const int32_t*>po, n, fmag, &pout)
+            elif code == 5:
+                _step_planes_s(<const uint32_t*>pn, <const uint32_t*>po, n, fmag, &pout)
+            elif code == 6:
+                _step_planes_s(<const int64_t*>pn, <const int64_t*>po, n, fmag, &pout)
+            else:
+                _step_planes_s(<const uint64_t*>pn, <const uint64_t*>po, n, fmag, &pout)
+        return
+    cdef uint8_t* o = <uint8_t*>pout.data
+    with nogil:  # the loops are _simd.h's ds_step_planes_*
         if code == 0:
-            _step_planes_s(<const uint8_t*>pn, <const uint8_t*>po, n, fmag, &pout)
+            ds_step_planes_u8(<const uint8_t*>pn, <const uint8_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 1:
-            _step_planes_s(<const int8_t*>pn, <const int8_t*>po, n, fmag, &pout)
+            ds_step_planes_i8(<const int8_t*>pn, <const int8_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 2:
-            _step_planes_s(<const int16_t*>pn, <const int16_t*>po, n, fmag, &pout)
+            ds_step_planes_i16(<const int16_t*>pn, <const int16_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 3:
-            _step_planes_s(<const uint16_t*>pn, <const uint16_t*>po, n, fmag, &pout)
+            ds_step_planes_u16(<const uint16_t*>pn, <const uint16_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 4:
-            _step_planes_s(<const int32_t*>pn, <const int32_t*>po, n, fmag, &pout)
+            ds_step_planes_i32(<const int32_t*>pn, <const int32_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 5:
-            _step_planes_s(<const uint32_t*>pn, <const uint32_t*>po, n, fmag, &pout)
+            ds_step_planes_u32(<const uint32_t*>pn, <const uint32_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         elif code == 6:
-            _step_planes_s(<const int64_t*>pn, <const int64_t*>po, n, fmag, &pout)
+            ds_step_planes_i64(<const int64_t*>pn, <const int64_t*>po, n, fmag, o, pout.row_stride, pout.rows)
         else:
-            _step_planes_s(<const uint64_t*>pn, <const uint64_t*>po, n, fmag, &pout)
+            ds_step_planes_u64(<const uint64_t*>pn, <const uint64_t*>po, n, fmag, o, pout.row_stride, pout.rows)
 
 
 cdef int64_t _apply_steps_s(const step_t* old, int64_t n, const Planes* planes, int64_t fmag, int64_t lo,

@@ -22,6 +22,34 @@ cdef extern from "_simd.h":
                      int64_t* out) noexcept nogil
     void ds_count3_8(const uint64_t* b, int64_t n, int64_t mask, int64_t t1, int64_t t2, int64_t t3,
                      int64_t* out) noexcept nogil
+    void ds_ranks3_1(const uint8_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, const int64_t* pos,
+                     int64_t i0, int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t* rank,
+                     int64_t* bucket) noexcept nogil
+    void ds_ranks3_2(const uint16_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, const int64_t* pos,
+                     int64_t i0, int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t* rank,
+                     int64_t* bucket) noexcept nogil
+    void ds_ranks3_4(const uint32_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, const int64_t* pos,
+                     int64_t i0, int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t* rank,
+                     int64_t* bucket) noexcept nogil
+    void ds_ranks3_8(const uint64_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, const int64_t* pos,
+                     int64_t i0, int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t* rank,
+                     int64_t* bucket) noexcept nogil
+    int64_t ds_select3_1(const uint8_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, int64_t start,
+                         int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo, const int64_t* hi,
+                         int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
+                         int64_t* src) noexcept nogil
+    int64_t ds_select3_2(const uint16_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, int64_t start,
+                         int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo, const int64_t* hi,
+                         int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
+                         int64_t* src) noexcept nogil
+    int64_t ds_select3_4(const uint32_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t start,
+                         int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo, const int64_t* hi,
+                         int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
+                         int64_t* src) noexcept nogil
+    int64_t ds_select3_8(const uint64_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t start,
+                         int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo, const int64_t* hi,
+                         int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
+                         int64_t* src) noexcept nogil
 
 
 cdef const char* _bits(object bits, int64_t mask, int* w) except NULL:
@@ -152,43 +180,6 @@ def _count3(bits, int64_t start, int64_t stop, int64_t mask, int64_t t1, int64_t
     return out[0], out[1], out[2]
 
 
-cdef inline int64_t _rank3(int64_t b, int64_t p, int64_t g1, int64_t g2, int64_t g3) noexcept nogil:
-    # rank at flat position p within bucket b: G_b - G_(b+1), with G_0 = p and G_4 = 0
-    if b == 0:
-        return p - g1
-    if b == 1:
-        return g1 - g2
-    if b == 2:
-        return g2 - g3
-    return g3
-
-
-cdef void _ranks3_s(const bits_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, const int64_t* pos,
-                    int64_t i0, int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t* rank,
-                    int64_t* bucket) noexcept nogil:
-    # g_k: elements before the scan point whose magnitude is >= t_k; bucket b's rank at p is
-    # G_b - G_(b+1) with G_0 = p and G_4 = 0.
-    cdef int64_t cur = start, j, p, m, e1, e2, e3, b
-    cdef int64_t a[3]
-    for j in range(i0, i1):
-        p = pos[j]
-        _count3_s(bits, cur, p, mask, t1, t2, t3, a)
-        g1 += a[0]
-        g2 += a[1]
-        g3 += a[2]
-        m = <int64_t>bits[p] & mask
-        e1 = m >= t1
-        e2 = m >= t2
-        e3 = m >= t3
-        b = e1 + e2 + e3
-        rank[j] = _rank3(b, p, g1, g2, g3)
-        bucket[j] = b
-        g1 += e1
-        g2 += e2
-        g3 += e3
-        cur = p + 1
-
-
 def _ranks3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, pos, int64_t i0, int64_t i1, int64_t start,
             int64_t g1, int64_t g2, int64_t g3, rank, bucket):
     cdef int w
@@ -196,15 +187,17 @@ def _ranks3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, pos, int64_t
     cdef const int64_t* pp = <const int64_t*>arr(pos, 8, SIGNED, False, "pos")
     cdef int64_t* pk = <int64_t*>arr(rank, 8, SIGNED, True, "rank")
     cdef int64_t* pu = <int64_t*>arr(bucket, 8, SIGNED, True, "bucket")
-    with nogil:
+    with nogil:  # the loop is _simd.h's ds_ranks3_*
         if w == 1:
-            _ranks3_s(<const uint8_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
+            ds_ranks3_1(<const uint8_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, pp, i0, i1, start,
+                        g1, g2, g3, pk, pu)
         elif w == 2:
-            _ranks3_s(<const uint16_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
+            ds_ranks3_2(<const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, pp, i0, i1,
+                        start, g1, g2, g3, pk, pu)
         elif w == 4:
-            _ranks3_s(<const uint32_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
+            ds_ranks3_4(<const uint32_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
         else:
-            _ranks3_s(<const uint64_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
+            ds_ranks3_8(<const uint64_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
 
 
 cdef int64_t _select_s(const bits_t* bits, int64_t mask, int64_t shift, const int64_t* lut, int64_t start,
@@ -256,54 +249,6 @@ def _select(bits, int64_t mask, int64_t shift, lut, int64_t start, int64_t stop,
     return r
 
 
-cdef int64_t _select3_s(const bits_t* bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t start,
-                        int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo, const int64_t* hi,
-                        int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
-                        int64_t* src) noexcept nogil:
-    # g_k: elements before the scan point whose magnitude is >= t_k, so bucket b holds G_b - G_(b+1) of them
-    # (G_0 = the scan point, G_4 = 0). Blocks of 32 are counted first (vectorised); a block that holds none of
-    # the wanted ranks is skipped.
-    cdef int64_t ptr[4]
-    cdef int64_t want[4]  # next wanted rank per bucket (-1: none left)
-    cdef int64_t a[3]
-    cdef int64_t remaining = 0, o = base, idx = start, end, b, i, m, e1, e2, e3, r
-    for b in range(4):
-        ptr[b] = lo[b]
-        want[b] = -1
-        if ptr[b] < hi[b]:
-            want[b] = ranks[off[b] + ptr[b]]
-        remaining += hi[b] - ptr[b]
-    while remaining > 0 and idx < stop:
-        end = min(idx + 32, stop)
-        _count3_s(bits, idx, end, mask, t1, t2, t3, a)
-        if ((want[0] < 0 or end - g1 - a[0] <= want[0]) and (want[1] < 0 or g1 + a[0] - g2 - a[1] <= want[1])
-                and (want[2] < 0 or g2 + a[1] - g3 - a[2] <= want[2]) and (want[3] < 0 or g3 + a[2] <= want[3])):
-            g1 += a[0]
-            g2 += a[1]
-            g3 += a[2]
-            idx = end
-            continue
-        for i in range(idx, end):
-            m = <int64_t>bits[i] & mask
-            e1 = m >= t1
-            e2 = m >= t2
-            e3 = m >= t3
-            b = e1 + e2 + e3
-            r = _rank3(b, i, g1, g2, g3)
-            if r == want[b]:
-                outpos[o] = i
-                src[o] = off[b] + ptr[b]
-                o += 1
-                ptr[b] += 1
-                remaining -= 1
-                want[b] = ranks[off[b] + ptr[b]] if ptr[b] < hi[b] else -1
-            g1 += e1
-            g2 += e2
-            g3 += e3
-        idx = end
-    return remaining
-
-
 def _select3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t start, int64_t stop, ranks, off, lo,
              hi, int64_t g1, int64_t g2, int64_t g3, int64_t base, outpos, src):
     cdef int w
@@ -317,17 +262,17 @@ def _select3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t sta
     cdef int64_t r
     if size(lo) < 4 or size(hi) < 4 or size(off) < 4:
         raise ValueError("_select3: four buckets")
-    with nogil:
+    with nogil:  # the loop is _simd.h's ds_select3_*
         if w == 1:
-            r = _select3_s(<const uint8_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base, pp,
-                           ps)
+            r = ds_select3_1(<const uint8_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start, stop,
+                             pr, po, pl, ph, g1, g2, g3, base, pp, ps)
         elif w == 2:
-            r = _select3_s(<const uint16_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base, pp,
-                           ps)
+            r = ds_select3_2(<const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start, stop,
+                             pr, po, pl, ph, g1, g2, g3, base, pp, ps)
         elif w == 4:
-            r = _select3_s(<const uint32_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base, pp,
-                           ps)
+            r = ds_select3_4(<const uint32_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base,
+                             pp, ps)
         else:
-            r = _select3_s(<const uint64_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base, pp,
-                           ps)
+            r = ds_select3_8(<const uint64_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base,
+                             pp, ps)
     return r

@@ -7,7 +7,8 @@
 
    Every function is a plain loop over memory the caller has checked; none allocates, none touches Python
    objects (they run without the GIL). Semantics are stated at each function; the Cython modules that call
-   them (``_checksum.pyx``, ``_diff.pyx``, ``_planes.pyx``, ``_ranks.pyx``) give the contract. */
+   them (``_checksum.pyx``, ``_diff.pyx``, ``_planes.pyx``, ``_ranks.pyx``, ``_bitstream.pyx``) give the
+   contract. */
 
 #ifndef DELTASTORE_SIMD_H
 #define DELTASTORE_SIMD_H
@@ -147,12 +148,20 @@ DS_FN void ds_join_8(const uint8_t *const *p, int64_t n, int rotate, uint64_t *o
     }
 }
 
-/* --- ranks (kernels/ranks.py): elements of bits[0:n] whose magnitude (bits & mask) is >= t1, t2, t3 --------
-   Lanes are int32 for 8- and 16-bit elements (mask and thresholds then fit in 31 bits), else int64. Masks
-   are below 2**width, so zero- and sign-extension of the element give the same magnitude. */
+/* --- ranks (kernels/ranks.py) ----------------------------------------------------------------------------
+   A magnitude is bits & mask. Lanes are int32 for 8- and 16-bit elements (mask and thresholds then fit in 31
+   bits), else int64. Masks are below 2**width, so zero- and sign-extension of an element give the same
+   magnitude. count3: elements of b[0:n] whose magnitude is >= t1, t2, t3 (32-bit sums per block of 2**20).
+   ranks3 / select3: the kernels of ranks.py's four-bucket path, with count3 inlined (short spans between
+   positions). g_k: elements before the scan point whose magnitude is >= t_k, so bucket b holds G_b - G_(b+1)
+   of them, with G_0 = the scan point and G_4 = 0. */
 
-#define DS_COUNT3(T, W, L)                                                                                    \
-    DS_FN void ds_count3_##W(const T *b, int64_t n, L mask, L t1, L t2, L t3, int64_t *out) {      \
+static inline int64_t ds_rank3(int64_t b, int64_t p, int64_t g1, int64_t g2, int64_t g3) {
+    return b == 0 ? p - g1 : b == 1 ? g1 - g2 : b == 2 ? g2 - g3 : g3;
+}
+
+#define DS_RANKS(T, W, L)                                                                                     \
+    static inline void ds_count3_in_##W(const T *b, int64_t n, L mask, L t1, L t2, L t3, int64_t *a) {        \
         int64_t a1 = 0, a2 = 0, a3 = 0;                                                                       \
         for (int64_t i = 0; i < n;) {                                                                         \
             int64_t end = n - i > (1 << 20) ? i + (1 << 20) : n;                                              \
@@ -168,15 +177,129 @@ DS_FN void ds_join_8(const uint8_t *const *p, int64_t n, int rotate, uint64_t *o
             a3 += s3;                                                                                         \
             i = end;                                                                                          \
         }                                                                                                     \
-        out[0] = a1;                                                                                          \
-        out[1] = a2;                                                                                          \
-        out[2] = a3;                                                                                          \
+        a[0] = a1;                                                                                            \
+        a[1] = a2;                                                                                            \
+        a[2] = a3;                                                                                            \
+    }                                                                                                         \
+    DS_FN void ds_count3_##W(const T *b, int64_t n, L mask, L t1, L t2, L t3, int64_t *out) {                 \
+        ds_count3_in_##W(b, n, mask, t1, t2, t3, out);                                                        \
+    }                                                                                                         \
+    DS_FN void ds_ranks3_##W(const T *bits, L mask, L t1, L t2, L t3, const int64_t *pos, int64_t i0,        \
+                             int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t *rank,    \
+                             int64_t *bucket) {                                                               \
+        int64_t cur = start, a[3];                                                                            \
+        for (int64_t j = i0; j < i1; j++) {                                                                   \
+            int64_t p = pos[j];                                                                               \
+            ds_count3_in_##W(bits + cur, p - cur, mask, t1, t2, t3, a);                                       \
+            g1 += a[0];                                                                                       \
+            g2 += a[1];                                                                                       \
+            g3 += a[2];                                                                                       \
+            L m = (L)bits[p] & mask;                                                                          \
+            int64_t e1 = m >= t1, e2 = m >= t2, e3 = m >= t3, b = e1 + e2 + e3;                               \
+            rank[j] = ds_rank3(b, p, g1, g2, g3);                                                             \
+            bucket[j] = b;                                                                                    \
+            g1 += e1;                                                                                         \
+            g2 += e2;                                                                                         \
+            g3 += e3;                                                                                         \
+            cur = p + 1;                                                                                      \
+        }                                                                                                     \
+    }                                                                                                         \
+    /* positions of the wanted ranks (ranks[off[b] + lo[b] .. off[b] + hi[b]), per bucket b < 4) in [start,  \
+       stop), written from outpos[base], with their index into ranks in src; returns the ranks not found.     \
+       Blocks of 32 are counted first; a block that holds none of the wanted ranks is skipped. */             \
+    DS_FN int64_t ds_select3_##W(const T *bits, L mask, L t1, L t2, L t3, int64_t start, int64_t stop,       \
+                                 const int64_t *ranks, const int64_t *off, const int64_t *lo,                 \
+                                 const int64_t *hi, int64_t g1, int64_t g2, int64_t g3, int64_t base,         \
+                                 int64_t *outpos, int64_t *src) {                                             \
+        int64_t ptr[4], want[4], a[3], remaining = 0, o = base, idx = start;                                  \
+        for (int b = 0; b < 4; b++) {                                                                         \
+            ptr[b] = lo[b];                                                                                   \
+            want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1; /* next wanted rank (-1: none left) */    \
+            remaining += hi[b] - ptr[b];                                                                      \
+        }                                                                                                     \
+        while (remaining > 0 && idx < stop) {                                                                 \
+            int64_t end = idx + 32 < stop ? idx + 32 : stop;                                                  \
+            ds_count3_in_##W(bits + idx, end - idx, mask, t1, t2, t3, a);                                     \
+            if ((want[0] < 0 || end - g1 - a[0] <= want[0]) && (want[1] < 0 || g1 + a[0] - g2 - a[1] <= want[1]) \
+                && (want[2] < 0 || g2 + a[1] - g3 - a[2] <= want[2]) && (want[3] < 0 || g3 + a[2] <= want[3])) { \
+                g1 += a[0];                                                                                   \
+                g2 += a[1];                                                                                   \
+                g3 += a[2];                                                                                   \
+                idx = end;                                                                                    \
+                continue;                                                                                     \
+            }                                                                                                 \
+            for (int64_t i = idx; i < end; i++) {                                                             \
+                L m = (L)bits[i] & mask;                                                                      \
+                int64_t e1 = m >= t1, e2 = m >= t2, e3 = m >= t3, b = e1 + e2 + e3;                           \
+                if (ds_rank3(b, i, g1, g2, g3) == want[b]) {                                                  \
+                    outpos[o] = i;                                                                            \
+                    src[o] = off[b] + ptr[b];                                                                 \
+                    o++;                                                                                      \
+                    ptr[b]++;                                                                                 \
+                    remaining--;                                                                              \
+                    want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                   \
+                }                                                                                             \
+                g1 += e1;                                                                                     \
+                g2 += e2;                                                                                     \
+                g3 += e3;                                                                                     \
+            }                                                                                                 \
+            idx = end;                                                                                        \
+        }                                                                                                     \
+        return remaining;                                                                                     \
     }
 
-DS_COUNT3(uint8_t, 1, int32_t)
-DS_COUNT3(uint16_t, 2, int32_t)
-DS_COUNT3(uint32_t, 4, int64_t)
-DS_COUNT3(uint64_t, 8, int64_t)
+DS_RANKS(uint8_t, 1, int32_t)
+DS_RANKS(uint16_t, 2, int32_t)
+DS_RANKS(uint32_t, 4, int64_t)
+DS_RANKS(uint64_t, 8, int64_t)
+
+/* --- ulp steps (kernels/bitstream.py): zigzag(ordered(new) - ordered(old)) - 1, elements sign-extended by
+   their dtype; ordered(x) = x ^ ((x >> 63) & fmag). max_step: the largest; step_planes: byte j of each step
+   into out[j * row_stride + i] for j < npl. */
+
+static inline uint64_t ds_step(int64_t a, int64_t b, int64_t fmag) {
+    int64_t d = (int64_t)((uint64_t)(a ^ ((a >> 63) & fmag)) - (uint64_t)(b ^ ((b >> 63) & fmag)));
+    return (((uint64_t)d << 1) ^ (uint64_t)(d >> 63)) - 1;
+}
+
+#define DS_STEPS(T, N)                                                                                        \
+    DS_FN uint64_t ds_max_step_##N(const T *new_, const T *old, int64_t n, int64_t fmag) {                    \
+        uint64_t m = 0;                                                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
+            uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                    \
+            m = x > m ? x : m;                                                                                \
+        }                                                                                                     \
+        return m;                                                                                             \
+    }                                                                                                         \
+    DS_FN void ds_step_planes_##N(const T *new_, const T *old, int64_t n, int64_t fmag, uint8_t *out,         \
+                                  int64_t row_stride, int64_t npl) {                                          \
+        if (npl == 1) {                                                                                       \
+            for (int64_t i = 0; i < n; i++)                                                                   \
+                out[i] = (uint8_t)ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                           \
+        } else if (npl == 2) {                                                                                \
+            uint8_t *out1 = out + row_stride;                                                                 \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                \
+                out[i] = (uint8_t)x;                                                                          \
+                out1[i] = (uint8_t)(x >> 8);                                                                  \
+            }                                                                                                 \
+        } else {                                                                                              \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                \
+                for (int64_t j = 0; j < npl; j++, x >>= 8)                                                    \
+                    out[j * row_stride + i] = (uint8_t)x;                                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+DS_STEPS(uint8_t, u8)
+DS_STEPS(int8_t, i8)
+DS_STEPS(int16_t, i16)
+DS_STEPS(uint16_t, u16)
+DS_STEPS(int32_t, i32)
+DS_STEPS(uint32_t, u32)
+DS_STEPS(int64_t, i64)
+DS_STEPS(uint64_t, u64)
 
 /* --- whether n 8-byte words are all zero (an OR over blocks, checked every 4096 words) --------------------- */
 
