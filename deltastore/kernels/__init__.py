@@ -11,3 +11,11 @@ Kernels raise nothing on the data they are given: callers validate inputs (sizes
 returns a status code that the caller turns into a typed error. Arguments of the wrong kind (dtype, layout, a
 read-only output) raise ``TypeError``/``ValueError`` before any memory is touched.
 """
+
+try:
+    from . import _checksum  # noqa: F401 - the extensions are built together: one that loads stands for all
+except ImportError as e:  # a source checkout that was never built, or a build for another Python
+    raise ImportError(
+        f"deltastore's compiled kernels do not load ({e}): install the package with pip (`pip install deltastore`, "
+        "or `pip install -e .` in a checkout), or build them in place with `python setup.py build_ext --inplace` "
+        "(needs Cython, numpy and a C compiler)") from e

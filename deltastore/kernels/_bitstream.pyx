@@ -267,18 +267,18 @@ def _gap_stream(ptrs, lens, out):
     cdef Py_ssize_t n = size(ptrs), s
     cdef int64_t total = 0, prev, i
     cdef const int64_t* a
-    cdef uint64_t x
     with nogil:
         for s in range(n):
             a = <const int64_t*><uintptr_t>pt[s]
             prev = -1
-            for i in range(pl[s]):
-                x = <uint64_t>(a[i] - prev - 1)
-                prev = a[i]
-                if count_only:
-                    total += _varint_len(x)
-                else:
-                    total = _put_varint(po, total, x)
+            if count_only:
+                for i in range(pl[s]):
+                    total += _varint_len(<uint64_t>(a[i] - prev - 1))
+                    prev = a[i]
+            else:
+                for i in range(pl[s]):
+                    total = _put_varint(po, total, <uint64_t>(a[i] - prev - 1))
+                    prev = a[i]
     return total
 
 

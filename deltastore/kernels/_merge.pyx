@@ -24,13 +24,11 @@ def union_counts(spos, sbounds, pos, bounds, int64_t s0, int64_t s1, out):
             j = pb[s]
             je = pb[s + 1]
             n = 0
-            while i < ie and j < je:
+            while i < ie and j < je:  # branch-free: the comparisons advance the indices
                 a = sp[i]
                 c = pp[j]
-                if a <= c:
-                    i += 1
-                if c <= a:
-                    j += 1
+                i += a <= c
+                j += c <= a
                 n += 1
             po[s] = n + (ie - i) + (je - j)
 
@@ -40,6 +38,7 @@ cdef void _merge_segments(const int64_t* spos, const bits_t* sbits, const bits_t
                           const int64_t* ubounds, int64_t s0, int64_t s1, int64_t* upos, bits_t* ubits,
                           bits_t* uorig) noexcept nogil:
     cdef int64_t s, i, ie, j, je, k, a, c
+    cdef bits_t sb, so, nb, bf
     for s in range(s0, s1):
         i = sbounds[s]
         ie = sbounds[s + 1]
@@ -47,24 +46,20 @@ cdef void _merge_segments(const int64_t* spos, const bits_t* sbits, const bits_t
         je = bounds[s + 1]
         k = ubounds[s]
         while i < ie and j < je:
+            # branch-free (positions in random order defeat a predictor): a staged position below the delta's
+            # takes the staged bits and original; a delta position below the staged one its bits and the bits
+            # it replaced; one in both the delta's bits and the staged original
             a = spos[i]
             c = pos[j]
-            if a < c:
-                upos[k] = a
-                ubits[k] = sbits[i]
-                uorig[k] = sorig[i]
-                i += 1
-            elif c < a:
-                upos[k] = c
-                ubits[k] = bits[j]
-                uorig[k] = before[j]
-                j += 1
-            else:
-                upos[k] = a
-                ubits[k] = bits[j]
-                uorig[k] = sorig[i]
-                i += 1
-                j += 1
+            sb = sbits[i]
+            so = sorig[i]
+            nb = bits[j]
+            bf = before[j]
+            upos[k] = a if a < c else c
+            ubits[k] = sb if a < c else nb
+            uorig[k] = bf if c < a else so
+            i += a <= c
+            j += c <= a
             k += 1
         while i < ie:
             upos[k] = spos[i]
@@ -125,17 +120,12 @@ cdef int64_t _overlay_segments(const int64_t* spos, const bits_t* sbits, const i
         for q in range(j + 1, je):
             if pos[q] <= pos[q - 1]:
                 return s
-        while i < ie and j < je:
+        while i < ie and j < je:  # branch-free: the slot is written back as it was unless staged there
             a = spos[i]
             c = pos[j]
-            if a < c:
-                i += 1
-            elif c < a:
-                j += 1
-            else:
-                old[j] = sbits[i]
-                i += 1
-                j += 1
+            old[j] = sbits[i] if a == c else old[j]
+            i += a <= c
+            j += c <= a
     return -1
 
 
