@@ -20,8 +20,8 @@ HERE = Path(__file__).parent
 KERNELS = sorted((HERE / "deltastore" / "kernels").glob("_*.pyx"))
 SHARED = [str(p.relative_to(HERE)) for p in (HERE / "deltastore" / "kernels").glob("_*.[hp]*") if p.suffix in (".h", ".pxd")]
 # -O3: the loops vectorise; -ffp-contract=off: no fused multiply-add, so the one float sum (code costs) is the
-# same on every CPU the run-time dispatch may pick
-ARGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
+# same on every CPU the run-time dispatch may pick; -g0: no debug info
+ARGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-g0"]
 
 extensions = [
     Extension(

@@ -72,6 +72,7 @@ def one(env: dict[str, str], caches: Path, store: Path, args: argparse.Namespace
 
 
 def tree_of(rev: str, where: Path) -> Path:
+    where.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", "--format=tar", rev, "deltastore"], cwd=ROOT, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)

@@ -156,7 +156,7 @@ DS_FN void ds_join_8(const uint8_t *const *p, int64_t n, int rotate, uint64_t *o
    positions). g_k: elements before the scan point whose magnitude is >= t_k, so bucket b holds G_b - G_(b+1)
    of them, with G_0 = the scan point and G_4 = 0. */
 
-static inline int64_t ds_rank3(int64_t b, int64_t p, int64_t g1, int64_t g2, int64_t g3) {
+DS_UNUSED static inline int64_t ds_rank3(int64_t b, int64_t p, int64_t g1, int64_t g2, int64_t g3) {
     return b == 0 ? p - g1 : b == 1 ? g1 - g2 : b == 2 ? g2 - g3 : g3;
 }
 
@@ -257,8 +257,12 @@ DS_RANKS(uint64_t, 8, int64_t)
    their dtype; ordered(x) = x ^ ((x >> 63) & fmag). max_step: the largest; step_planes: byte j of each step
    into out[j * row_stride + i] for j < npl. */
 
-static inline uint64_t ds_step(int64_t a, int64_t b, int64_t fmag) {
-    int64_t d = (int64_t)((uint64_t)(a ^ ((a >> 63) & fmag)) - (uint64_t)(b ^ ((b >> 63) & fmag)));
+DS_UNUSED static inline int64_t ds_ordered(int64_t x, int64_t fmag) {
+    return x ^ ((x >> 63) & fmag);
+}
+
+DS_UNUSED static inline uint64_t ds_step(int64_t a, int64_t b, int64_t fmag) {
+    int64_t d = (int64_t)((uint64_t)ds_ordered(a, fmag) - (uint64_t)ds_ordered(b, fmag));
     return (((uint64_t)d << 1) ^ (uint64_t)(d >> 63)) - 1;
 }
 
