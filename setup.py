@@ -18,7 +18,9 @@ from setuptools import Extension, setup
 
 HERE = Path(__file__).parent
 KERNELS = sorted((HERE / "deltastore" / "kernels").glob("_*.pyx"))
-SHARED = [str(p.relative_to(HERE)) for p in (HERE / "deltastore" / "kernels").glob("_*.[hp]*") if p.suffix in (".h", ".pxd")]
+# what every module includes: a change rebuilds them all
+SHARED = [str(p.relative_to(HERE)) for p in sorted((HERE / "deltastore" / "kernels").glob("_*"))
+          if p.suffix in (".h", ".pxd")]
 # -O3: the loops vectorise; -ffp-contract=off: no fused multiply-add, so the one float sum (code costs) is the
 # same on every CPU the run-time dispatch may pick; -g0: no debug info
 ARGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-g0"]
@@ -36,6 +38,8 @@ extensions = [
 ]
 
 setup(
+    # the wheel carries the compiled modules only; their sources travel in the sdist (MANIFEST.in)
+    exclude_package_data={"deltastore.kernels": ["*.c", "*.pyx", "*.pxd", "*.h"]},
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": 3},

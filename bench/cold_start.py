@@ -1,6 +1,6 @@
 """What a fresh process pays: a first publish + pull with empty caches against the same run with warm ones.
 
-    python bench/cold_start.py [--repeat 5] [--tensors 8] [--rows 512] [--steps 3] [--rev REV]
+    python bench/cold_start.py [--repeat 5] [--tensors 8] [--rows 512] [--steps 3] [--read-only] [--rev REV]
 
 Each run is a new interpreter (``python -c``) that imports torch and deltastore, publishes ``--steps``
 versions of a small bf16 model (``--tensors`` tensors of ``--rows`` x ``--rows``; an anchor, then deltas of
@@ -10,7 +10,8 @@ image). *Warm*: the same folders again, after a run has filled them. Cold and wa
 median wall seconds of the whole process and of the publish + pull inside it, their spread (min-max), and
 cold / warm (issue 47's bound: at most 1.5).
 
-``--rev REV`` runs the package of that git revision (``git archive`` into a temporary folder) instead of the
+``--read-only`` runs the package from a copy made read-only (permission bits; its folder is checked unchanged
+afterwards, which also holds for root). ``--rev REV`` runs the package of that git revision (``git archive`` into a temporary folder) instead of the
 importable one: for revisions whose kernels are numba (they compile on first use and need numba installed);
 a revision with compiled kernels must be built first, so it is run from its installed or built checkout.
 """
@@ -18,6 +19,7 @@ a revision with compiled kernels must be built first, so it is run from its inst
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -79,6 +81,19 @@ def tree_of(rev: str, where: Path) -> Path:
     return where
 
 
+def read_only_copy(where: Path) -> Path:
+    """The importable deltastore package copied under ``where`` and made read-only."""
+    src = Path(importlib.util.find_spec("deltastore").origin).parent
+    shutil.copytree(src, where / "deltastore", ignore=shutil.ignore_patterns("__pycache__", "*.c"))
+    for p in [where, *where.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)
+    return where
+
+
+def listing(root: Path) -> set[tuple[str, int, int]]:
+    return {(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
 def summary(xs: list[float]) -> str:
     return f"{statistics.median(xs):6.2f} s ({min(xs):.2f}-{max(xs):.2f})"
 
@@ -89,13 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--read-only", action="store_true", help="run the package from a read-only copy")
     ap.add_argument("--rev", help="run this git revision's package (numba-era revisions)")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cold-start-"))
     env = dict(os.environ)
     try:
+        tree = None
         if a.rev:
-            env["PYTHONPATH"] = str(tree_of(a.rev, work / "tree"))
+            tree = tree_of(a.rev, work / "tree")
+        elif a.read_only:
+            tree = read_only_copy(work / "tree")
+            env["PYTHONDONTWRITEBYTECODE"] = "1"  # as root the bits do not stop Python's own .pyc writes
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree)
+            before = listing(tree)
         rows: dict[str, list[dict]] = {"cold": [], "warm": []}
         for r in range(a.repeat):
             cold = work / f"caches-{r}"
@@ -112,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         ratio_work = (statistics.median(x["work"] for x in rows["cold"])
                       / statistics.median(x["work"] for x in rows["warm"]))
         print(f"  cold / warm: process {ratio:.2f}, publish + pull {ratio_work:.2f} (bound: 1.5)")
+        if tree is not None:
+            changed = listing(tree) ^ before
+            print(f"  package folder {'unchanged' if not changed else f'CHANGED: {sorted(changed)[:5]}'}")
         said = {x["stderr"] for x in rows["cold"] if x["stderr"]}
         for line in sorted(said):
             print(f"  a cold run said: {line[:300]}")
         return 0 if all(x["exact"] for k in rows for x in rows[k]) else 1
     finally:
+        for p in [work, *work.rglob("*")]:
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode | 0o200)
         shutil.rmtree(work, ignore_errors=True)
 
 

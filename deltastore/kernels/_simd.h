@@ -1,9 +1,10 @@
 /* The kernels' loops that gain from wide vectors, in C so that each can carry run-time CPU dispatch.
 
-   A wheel is compiled for its platform's baseline (x86-64: SSE2). On x86-64 Linux these functions are
-   compiled three times (baseline, x86-64-v3 = AVX2, x86-64-v4 = AVX-512) by GCC's or clang's
-   ``target_clones``, and the dynamic loader picks the best one for the CPU once, when the module loads
-   (an ifunc: no per-call cost). Elsewhere they are compiled once, for the baseline.
+   A wheel is compiled for its platform's baseline (x86-64: SSE2). On x86-64 Linux with GCC 11 or newer these
+   functions are compiled three times (baseline, x86-64-v3 = AVX2, x86-64-v4 = AVX-512) by GCC's
+   ``target_clones``, and the dynamic loader picks the best one for the CPU once, when the module loads (an
+   ifunc: no per-call cost). Elsewhere (other compilers or platforms, or -DDELTASTORE_NO_CLONES) they are
+   compiled once, for the baseline.
 
    Every function is a plain loop over memory the caller has checked; none allocates, none touches Python
    objects (they run without the GIL). Semantics are stated at each function; the Cython modules that call
@@ -17,7 +18,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && !defined(DELTASTORE_NO_CLONES) \
-    && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 14))
+    && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define DS_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
 #define DS_CLONES
