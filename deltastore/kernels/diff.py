@@ -25,7 +25,8 @@ takes a contiguous run of items (:func:`split_items`).
 
 Callers validate addresses and sizes (the kernels trust them) and pass
 unsigned bit arrays (``np.uint8/16/32/64``), so widening zero-extends as the
-checksum requires.
+checksum requires. The kernels are compiled (``_diff.pyx``) and run without
+the GIL; the item and run splitting below is Python.
 """
 
 from __future__ import annotations

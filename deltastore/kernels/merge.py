@@ -15,7 +15,8 @@ delta's side by side; a thread takes a contiguous run of segments.
   delta's positions (what the tensors hold "as of the staged deltas"); it reports a segment whose
   positions are not increasing, so the caller can fall back to a general search.
 
-Callers pass int64 positions and unsigned bit arrays of one width, and validate bounds.
+Callers pass int64 positions and unsigned bit arrays of one width, and validate bounds. The kernels are
+compiled (``_merge.pyx``) and run without the GIL.
 """
 
 from __future__ import annotations
