@@ -11,9 +11,10 @@ median wall seconds of the whole process and of the publish + pull inside it, th
 cold / warm (issue 47's bound: at most 1.5).
 
 ``--read-only`` runs the package from a copy made read-only (permission bits; its folder is checked unchanged
-afterwards, which also holds for root). ``--rev REV`` runs the package of that git revision (``git archive`` into a temporary folder) instead of the
-importable one: for revisions whose kernels are numba (they compile on first use and need numba installed);
-a revision with compiled kernels must be built first, so it is run from its installed or built checkout.
+afterwards, which also holds for root). ``--rev REV`` runs the package of that git revision (``git archive``
+into a temporary folder) instead of the importable one: for revisions whose kernels are numba (they compile on
+first use and need numba installed); a revision with compiled kernels must be built first, so it is run from
+its installed or built checkout.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ for step in range(1, steps + 1):
 pub.close()
 target = {k: torch.zeros_like(v) for k, v in model.items()}
 res = ds.Subscriber(uri).pull(target)
-exact = res.step == steps and all(torch.equal(target[k].view(torch.int16), v.view(torch.int16)) for k, v in model.items())
+exact = res.step == steps and all(torch.equal(target[k].view(torch.int16), v.view(torch.int16))
+                                  for k, v in model.items())
 t2 = time.perf_counter()
 print(json.dumps({"import": t1 - t0, "work": t2 - t1, "exact": exact, "file": ds.__file__}))
 '''
