@@ -7,7 +7,10 @@ VLLM_STAMP := .venv-vllm/.installed-stamp
 
 .PHONY: demo test test-quick mutants bench clean
 
-$(STAMP): pyproject.toml Makefile
+# the compiled kernels are built by pip install -e (in place): a change to their sources reinstalls
+KERNEL_SOURCES := setup.py $(wildcard deltastore/kernels/_*.pyx deltastore/kernels/_*.pxd deltastore/kernels/_*.h)
+
+$(STAMP): pyproject.toml Makefile $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0

@@ -460,8 +460,8 @@ print(baseline() - before)
 
 
 def _import_cost():
-    """What ``import deltastore`` adds to a process that has imported torch (numba and llvmlite, mostly):
-    paid before any figure's baseline is taken, so part of none of them."""
+    """What ``import deltastore`` adds to a process that has imported torch: paid before any figure's baseline
+    is taken, so part of none of them."""
     out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, os.path.dirname(os.path.abspath(__file__))],
                          capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
@@ -836,8 +836,8 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
     if rt:
         print(f"- fixed runtime memory of a fresh process (a tiny model's first publish / first pull): "
               f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above; "
-              f"before them, `import deltastore` itself: {rt['import'] / MB:.0f} MB (numba and llvmlite, mostly; "
-              "in no figure's baseline-relative count)")
+              f"before them, `import deltastore` itself: {rt['import'] / MB:.0f} MB "
+              "(in no figure's baseline-relative count)")
     fm = extra.get("fresh_memory")
     if fm:
         reporting = {True: "on", False: "off", None: "no balloon device"}[fm["reports_free_pages"]]
