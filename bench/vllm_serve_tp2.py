@@ -11,7 +11,9 @@ Too slow for the suite (two TP=2 servers start, ~1.5-2 min each on 2 busy cores)
 3. versions 1..N are published one at a time; for each, the time from the end of ``publish()`` to the status
    file naming that version (poll interval 0.2 s) is measured;
 4. a corrupt version N+1 is published: the server keeps serving N (status file, same greedy completion);
-5. a second, fresh TP=2 server on ``deltastore materialize`` of version N must give the same greedy
+   the refusal is a line in the server's log; the store is then repaired (the same bytes back) and the
+   follower applies N+1;
+5. a second, fresh TP=2 server on ``deltastore materialize`` of version N+1 must give the same greedy
    completion (token ids and logprobs, exact).
 
 Prints one JSON line (``RESULT {...}``) and writes it to ``<work>/serve_tp2_result.json``.
@@ -37,7 +39,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [ROOT, os.path.join(ROOT, "tests", "test_vllm", "amx_permission"), os.environ.get("PYTHONPATH", "")])
 
 from engine_check import FRACTION, build_model, log, perturb  # noqa: E402
-from serve_check import http, start_server, stop_server  # noqa: E402
+from serve_check import http, publish_corrupt, start_server, stop_server  # noqa: E402
 
 TP = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
@@ -104,27 +106,31 @@ def main() -> int:
                                  "route": r["route"], "verify_ok": r["verify"]["ok"]})
             assert r["route"] == "delta" and r["verify"]["ok"], st
             log(f"step {step}: served {res['steps'][-1]['publish_to_served_s']} s after publish")
-        final = complete(url, base)
-        res["completion_changed"] = final != before
+        pub.close()
+        at_n = complete(url, base)
+        res["completion_changed"] = at_n != before
         assert res["completion_changed"], "versions 0 and N serve the same completion"
-        # a corrupt version: refused, the server keeps serving N
-        pub.publish(perturb(state, FRACTION, 4000), step=args.steps + 1)
-        for o in ds.Subscriber(uri).manifest(args.steps + 1).objects:
-            p = os.path.join(uri, object_key(o.digest))
-            data = bytearray(open(p, "rb").read())
-            data[len(data) // 2] ^= 0x5A
-            open(p, "wb").write(bytes(data))
+        # a corrupt version N+1: refused, the server keeps serving N. It is published into a copy of the
+        # store and corrupted there, then its files land objects first: the follower never sees it intact
+        originals = publish_corrupt(uri, os.path.join(work, "staging"), perturb(state, FRACTION, 4000),
+                                    args.steps + 1)
         time.sleep(3.0)  # 15 polls
         res["served_after_corrupt"] = json.load(open(status))["served_step"]
-        res["completion_unchanged_after_corrupt"] = complete(url, base) == final
-        logf.flush()
+        res["completion_unchanged_after_corrupt"] = complete(url, base) == at_n
         res["refusal_logged"] = "CorruptObjectError" in open(os.path.join(work, "server_tp2.log")).read()
         assert res["served_after_corrupt"] == args.steps and res["completion_unchanged_after_corrupt"], res
+        assert res["refusal_logged"], "a refused version left no line in the server's log"
+        # the store repaired (the same bytes back): the follower, still alive, applies N+1
+        for p, data in originals.items():
+            open(p, "wb").write(data)
+        st = wait_served(status, args.steps + 1)
+        res["applied_after_repair"] = st["result"]["route"] == "delta" and st["result"]["verify"]["ok"]
+        assert res["applied_after_repair"], st
+        final = complete(url, base)
     finally:
         stop_server(srv, logf)
-    pub.close()
 
-    subprocess.run([sys.executable, "-m", "deltastore", "materialize", uri, str(args.steps), mat], check=True)
+    subprocess.run([sys.executable, "-m", "deltastore", "materialize", uri, str(args.steps + 1), mat], check=True)
     for f in os.listdir(base):
         if f.endswith(".json") and f != "model.safetensors.index.json":
             shutil.copy(os.path.join(base, f), mat)

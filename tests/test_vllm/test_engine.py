@@ -128,3 +128,5 @@ def test_vllm_serve_follows_store_over_http(tmp_path):
     assert follow["dev_routes_absent"] and follow["completion_equals_first_server_at_8"]
     assert follow["step0"]["route"] == "anchor" and follow["step1"]["route"] == "delta"
     assert follow["step0"]["verify"]["ok"] and follow["step1"]["verify"]["ok"]
+    assert follow["served_after_corrupt"] == 1 and follow["completion_unchanged_after_corrupt"]
+    assert follow["refusal_logged"]                             # in the server's log, not lost
