@@ -39,7 +39,7 @@ $(MIN_STAMP): requirements-min.txt pyproject.toml Makefile
 	touch $(MIN_STAMP)
 
 # the real vLLM (CPU build) lives in its own virtualenv, used by tests/test_vllm
-$(VLLM_STAMP): tests/test_vllm/setup_venv.sh pyproject.toml
+$(VLLM_STAMP): tests/test_vllm/setup_venv.sh tests/test_vllm/check_pins.py pyproject.toml
 	tests/test_vllm/setup_venv.sh
 
 demo: $(STAMP)
