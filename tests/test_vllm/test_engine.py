@@ -87,6 +87,7 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     print(json.dumps(result["timings"]), file=sys.stderr)
 
 
+@pytest.mark.slow  # not long, but it needs the vLLM venv, which only `make test` builds
 def test_vllm_venv_keeps_vllms_pins():
     """deltastore was installed beside vLLM without moving a version vLLM pins (numba, torch, ...)."""
     proc = subprocess.run([vllm_python(), str(HERE / "check_pins.py")], capture_output=True, text=True, timeout=300)
