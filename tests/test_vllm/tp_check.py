@@ -7,7 +7,7 @@ virtualenv's python, not under pytest.
 2. engine A (TP=2, the worker extension) starts on version 0 and follows versions 1..6 through
    ``deltastore_pull``: after each, both ranks report that version and ``deltastore_verify`` proves the
    served shards of both ranks against the manifest (the ranks hold different halves of the weights);
-3. version 7 is published and one of its objects corrupted: the pull is refused (CorruptObjectError),
+3. version 7 is published and its objects corrupted: the pull is refused (CorruptObjectError),
    and both ranks still serve version 6: the same version, the same bits (per rank, read inside the
    worker before and after: a digest of every served parameter and of the host copy the CPU build's
    packed GEMM weights are computed from) and the same outputs;
