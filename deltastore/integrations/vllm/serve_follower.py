@@ -137,6 +137,7 @@ class FollowStore:
 
         def run() -> None:  # off the event loop: the control blocks on coroutines it submits to it
             self.follower = Follower(control, uri, **opts)
+            self.follower._poll_log = log  # a refused version must reach the server's log: vLLM's logger tree
             log.info("deltastore: following %s (poll %.1fs, max_lag %d)", uri, opts["poll_interval"],
                      opts["max_lag"])
             if not self._stop.is_set():
