@@ -7,7 +7,6 @@ The hostile-store cases (tampering, rollback, freeze, rotation; local disk and S
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -18,7 +17,6 @@ import sys
 
 import pytest
 import torch
-from conftest import require_module
 
 pytest.importorskip("cryptography")
 
@@ -234,33 +232,6 @@ def test_private_key_never_stored_or_logged(tmp_path, caplog, capsys):
 
 
 # -- adapters ------------------------------------------------------------------------------------------------
-def test_verl_rollout_refuses_unsigned_versions(tmp_path):
-    require_module("verl.checkpoint_engine.base")
-    from deltastore.integrations.verl import DeltaStoreCheckpointEngine
-
-    key = SigningKey.generate()
-    (tmp_path / "k").write_bytes(key.private_pem())
-    (tmp_path / "k.pub").write_bytes(key.public.pem())
-    uri = str(tmp_path / "s")
-    actor = DeltaStoreCheckpointEngine(uri=uri, signing_key=str(tmp_path / "k"), anchor_every=10)
-    rollout = DeltaStoreCheckpointEngine(uri=uri, trusted_keys=[str(tmp_path / "k.pub")], wait_s=5)
-    rollout.init_process_group(role="rollout", rank=0)
-    vs = _states(3)
-
-    async def drain(step):
-        return {n: t.clone() async for n, t in rollout.receive_weights(global_steps=step)}
-
-    asyncio.run(actor.send_weights(iter(vs[0].items()), global_steps=1))
-    got = asyncio.run(drain(1))
-    assert torch.equal(got["w"].view(torch.int16), vs[0]["w"].view(torch.int16))
-    with ds.Publisher(uri) as pub:  # someone without the key commits version 2
-        pub.publish(vs[1], step=2)
-    before = rollout.state["w"].clone()
-    with pytest.raises(UnsignedVersionError):
-        asyncio.run(drain(2))
-    assert torch.equal(rollout.state["w"].view(torch.int16), before.view(torch.int16))
-
-
 def test_trl_transfer_passes_keys_to_its_control(tmp_path):
     from deltastore.integrations.trl_transfer import DeltaStoreWeightTransfer
 

@@ -26,7 +26,8 @@ from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 from verl.utils.import_utils import import_external_libs  # noqa: E402
 from verl.workers.config import CheckpointEngineConfig  # noqa: E402
 
-from deltastore.errors import CorruptObjectError, VersionNotFoundError  # noqa: E402
+import deltastore as ds  # noqa: E402
+from deltastore.errors import CorruptObjectError, UnsignedVersionError, VersionNotFoundError  # noqa: E402
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -120,3 +121,35 @@ def test_verl_backend_refuses_bad_versions_and_keeps_the_rollout_copy(tmp_path):
     with pytest.raises(CorruptObjectError):
         asyncio.run(drain(2))
     assert bits_equal(rollout[0].state, before)
+
+
+def test_verl_rollout_refuses_unsigned_versions(tmp_path):
+    from deltastore.integrations.verl import DeltaStoreCheckpointEngine
+    from deltastore.signing import SigningKey
+
+    key = SigningKey.generate()
+    (tmp_path / "k").write_bytes(key.private_pem())
+    (tmp_path / "k.pub").write_bytes(key.public.pem())
+    uri = str(tmp_path / "s")
+    actor = DeltaStoreCheckpointEngine(uri=uri, signing_key=str(tmp_path / "k"), anchor_every=10)
+    rollout = DeltaStoreCheckpointEngine(uri=uri, trusted_keys=[str(tmp_path / "k.pub")], wait_s=5)
+    rollout.init_process_group(role="rollout", rank=0)
+    vs = []
+    st = {"w": torch.randn(32, 32, generator=torch.Generator().manual_seed(3)).bfloat16()}
+    for i in range(3):
+        st = {"w": st["w"].clone()}
+        st["w"][i, :4] += 1
+        vs.append(st)
+
+    async def drain(step):
+        return {n: t.clone() async for n, t in rollout.receive_weights(global_steps=step)}
+
+    asyncio.run(actor.send_weights(iter(vs[0].items()), global_steps=1))
+    got = asyncio.run(drain(1))
+    assert torch.equal(got["w"].view(torch.int16), vs[0]["w"].view(torch.int16))
+    with ds.Publisher(uri) as pub:  # someone without the key commits version 2
+        pub.publish(vs[1], step=2)
+    before = rollout.state["w"].clone()
+    with pytest.raises(UnsignedVersionError):  # refused before any object is fetched; the state kept
+        asyncio.run(drain(2))
+    assert torch.equal(rollout.state["w"].view(torch.int16), before.view(torch.int16))
