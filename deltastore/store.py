@@ -6,6 +6,7 @@ Layout under the store root::
     objects/sha256/ab/cdef...          immutable objects, named by the sha256 of their bytes
     versions/000000000120.json         the manifest of step 120, written once, after its objects
     refs/latest                        optional hint, never the source of truth
+    refs/index.json                    recent versions and anchors, for readers that cannot list (deltastore.index)
 
 Commit order gives crash safety: objects first, manifest last with a
 create-only write. A version exists exactly when its manifest does; an object
@@ -40,7 +41,10 @@ from typing import Any
 from .backends import Backend, open_backend
 from .backends.base import KeyInfo
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
-                     ObjectNotFoundError, ValueTooLargeError, VersionExistsError, VersionNotFoundError)
+                     ObjectNotFoundError, StoreIndexError, ValueTooLargeError, VersionExistsError,
+                     VersionNotFoundError)
+from .index import (INDEX_KEY, LATEST_KEY, MAX_INDEX_BYTES, MAX_LATEST_BYTES, Checker, IndexEntry, Signer, StoreIndex,
+                    index_bytes, latest_step, merged, parse_index, read_bounded)
 from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
 from .manifest_cache import ManifestCache
 
@@ -97,6 +101,12 @@ class DeltaStore:
         # objects since the last commit were reused (found present, refreshed) rather than uploaded
         self._written: dict[str, float] = {}
         self._reused: dict[str, float] = {}
+        #: the signing seams of ``refs/index.json`` (docs/format.md, "The store index"): ``index_signer(doc)``
+        #: returns the signed bytes :meth:`update_index` writes, ``index_check(data, doc)`` raises unless what
+        #: :meth:`read_index` reads is signed by a trusted key; None: unsigned, unchecked
+        self.index_signer: Signer | None = None
+        self.index_check: Checker | None = None
+        self._index: tuple[bytes, StoreIndex] | None = None  # the last index read (its bytes and parse)
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -343,7 +353,10 @@ class DeltaStore:
 
     # -- manifests ---------------------------------------------------------------
     def versions(self) -> list[int]:
-        """Committed steps, ascending (by listing manifests)."""
+        """Committed steps, ascending: by listing manifests, or on a backend that cannot list (plain HTTP) the
+        steps ``refs/index.json`` names (:meth:`read_index`; without an index, the step ``refs/latest`` names)."""
+        if not self.backend.capabilities.listing:
+            return self._unlisted_versions()
         steps = []
         for key in self.backend.list("versions/"):
             m = _VERSION_KEY.match(key)
@@ -378,10 +391,12 @@ class DeltaStore:
             stored = f"{e.size} bytes" if e.size is not None else "larger"
             raise ManifestError(f"{version_key(step)} is {stored}, over the {MAX_MANIFEST_BYTES} byte manifest "
                                 "limit (not read)") from None
+        digest = sha256_digest(data)
+        self._check_indexed(step, digest)
         manifest = self.parse_manifest(data)
         if manifest.step != step:
             raise ManifestError(f"{version_key(step)} holds the manifest of step {manifest.step}")
-        result = (manifest, sha256_digest(data))
+        result = (manifest, digest)
         self.manifest_cache.put(step, result, len(data))
         return result
 
@@ -435,6 +450,57 @@ class DeltaStore:
         except OSError:
             pass  # only a hint
         return data, digest
+
+    # -- the store index (refs/index.json; deltastore.index) ------------------------------------------
+    def read_index(self) -> StoreIndex | None:
+        """The parsed ``refs/index.json`` (None when the store has none), checked by :attr:`index_check`.
+
+        Raises :class:`StoreIndexError` (malformed, over its bound) and :class:`UnsupportedFormatError`.
+        """
+        data = read_bounded(self.backend, INDEX_KEY, MAX_INDEX_BYTES)
+        if data is None:
+            return None
+        held = self._index
+        if held is not None and held[0] == data:
+            return held[1]
+        index = parse_index(data, self.index_check)
+        self._index = (data, index)
+        return index
+
+    def update_index(self, add: list[IndexEntry] | tuple[IndexEntry, ...] = (), drop: list[int] | tuple[int, ...] = ()) \
+            -> None:
+        """Rewrite ``refs/index.json`` with the entries ``add`` put in and the steps ``drop`` taken out, bounded
+        to the recent window and the last anchors (:func:`deltastore.index.merged`), signed by
+        :attr:`index_signer` when set. A malformed stored index is replaced; with nothing to add and no index
+        stored, nothing is written. Raises what the backend raises."""
+        try:
+            previous = self.read_index()
+        except StoreIndexError:
+            previous = None
+        if previous is None and not add:
+            return
+        self.backend.put(INDEX_KEY, index_bytes(merged(previous, add, drop), sign=self.index_signer),
+                         mode="overwrite")
+
+    def _unlisted_versions(self) -> list[int]:
+        """The steps of the index, or for a store written before it the step ``refs/latest`` names."""
+        index = self.read_index()
+        if index is not None:
+            return index.steps
+        data = read_bounded(self.backend, LATEST_KEY, MAX_LATEST_BYTES)
+        step = latest_step(data) if data is not None else None
+        return [] if step is None else [step]
+
+    def _check_indexed(self, step: int, digest: str) -> None:
+        """On a backend that cannot list, a manifest's bytes must have the ``digest`` the index read last gives."""
+        held = self._index
+        if held is None or self.backend.capabilities.listing:
+            return
+        entry = held[1].entry(step)
+        if entry is not None and entry.digest != digest:
+            raise StoreIndexError(f"{version_key(step)} in {self.uri} has digest {digest}, "
+                                  f"{INDEX_KEY} names {entry.digest}: refused (a stale or tampered index or "
+                                  "manifest)")
 
     def _put_layout(self, manifest: Manifest) -> None:
         """Store the layout object ``manifest`` names, unless the last commit named it too (kept in the ledger,

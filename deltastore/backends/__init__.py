@@ -79,3 +79,6 @@ _registry.register("s3a", "deltastore.backends.fsspec:FsspecBackend", install_hi
 _registry.register("gs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
 _registry.register("gcs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
 _registry.register("hf", "deltastore.backends.hf:HfBucketBackend", install_hint="pip install 'deltastore[hf]'")
+# Plain HTTP(S), read-only (issue 51): the standard library's http.client, nothing to install.
+_registry.register("http", "deltastore.backends.http:HttpBackend")
+_registry.register("https", "deltastore.backends.http:HttpBackend")
