@@ -28,7 +28,10 @@ bucket whose anonymous users may read but not list: S3 then answers 403 for a mi
 :class:`BadResponseError`.
 
 Mutable keys (``refs/``, :mod:`~deltastore.backends.cache_policy`) are polled with conditional GETs:
-the ``ETag`` of the last answer goes out as ``If-None-Match`` and a 304 returns the bytes held.
+the ``ETag`` of the last answer goes out as ``If-None-Match`` and a 304 returns the bytes held. A file
+server's ETag is its file's modification second and size, which a rewrite within the same second can
+keep; such an answer is not used as a validator (:func:`_validator_safe`), so a poll never holds on to a
+replaced ``refs/index.json``.
 
 Options: ``timeout`` (sets ``connect_timeout`` and ``read_timeout``), ``connect_timeout`` (5 s),
 ``read_timeout`` (30 s), ``min_speed`` (bytes/s, default 64 KiB/s), ``max_redirects`` (5), ``headers``
@@ -248,14 +251,15 @@ class HttpBackend(Backend):
     def _url(self, key: str) -> str:
         return f"{self.scheme}://{self.netloc}{self.prefix}/{quote(key, safe='/')}"
 
-    def _request(self, method: str, key: str, headers: dict[str, str], limit: int) -> _Answer:
+    def _request(self, method: str, key: str, headers: dict[str, str], limit: int, prefix: bool = False) -> _Answer:
         """``method`` on ``key``'s URL, following redirects; the answer's body read up to ``limit + 1`` bytes
-        (a longer one is :class:`ValueTooLargeError`). Errors per the module docstring."""
+        (a longer one is :class:`ValueTooLargeError`), or with ``prefix`` its first ``limit`` bytes (a server
+        that ignores a Range header sends the whole value). Errors per the module docstring."""
         url = self._url(key)
         seen = [url]
         send = {"Accept-Encoding": "identity", **self.headers, **headers}
         while True:
-            answer = self._once(method, key, url, send, limit)
+            answer = self._once(method, key, url, send, limit, prefix)
             if answer.status not in _REDIRECTS:
                 return answer
             location = answer.headers.get("Location")
@@ -277,7 +281,7 @@ class HttpBackend(Backend):
             seen.append(target)
             url = target
 
-    def _once(self, method: str, key: str, url: str, headers: dict[str, str], limit: int) -> _Answer:
+    def _once(self, method: str, key: str, url: str, headers: dict[str, str], limit: int, prefix: bool) -> _Answer:
         parts = urlsplit(url)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         fresh = False
@@ -300,7 +304,7 @@ class HttpBackend(Backend):
                         fresh = True
                         continue  # a keep-alive connection the server had closed: once more on a new one
                     raise
-                answer = self._read(method, url, conn, response, token, limit)
+                answer = self._read(method, url, conn, response, token, limit, prefix)
             except BaseException as e:
                 token.disarm()
                 conn.close()
@@ -316,9 +320,10 @@ class HttpBackend(Backend):
             return answer
 
     def _read(self, method: str, url: str, conn: http.client.HTTPConnection, response: http.client.HTTPResponse,
-              token: _Token, limit: int) -> _Answer:
-        """The answer with its body: the whole body of a 200/206 up to ``limit + 1`` bytes, a small one of
-        anything else (a longer one is not read: the connection is closed)."""
+              token: _Token, limit: int, prefix: bool) -> _Answer:
+        """The answer with its body: the whole body of a 200/206 up to ``limit + 1`` bytes (with ``prefix``, a
+        200's first ``limit`` bytes), a small one of anything else (a longer one is not read: the connection
+        is closed)."""
         status = response.status
         lengths = {v.strip() for v in response.headers.get_all("Content-Length") or []}
         if len(lengths) > 1 or (lengths and not next(iter(lengths)).isdigit()):
@@ -329,6 +334,8 @@ class HttpBackend(Backend):
             return _Answer(status, response.headers, b"", url)
         ok = status in (200, 206)
         cap = limit if ok else _DISCARD
+        if prefix and status == 200:
+            return self._read_prefix(method, url, conn, response, token, limit, declared)
         if declared is not None and declared > cap:
             conn.close()  # the body is not read
             if ok:
@@ -336,7 +343,7 @@ class HttpBackend(Backend):
             return _Answer(status, response.headers, b"", url)
         body = bytearray()
         body_start = time.monotonic()
-        while len(body) <= cap:
+        while len(body) <= cap and (declared is None or len(body) < declared):
             want = min(_CHUNK, cap + 1 - len(body))
             _WATCHDOG.arm(token, body_start + self.read_timeout + (len(body) + want) / self.min_speed)
             try:
@@ -356,7 +363,31 @@ class HttpBackend(Backend):
             return _Answer(status, response.headers, b"", url)
         if declared is not None and len(body) != declared:
             raise self._truncated(method, url, len(body), declared, token)
+        response.read()  # nothing left: marks the answer done so the connection can be reused
         return _Answer(status, response.headers, bytes(body), url)
+
+    def _read_prefix(self, method: str, url: str, conn: http.client.HTTPConnection,
+                     response: http.client.HTTPResponse, token: _Token, limit: int, declared: int | None) -> _Answer:
+        """The first ``limit`` bytes of a 200 body (all of a shorter one); the connection is closed unless the
+        body was read to its end."""
+        body = bytearray()
+        body_start = time.monotonic()
+        while len(body) < limit:
+            want = min(_CHUNK, limit - len(body))
+            _WATCHDOG.arm(token, body_start + self.read_timeout + (len(body) + want) / self.min_speed)
+            chunk = response.read1(want)
+            if token.fired:
+                raise self._slow(method, url, len(body), declared)
+            if not chunk:
+                break
+            body += chunk
+        if declared is not None and len(body) < min(limit, declared):
+            raise self._truncated(method, url, len(body), declared, token)
+        if declared is not None and len(body) == declared:
+            response.read()
+        else:
+            conn.close()
+        return _Answer(200, response.headers, bytes(body), url)
 
     def _slow(self, method: str, url: str, got: int, declared: int | None) -> TransferTooSlowError:
         of = f" of {declared}" if declared is not None else ""
@@ -413,9 +444,12 @@ class HttpBackend(Backend):
         elif answer.status == 200:
             data = answer.body
             etag = answer.headers.get("ETag")
-            if is_mutable(key) and etag and len(data) <= _MAX_HELD:
+            if is_mutable(key) and etag and len(data) <= _MAX_HELD and _validator_safe(answer.headers):
                 with self._held_lock:
                     self._held[key] = (etag, data)
+            elif held is not None:
+                with self._held_lock:
+                    self._held.pop(key, None)
         else:
             raise BadResponseError(f"GET {answer.url}: status {answer.status} to a plain GET")
         self.progress("get", key, len(data))
@@ -436,7 +470,7 @@ class HttpBackend(Backend):
             if not self._exists(key):
                 raise KeyNotFoundError(f"{key!r} not found in {self.uri}")
             return b""
-        answer = self._checked(self._request("GET", key, {"Range": f"bytes={start}-{end - 1}"}, end),
+        answer = self._checked(self._request("GET", key, {"Range": f"bytes={start}-{end - 1}"}, end, prefix=True),
                                "GET", key)
         if answer.status == 416:
             return b""  # the range starts at or past the end
@@ -504,6 +538,22 @@ class HttpBackend(Backend):
     def _list(self, prefix: str) -> Iterator[str]:
         raise ListingUnsupportedError(f"{self.uri} cannot list keys (plain HTTP); versions are found through "
                                       "refs/index.json")
+
+
+def _validator_safe(headers: http.client.HTTPMessage) -> bool:
+    """Whether the answer's ``ETag`` changes with every later write of the key. A file server's ETag is its
+    file's modification time in whole seconds and its size (nginx, Apache): a rewrite with the same size in
+    the same second keeps it. It is safe when the answer was made (``Date``) in a later second than the
+    bytes were written (``Last-Modified``), or when there is no ``Last-Modified`` (a content hash, as from S3).
+    """
+    modified, date = headers.get("Last-Modified"), headers.get("Date")
+    if modified is None:
+        return True
+    try:
+        return date is not None and email.utils.parsedate_to_datetime(date) > \
+            email.utils.parsedate_to_datetime(modified)
+    except (TypeError, ValueError):
+        return False
 
 
 def _content_range(value: str | None) -> tuple[int | None, int | None]:

@@ -2,9 +2,10 @@
 
 :class:`BackendConformance` is the backend conformance suite: subclass it in
 a pytest module and provide a ``backend`` fixture (see
-:mod:`deltastore.testing.conformance`).
+:mod:`deltastore.testing.conformance`); :class:`ReadOnlyBackendConformance` the one for
+backends that read what another writes (``http(s)://``), with a ``pair`` fixture.
 """
 
-from .conformance import BackendConformance
+from .conformance import BackendConformance, ReadOnlyBackendConformance
 
-__all__ = ["BackendConformance"]
+__all__ = ["BackendConformance", "ReadOnlyBackendConformance"]
