@@ -12,7 +12,7 @@ through the parents' digests (a hash chain), so the index is a discovery aid,
 never a way to make a reader apply other bytes.
 
 The index is bounded: the last :data:`WINDOW` versions plus the last
-:data:`ANCHORS` anchors (about 10 KB), so polling it costs the same at step
+:data:`ANCHORS` anchors below them (about 10 KB), so polling it costs the same at step
 10 as at step 100,000. It is written after the manifest and ``refs/latest``
 (the commit point is the manifest), and a failed write is a
 :class:`~deltastore.errors.PostCommitWarning`, never a failed publish.
@@ -42,7 +42,7 @@ LATEST_KEY = "refs/latest"
 WINDOW = 64
 """Versions the index names below and at the latest."""
 ANCHORS = 8
-"""Anchors the index names besides those in the window (a joiner's starting points)."""
+"""Anchors the index names below the window (starting points for a pull of an older step)."""
 MAX_INDEX_BYTES = 1 << 20
 """The most bytes a reader takes from ``refs/index.json`` (a written index is about 150 bytes a version)."""
 MAX_ENTRIES = 4096
@@ -106,11 +106,12 @@ class StoreIndex:
 
 def bounded(entries: Iterable[IndexEntry], window: int = WINDOW, anchors: int = ANCHORS) -> tuple[IndexEntry, ...]:
     """``entries`` (one per step, the later one wins) cut to the last ``window`` versions and the last
-    ``anchors`` anchors, ascending."""
+    ``anchors`` anchors below them, ascending."""
     by_step = {e.step: e for e in entries}
     steps = sorted(by_step)
-    keep = set(steps[-window:]) if window > 0 else set()
-    keep.update([s for s in steps if by_step[s].kind == "anchor"][-anchors:] if anchors > 0 else [])
+    recent = steps[-window:] if window > 0 else []
+    below = [s for s in steps[: len(steps) - len(recent)] if by_step[s].kind == "anchor"]
+    keep = set(recent) | set(below[-anchors:] if anchors > 0 else [])
     return tuple(by_step[s] for s in sorted(keep))
 
 
