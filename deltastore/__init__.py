@@ -13,11 +13,12 @@ from .manifest import Manifest, VersionRef
 from .publisher import Publisher, VersionInfo
 from .registry import Registry
 from .store import DeltaStore, open_store
+from .store_mirror import MirrorReport, mirror_store
 from .subscriber import PullResult, Subscriber
 from . import errors
 
 __all__ = [
-    "AnchorPolicy", "Codec", "DeltaStore", "Every", "Manifest", "Publisher", "PullResult", "Registry",
+    "AnchorPolicy", "Codec", "DeltaStore", "Every", "Manifest", "MirrorReport", "Publisher", "PullResult", "Registry",
     "Subscriber", "TensorSpec", "Update", "VersionInfo", "VersionRef", "__version__", "errors", "every",
-    "get_codec", "open_store", "register_codec",
+    "get_codec", "mirror_store", "open_store", "register_codec",
 ]

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import DeltaStoreError
-from . import browse, demo, gc, plugins, pull, stats, verify
+from . import browse, demo, gc, mirror, plugins, pull, stats, verify
 from ._common import EXIT_FAILED, EXIT_USAGE, CliError, Parser, UsageError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (browse, verify, pull, gc, stats, plugins, demo)
+_COMMANDS = (browse, verify, pull, gc, mirror, stats, plugins, demo)
 
 
 def _global_options(p: argparse.ArgumentParser, default: object) -> None:
