@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps verl==0.9.1
+	# nginx (Debian) serves stores over http:// in the tests: installed when missing
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || $(if $(filter 0,$(shell id -u)),,sudo) sh -c 'DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx'
 	touch $(TEST_STAMP)
 
 # the real vLLM (CPU build) lives in its own virtualenv, used by tests/test_vllm

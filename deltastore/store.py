@@ -60,7 +60,7 @@ STAT_TO_DELETE = 1.0
 """Seconds GC may take between its stat of an object and sending the delete (else it stats again)."""
 CLOCK_KEY = "gc/clock"
 STORE_MARKER = "deltastore.json"
-STORE_FORMAT = {"format": "deltastore", "format_version": "1.0"}
+STORE_FORMAT = {"format": "deltastore", "format_version": "1.1"}
 _VERSION_KEY = re.compile(r"^versions/(\d{12})\.json$")
 
 
