@@ -96,12 +96,20 @@ http {{
 """, tls=tls)
 
     @classmethod
-    def caching_proxy(cls, origin: str) -> Nginx:
+    def caching_proxy(cls, origin: str, cache_refs: bool = True) -> Nginx:
         """A ``proxy_cache`` in front of ``origin`` (``http://127.0.0.1:PORT``): it keeps what the origin's
         Cache-Control allows, collapses concurrent misses into one origin request (``proxy_cache_lock``) and
-        passes the origin's ``Date`` (so a client can tell when the bytes it holds were made)."""
+        passes the origin's ``Date`` (so a client can tell when the bytes it holds were made). With
+        ``cache_refs=False`` it passes ``refs/`` through uncached (each poll reaches the origin)."""
         cache = tempfile.mkdtemp(prefix="deltastore-nginx-cache-")
-        self = cls("""
+        refs = "" if cache_refs else """
+        location ~ /refs/ {
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_pass_header Date;
+        }"""
+        self = cls(refs + """
         location / {
             proxy_pass http://origin;
             proxy_http_version 1.1;
