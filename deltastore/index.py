@@ -17,10 +17,12 @@ The index is bounded: the last :data:`WINDOW` versions plus the last
 (the commit point is the manifest), and a failed write is a
 :class:`~deltastore.errors.PostCommitWarning`, never a failed publish.
 
-Signatures: ``sign(document) -> bytes`` (the writer's) and
-``check(data, document)`` (the reader's) are the seams a signing publisher and
-a follower with trusted keys plug in; both are optional and nothing here
-depends on how they sign.
+Signatures: a signing publisher signs the index like its manifests
+(``sign(document) -> bytes``, :func:`deltastore.signing.sign_document`), and a
+follower with trusted keys checks a signed one (``check(data, document)``);
+an unsigned index is still read, because it only lists versions: each
+manifest and the signed ``refs/latest`` are checked on their own
+(:class:`~deltastore.store.DeltaStore` wires both).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, _json_document
 INDEX_KEY = "refs/index.json"
 INDEX_FORMAT = "deltastore.index"
 INDEX_FORMAT_VERSION = "1.0"
-LATEST_KEY = "refs/latest"
 WINDOW = 64
 """Versions the index names below and at the latest."""
 ANCHORS = 8
@@ -46,7 +47,6 @@ ANCHORS = 8
 MAX_INDEX_BYTES = 1 << 20
 """The most bytes a reader takes from ``refs/index.json`` (a written index is about 150 bytes a version)."""
 MAX_ENTRIES = 4096
-MAX_LATEST_BYTES = 64 << 10
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _KINDS = ("anchor", "delta")
 _FIELDS = ("step", "kind", "digest", "size", "parent")

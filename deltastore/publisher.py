@@ -110,6 +110,9 @@ class Publisher:
         adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
             (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
             a model that is not a PEFT model is a :class:`TargetMismatchError`.
+        signing_key: sign every committed version and ``refs/latest`` with this Ed25519 key (a path to a PEM
+            file from ``deltastore keygen``, PEM bytes or a key object; needs ``deltastore[sign]``). Followers
+            with ``trusted_keys`` accept only versions it signed (``docs/security.md``). Kept in memory only.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -124,7 +127,7 @@ class Publisher:
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
                  mirror_device: str | torch.device | None = None, quantize: Any = None,
-                 adapter_only: bool = False):
+                 adapter_only: bool = False, signing_key: Any = None):
         #: the stages (also what :class:`~deltastore.ShardedPublisher` opens per rank): the store, object
         #: planning, the chain's committed head and the anchor policy's decision, uploads, retention after each
         #: commit, the configuration they share (``deltastore/publish/stages.py``)
@@ -132,7 +135,7 @@ class Publisher:
             uri, codec=codec, anchor_every=anchor_every, storage_options=storage_options, metadata=metadata,
             anchor=anchor, anchor_codec=anchor_codec, max_object_bytes=max_object_bytes, chunk_elems=chunk_elems,
             dtype=dtype, retention=retention, gc_grace=gc_grace, source_dir=source_dir, max_workers=max_workers,
-            mirror_device=mirror_device)
+            mirror_device=mirror_device, signing_key=signing_key)
         self.store, self.planner, self.head, self.uploader, self.retainer = (
             stages.store, stages.planner, stages.head, stages.uploader, stages.retainer)
         self.metadata, self.chunk_elems, self.dtype, self.mirror_device, self.writer_id = (
@@ -324,6 +327,20 @@ class Publisher:
             raise
         release_memory()  # once _write's temporaries (a differential, encoded objects) are freed, not before
         return info
+
+    def refresh_latest(self) -> None:
+        """Sign ``refs/latest`` again, for the last committed version, with the time now.
+
+        Followers that bound the age of the signed latest (``Subscriber(max_latest_age=...)``) take it as
+        fresh again: call it while the trainer publishes nothing for longer than that bound (evaluation, a
+        checkpoint). A no-op without a signing key or before the first commit. With ``background=True`` the
+        queued versions are committed first (:meth:`flush`), so the ref never names an older version than
+        the last commit's; call it from the thread that publishes.
+        """
+        self.flush()
+        last = self.head.last
+        if self.store.signer is not None and last is not None:
+            self.store.write_latest(last.step, last.digest)
 
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""

@@ -5,7 +5,8 @@ Layout under the store root::
     deltastore.json                    store marker (format name and version)
     objects/sha256/ab/cdef...          immutable objects, named by the sha256 of their bytes
     versions/000000000120.json         the manifest of step 120, written once, after its objects
-    refs/latest                        optional hint, never the source of truth
+    refs/latest                        optional hint, never the source of truth (signed, with the time
+                                       it was issued, when the publisher signs: deltastore.signing)
     refs/index.json                    recent versions and anchors, for readers that cannot list (deltastore.index)
 
 Commit order gives crash safety: objects first, manifest last with a
@@ -43,10 +44,11 @@ from .backends.base import KeyInfo
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
                      ObjectNotFoundError, StoreIndexError, ValueTooLargeError, VersionExistsError,
                      VersionNotFoundError)
-from .index import (INDEX_KEY, LATEST_KEY, MAX_INDEX_BYTES, MAX_LATEST_BYTES, Checker, IndexEntry, Signer, StoreIndex,
-                    index_bytes, latest_step, merged, parse_index, read_bounded)
+from .index import (INDEX_KEY, MAX_INDEX_BYTES, IndexEntry, StoreIndex, index_bytes, latest_step, merged, parse_index,
+                    read_bounded)
 from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
 from .manifest_cache import ManifestCache
+from .signing import LATEST_KEY, MAX_LATEST_BYTES, SigningKey, Trust, latest_bytes, sign_document, sign_manifest
 
 log = logging.getLogger("deltastore.store")
 
@@ -101,11 +103,11 @@ class DeltaStore:
         # objects since the last commit were reused (found present, refreshed) rather than uploaded
         self._written: dict[str, float] = {}
         self._reused: dict[str, float] = {}
-        #: the signing seams of ``refs/index.json`` (docs/format.md, "The store index"): ``index_signer(doc)``
-        #: returns the signed bytes :meth:`update_index` writes, ``index_check(data, doc)`` raises unless what
-        #: :meth:`read_index` reads is signed by a trusted key; None: unsigned, unchecked
-        self.index_signer: Signer | None = None
-        self.index_check: Checker | None = None
+        #: signs every committed manifest and ``refs/latest`` (a Publisher's ``signing_key``); kept in memory only
+        self.signer: SigningKey | None = None
+        #: the keys every manifest read must be signed by (a Subscriber's ``trusted_keys``); checked on the bytes,
+        #: before the manifest is parsed or any object fetched
+        self.trust: Trust | None = None
         self._index: tuple[bytes, StoreIndex] | None = None  # the last index read (its bytes and parse)
 
     def __repr__(self) -> str:
@@ -407,7 +409,8 @@ class DeltaStore:
         Raises :class:`ManifestError`, :class:`UnsupportedFormatError`, and for
         the layout object :class:`ObjectNotFoundError` or :class:`CorruptObjectError`.
         """
-        return Manifest.from_json(data, layouts=self._read_object)
+        return Manifest.from_json(data, layouts=self._read_object,
+                                  check=self.trust.check_manifest if self.trust is not None else None)
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (see :meth:`manifest_with_digest`)."""
@@ -433,7 +436,10 @@ class DeltaStore:
         self._prepare_commit(manifest)
         if not self.backend.capabilities.atomic_create:
             manifest = dataclasses.replace(manifest, producer={**manifest.producer, "commit": "check-then-write"})
-        data = manifest.to_json()
+        if self.signer is not None:
+            manifest, data = sign_manifest(manifest, self.signer)
+        else:
+            data = manifest.to_json()
         try:
             self.backend.put(version_key(manifest.step), data, mode="create")
         except KeyExistsError:
@@ -446,14 +452,38 @@ class DeltaStore:
             self._reused.clear()
         self._ensure_marker()
         try:
-            self.backend.put("refs/latest", str(manifest.step).encode(), mode="overwrite")
+            self.write_latest(manifest.step, digest)
         except OSError:
-            pass  # only a hint
+            pass  # only a hint (a signing follower takes a newer signed manifest over it)
         return data, digest
+
+    def write_latest(self, step: int, digest: str) -> None:
+        """Write ``refs/latest``: the step as ASCII digits, or with a :attr:`signer` the signed latest document
+        (step, manifest digest, the time now; :mod:`deltastore.signing`)."""
+        if self.signer is None:
+            self.backend.put(LATEST_KEY, str(step).encode(), mode="overwrite")
+        else:
+            self.backend.put(LATEST_KEY, latest_bytes(step, digest, self.signer), mode="overwrite")
+
+    def read_latest(self) -> bytes | None:
+        """The bytes of ``refs/latest`` (at most :data:`~deltastore.signing.MAX_LATEST_BYTES`), None when absent."""
+        try:
+            return self.backend.get_bounded(LATEST_KEY, MAX_LATEST_BYTES)
+        except KeyNotFoundError:
+            return None
+        except ValueTooLargeError:
+            raise ManifestError(f"{LATEST_KEY} is over {MAX_LATEST_BYTES} bytes (not read)") from None
 
     # -- the store index (refs/index.json; deltastore.index) ------------------------------------------
     def read_index(self) -> StoreIndex | None:
-        """The parsed ``refs/index.json`` (None when the store has none), checked by :attr:`index_check`.
+        """The parsed ``refs/index.json`` (None when the store has none); see :meth:`read_index_bytes`."""
+        got = self.read_index_bytes()
+        return None if got is None else got[1]
+
+    def read_index_bytes(self) -> tuple[bytes, StoreIndex] | None:
+        """The bytes of ``refs/index.json`` and their parse (None when the store has none). With :attr:`trust`, a
+        signed index must verify (:class:`SignatureError`, :class:`UntrustedKeyError`); an unsigned one is read,
+        since it only lists versions: each manifest and the signed latest are checked on their own.
 
         Raises :class:`StoreIndexError` (malformed, over its bound) and :class:`UnsupportedFormatError`.
         """
@@ -462,32 +492,36 @@ class DeltaStore:
             return None
         held = self._index
         if held is not None and held[0] == data:
-            return held[1]
-        index = parse_index(data, self.index_check)
-        self._index = (data, index)
-        return index
+            return held
+        self._index = held = (data, parse_index(data, self._check_index if self.trust is not None else None))
+        return held
 
     def update_index(self, add: list[IndexEntry] | tuple[IndexEntry, ...] = (), drop: list[int] | tuple[int, ...] = ()) \
             -> None:
         """Rewrite ``refs/index.json`` with the entries ``add`` put in and the steps ``drop`` taken out, bounded
-        to the recent window and the last anchors (:func:`deltastore.index.merged`), signed by
-        :attr:`index_signer` when set. A malformed stored index is replaced; with nothing to add and no index
-        stored, nothing is written. Raises what the backend raises."""
+        to the recent window and the last anchors (:func:`deltastore.index.merged`), signed by :attr:`signer`
+        when set. A malformed stored index is replaced; with nothing to add and no index stored, nothing is
+        written. Raises what the backend raises."""
         try:
             previous = self.read_index()
         except StoreIndexError:
             previous = None
         if previous is None and not add:
             return
-        self.backend.put(INDEX_KEY, index_bytes(merged(previous, add, drop), sign=self.index_signer),
-                         mode="overwrite")
+        signer = self.signer
+        sign = (lambda doc: sign_document(doc, signer)) if signer is not None else None
+        self.backend.put(INDEX_KEY, index_bytes(merged(previous, add, drop), sign=sign), mode="overwrite")
+
+    def _check_index(self, data: bytes, doc: Any) -> None:
+        if self.trust is not None and isinstance(doc, dict) and doc.get("signature") is not None:
+            self.trust.check(data, doc, INDEX_KEY)
 
     def _unlisted_versions(self) -> list[int]:
         """The steps of the index, or for a store written before it the step ``refs/latest`` names."""
         index = self.read_index()
         if index is not None:
             return index.steps
-        data = read_bounded(self.backend, LATEST_KEY, MAX_LATEST_BYTES)
+        data = self.read_latest()
         step = latest_step(data) if data is not None else None
         return [] if step is None else [step]
 

@@ -10,10 +10,11 @@ nothing. It makes a region-local relay: S3 in one region, a mirror on local disk
 nginx over HTTP to the servers there (docs/backends.md, "Serving a store over HTTP").
 
 What is verified before anything of a version is written: its manifest's bytes against the digest the
-source's index gives or its child's ``parent`` record gives (a hash chain down from the index), and
-against ``verify_manifest(data, step)`` when given (the signature check of a follower with trusted keys:
-the seam a signing deployment plugs in); then every object against its digest. The source's
-``refs/latest`` goes through ``verify_latest(data)`` when given before it is copied.
+source's index gives or its child's ``parent`` record gives (a hash chain down from the index), with
+``trusted_keys`` its signature (and the signed ``refs/latest``'s, before it is copied), and whatever
+``verify_manifest(data, step)`` checks; then every object against its digest. Signatures travel with
+the bytes, so a follower of the copy with the same keys checks the trainer's signatures, never the
+relay's. The copy's ``refs/latest`` never moves backward.
 
 Versions the source reaches only through its index (a plain HTTP source keeps the recent window and the
 last anchors there) are completed by walking parents: every version copied keeps its chain down to an
@@ -34,9 +35,9 @@ from typing import Any
 
 from .errors import (BackendUnavailableError, KeyExistsError, ManifestError, MirrorConflictError,
                      StoreIndexError, VersionNotFoundError)
-from .index import (INDEX_KEY, LATEST_KEY, MAX_INDEX_BYTES, MAX_LATEST_BYTES, IndexEntry, StoreIndex, latest_step,
-                    parse_index, read_bounded)
+from .index import INDEX_KEY, IndexEntry, StoreIndex, latest_step, read_bounded
 from .manifest import MAX_MANIFEST_BYTES, sha256_digest
+from .signing import LATEST_KEY, as_trust
 from .store import STORE_FORMAT, STORE_MARKER, DeltaStore, object_key, open_store, version_key
 
 log = logging.getLogger("deltastore.mirror")
@@ -91,16 +92,15 @@ class _Mirror:
     # -- one pass ------------------------------------------------------------------------------
     def round(self) -> None:
         self.report.rounds += 1
-        latest_data = read_bounded(self.src.backend, LATEST_KEY, MAX_LATEST_BYTES)
-        index_data = read_bounded(self.src.backend, INDEX_KEY, MAX_INDEX_BYTES)
+        latest_data = self.src.read_latest()
         try:
-            index = parse_index(index_data, self.src.index_check) if index_data is not None else None
+            index_data, index = self.src.read_index_bytes() or (None, None)
         except StoreIndexError:
             if not self.src.backend.capabilities.listing:
                 raise
             log.warning("mirror: %s has a malformed %s; the listing decides, the copy gets its own index",
                         self.src.uri, INDEX_KEY)
-            index = index_data = None
+            index_data = index = None
         if self.src.backend.capabilities.listing:
             listed = self.src.versions()
         else:
@@ -172,6 +172,8 @@ class _Mirror:
             raise StoreIndexError(f"version {step} in {self.src.uri} has manifest {digest}, the source names "
                                   f"{want} for it (its index, or its child's parent record): refused, nothing of "
                                   "it copied")
+        if verify and self.src.trust is not None:  # the signature, before anything of the version is copied
+            self.src.trust.check_manifest(data, json.loads(data))
         if verify and self.verify_manifest is not None:
             self.verify_manifest(data, step)
         return data
@@ -230,7 +232,13 @@ class _Mirror:
         elif plan:
             self.dst.update_index(add=[IndexEntry(p.step, p.kind, p.digest, p.size, p.parent) for p in plan])
         step = latest_step(latest_data) if latest_data is not None else None
-        if step is not None and step in holds:
+        held = self.dst.read_latest()
+        if held is not None and step is not None and (latest_step(held) or -1) > step:
+            log.warning("mirror: %s names version %d, older than %s's latest %s: the copy's latest is kept (never "
+                        "moved backward)", self.src.uri, step, self.dst.uri, latest_step(held))
+        elif step is not None and step in holds:
+            if self.src.trust is not None:
+                self.src.trust.check_latest(latest_data)
             if self.verify_latest is not None:
                 self.verify_latest(latest_data)
             self._put_if_changed(LATEST_KEY, latest_data)
@@ -251,7 +259,7 @@ def _latest_only(latest_data: bytes | None) -> list[int]:
     return [] if step is None else [step]
 
 
-def mirror_store(src: Any, dst: Any, *, follow: bool = False, poll_interval: float = 1.0,
+def mirror_store(src: Any, dst: Any, *, follow: bool = False, poll_interval: float = 1.0, trusted_keys: Any = None,
                  verify_manifest: ManifestVerifier | None = None, verify_latest: LatestVerifier | None = None,
                  max_workers: int = 8, src_options: dict[str, Any] | None = None,
                  dst_options: dict[str, Any] | None = None, stop: threading.Event | None = None,
@@ -261,20 +269,28 @@ def mirror_store(src: Any, dst: Any, *, follow: bool = False, poll_interval: flo
     ``src`` may be any store, a plain ``https://`` one included; ``dst`` must be writable (a folder or a
     bucket). With ``follow`` the copy repeats every ``poll_interval`` seconds until ``stop`` is set (or
     Ctrl-C), and a source that cannot be reached for a while is retried at the next round.
-    ``verify_manifest`` / ``verify_latest``: checks run on the raw bytes before a version (or the latest
-    ref) is copied, see the module docstring. ``on_version(step, objects, nbytes)`` is called after each
+    ``trusted_keys`` (as :class:`~deltastore.Subscriber` takes them): every manifest must be signed by one of
+    them before anything of its version is copied, and so must the ``refs/latest`` copied (and a signed index);
+    the signatures are copied with the bytes, so followers of ``dst`` check the same ones.
+    ``verify_manifest`` / ``verify_latest``: further checks run on the raw bytes before a version (or the
+    latest ref) is copied. ``on_version(step, objects, nbytes)`` is called after each
     version copied. Returns a :class:`MirrorReport`.
 
     Raises :class:`StoreIndexError` (a manifest whose bytes are not those its index or child names),
     :class:`CorruptObjectError` (an object that fails its digest), :class:`MirrorConflictError` (the
-    destination holds another version under a step), what the verifiers raise, and the backends' errors;
+    destination holds another version under a step), with ``trusted_keys`` the subclasses of
+    :class:`UntrustedVersionError` (unsigned, unknown key, bad signature), what the verifiers raise, and the
+    backends' errors;
     in each case the destination keeps every version it holds, whole.
     """
     if not isinstance(poll_interval, (int, float)) or poll_interval < 0:
         raise ValueError(f"poll_interval must be a non-negative number of seconds, got {poll_interval!r}")
+    trust = as_trust(trusted_keys)  # keys checked before any store is opened
     source = open_store(src, **(src_options or {}))
     target = open_store(dst, **(dst_options or {}))
     try:
+        if trust is not None:
+            source.trust = trust
         m = _Mirror(source, target, verify_manifest, verify_latest, max_workers, on_version)
         m.round()
         while follow and not (stop is not None and stop.is_set()):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 import torch
 
-from .errors import TargetMismatchError
+from .errors import DeviceUnavailableError, TargetMismatchError
 
 #: dtypes that can be published, by their manifest name.
 DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +38,38 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise TargetMismatchError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}") from None
+
+
+def available_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``torch.device(device)`` when this process can place tensors there.
+
+    Raises :class:`DeviceUnavailableError` naming ``what`` (the argument) and the devices there are when
+    ``device`` is not a device (``"cuda0"``), when torch has no CUDA or no GPU is visible (``"cuda"``), or
+    when the index is past the last GPU (``"cuda:3"`` with two).
+    """
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceUnavailableError(f"{what}={device!r} is not a device ({e})") from None
+    if d.type in ("cpu", "meta"):
+        return d
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceUnavailableError(f"{what}={device!r}: {why} (CUDA_VISIBLE_DEVICES="
+                                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use 'cpu'")
+        if d.index is not None and d.index >= count:
+            raise DeviceUnavailableError(f"{what}={device!r}: this process sees {count} CUDA device(s), "
+                                         f"cuda:0 to cuda:{count - 1}")
+        return d
+    try:  # another accelerator type (xpu, mps, ...): it is there when a tensor can be made on it
+        torch.empty(0, device=d)
+    except (AssertionError, RuntimeError, NotImplementedError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]
+        raise DeviceUnavailableError(f"{what}={device!r}: not available in this process "
+                                     f"({type(e).__name__}: {reason}); use 'cpu'") from None
+    return d
 
 
 _BITS_OF: dict[torch.dtype, torch.dtype] = {}

@@ -308,6 +308,32 @@ MUTANTS = [
     Mutant("whole-stream-not-copied", "a stream captured whole keeps references to its items (no copies)",
            [("deltastore/publisher.py", "            state = owned_items(state)", "            state = list(state)")],
            ["tests/test_publish_stream.py"]),
+    Mutant("signature-unchecked", "a manifest whose bytes changed after signing is accepted (any signature of a "
+           "trusted key id passes)",
+           [("deltastore/signing.py", "if any(k.verify(signature, signed) for k in keys):", "if True:")],
+           ["tests/test_backends/test_signed.py::test_tampered_manifest_refused",
+            "tests/test_backends/test_signed.py::test_swapped_objects_refused"]),
+    Mutant("unsigned-accepted", "an unsigned manifest passes a Subscriber with trusted keys",
+           [("deltastore/signing.py", "        if record is None:\n            raise UnsignedVersionError(",
+             "        if record is None:\n            return ''\n            raise UnsignedVersionError(")],
+           ["tests/test_backends/test_signed.py::test_unsigned_versions_refused"]),
+    Mutant("latest-may-go-back", "a follower accepts a signed refs/latest older than one it accepted before",
+           [("deltastore/pull/latest.py", "if seen is not None and (signed.step < seen.step or signed.issued < seen.issued):",
+             "if False:")],
+           ["tests/test_backends/test_signed.py::test_replayed_latest_refused"]),
+    Mutant("path-manifests-unchecked", "only the wanted version's manifest is checked, not the others on the path",
+           [("deltastore/subscriber.py", "        return plan_path(self.store.manifest_with_digest, step, current,",
+             "        def unchecked(s, store=self.store):\n"
+             "            if s == step:\n"
+             "                return store.manifest_with_digest(s)\n"
+             "            trust, store.trust = store.trust, None\n"
+             "            try:\n"
+             "                store.forget(s)\n"
+             "                return store.manifest_with_digest(s)\n"
+             "            finally:\n"
+             "                store.trust = trust\n"
+             "        return plan_path(unchecked, step, current,")],
+           ["tests/test_backends/test_signed.py::test_tampered_delta_on_the_path_refused"]),
 ]
 
 

@@ -291,3 +291,33 @@ def test_relay_s3_to_nginx_to_http_followers(seaweed_server, tmp_path):  # noqa:
         pub.close()
         server.stop()
     assert assert_valid(relay) == list(range(8))
+
+
+def test_signed_store_through_a_mirror_and_http(tmp_path):
+    """With trusted keys the mirror copies only signed versions, byte for byte, so a follower of the copy over
+    http:// checks the trainer's signatures and the signed latest; an unsigned source is refused before
+    anything is copied."""
+    from deltastore.errors import UnsignedVersionError
+    from deltastore.signing import SigningKey
+
+    os.chmod(tmp_path, 0o755)
+    key = SigningKey.generate()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "relay")
+    states = publish(src, range(1, 5), signing_key=key, anchor_every=3)
+    report = ds.mirror_store(src, dst, trusted_keys=[key.public])
+    assert report.copied == [1, 2, 3, 4]
+    for k in ("refs/latest", INDEX_KEY):
+        assert open(os.path.join(dst, k), "rb").read() == open(os.path.join(src, k), "rb").read()
+    server = Nginx.static(tmp_path).start()
+    try:
+        sub = ds.Subscriber(f"{server.url}/relay", trusted_keys=[key.public], max_latest_age=600)
+        result = sub.pull()
+        assert result.step == 4 and result.signed_by == key.key_id and result.latest_age is not None
+        assert all(torch.equal(bits(result.state[k]), bits(states[4][k])) for k in result.state)
+    finally:
+        server.stop()
+    unsigned = str(tmp_path / "unsigned")
+    publish(unsigned, range(2))
+    with pytest.raises(UnsignedVersionError):
+        ds.mirror_store(unsigned, str(tmp_path / "copy"), trusted_keys=[key.public])
+    assert not os.path.exists(os.path.join(tmp_path, "copy", "versions"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
+import deltastore.signing  # noqa: F401 - ds.signing
 from deltastore.backends.memory import MemoryBackend
 from deltastore.errors import PostCommitWarning, StoreIndexError, UnsupportedFormatError
 from deltastore.gc import Retention, collect_garbage
@@ -132,32 +133,30 @@ def test_other_major_version_and_unknown_fields():
     assert parse_index(json.dumps(doc).encode()).steps == [1, 2]
 
 
-def test_signing_seams():
-    """``index_signer`` makes the bytes written; ``index_check`` sees every index read before it is parsed."""
+def test_signed_index():
+    """A signing publisher signs the index; a follower with trusted keys refuses a signed index that does not
+    verify (or is signed by another key) and reads an unsigned one (it only lists versions)."""
+    from deltastore.errors import SignatureError, UntrustedKeyError
+    from deltastore.signing import SigningKey
+
+    key, other = SigningKey.generate(), SigningKey.generate()
     backend = MemoryBackend(uuid.uuid4().hex)
-    store = DeltaStore(backend)
-    signed = []
-
-    def sign(doc):
-        signed.append(doc["versions"][-1]["step"])
-        return json.dumps({**doc, "signature": {"by": "test"}}, sort_keys=True).encode()
-
-    class Refused(Exception):
-        pass
-
-    def check(data, doc):
-        if doc.get("signature") != {"by": "test"}:
-            raise Refused("unsigned index")
-
-    store.index_signer = sign
-    _publish(store, [1, 2])
-    assert signed == [1, 2]
+    _publish(DeltaStore(backend), [1, 2], signing_key=key)
+    data = backend.get(INDEX_KEY)
+    assert json.loads(data)["signature"]["key_id"] == key.key_id
     reader = DeltaStore(backend)
-    reader.index_check = check
-    assert reader.read_index().signature == {"by": "test"}
-    backend.put(INDEX_KEY, index_bytes([_entry(1, "anchor", None)]))
-    with pytest.raises(Refused):
+    reader.trust = ds.signing.Trust([key.public])
+    assert reader.read_index().steps == [1, 2] and reader.read_index().signature is not None
+    backend.put(INDEX_KEY, data.replace(b'"step":2', b'"step":3'))
+    with pytest.raises(SignatureError):
         reader.read_index()
+    store = DeltaStore(backend)
+    store.signer = other
+    store.update_index(add=[_entry(5)])
+    with pytest.raises(UntrustedKeyError):
+        reader.read_index()
+    backend.put(INDEX_KEY, index_bytes([_entry(1, "anchor", None)]))
+    assert reader.read_index().steps == [1]
 
 
 @pytest.mark.parametrize("data, step", [(b"12", 12), (b"12\n", 12), (b'{"step": 7, "digest": "x"}', 7),

@@ -55,10 +55,10 @@ from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BadResponseError, KeyNotFoundError,
-                      ListingUnsupportedError, ReadOnlyStoreError, TransferTooSlowError, UnknownOptionError,
-                      ValueTooLargeError)
+                      ListingUnsupportedError, ReadOnlyStoreError, TransferTooSlowError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode
 from .cache_policy import is_mutable
+from .options import check_options
 from .retry import Progress, ProgressCallback
 
 CONNECT_TIMEOUT = 5.0
@@ -241,10 +241,7 @@ class HttpBackend(Backend):
     def from_uri(cls, uri: str, **options: Any) -> HttpBackend:
         """Open ``http(s)://HOST[:PORT]/PREFIX``; :class:`UnknownOptionError` for an option not in the module
         docstring's list, ValueError for a malformed URL or option value."""
-        bad = sorted(k for k in options if k not in _OPTIONS)
-        if bad:
-            raise UnknownOptionError(f"unknown storage option(s) {bad} for {uri}; valid: {list(_OPTIONS)} "
-                                     "(and 'retry', 'deadline')")
+        check_options(options, _OPTIONS, uri)
         return cls(uri, **options)
 
     # -- requests --------------------------------------------------------------------------

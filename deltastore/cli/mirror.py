@@ -22,6 +22,9 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     s.add_argument("--interval", type=non_negative_float, default=1.0,
                    help="seconds between rounds with --follow (default 1)")
     s.add_argument("--workers", type=positive_int, default=8, help="objects copied in parallel (default 8)")
+    s.add_argument("--trusted-key", dest="trusted_keys", metavar="KEY", action="append", default=None,
+                   help="a public key file (PEM or OpenSSH) or OpenSSH line; repeatable. Every version (and the "
+                        "latest ref) copied must be signed by one of them (default: $DELTASTORE_TRUSTED_KEYS)")
     for side in ("src", "dst"):
         s.add_argument(f"--{side}-option", dest=f"{side}_options", metavar="KEY=VALUE", type=storage_option,
                        action="append", default=[], help=f"a storage option of {side.upper()} (repeatable)")
@@ -32,6 +35,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def cmd_mirror(args: argparse.Namespace) -> int:
+    from ..signing import keys_from_env
     from ..store_mirror import mirror_store
 
     if args.src == args.dst:
@@ -42,6 +46,7 @@ def cmd_mirror(args: argparse.Namespace) -> int:
             print(f"version {step}: {objects} objects, {human_bytes(nbytes)} copied", flush=True)
 
     report = mirror_store(args.src, args.dst, follow=args.follow, poll_interval=args.interval,
+                          trusted_keys=args.trusted_keys or keys_from_env(),
                           max_workers=args.workers, src_options={**args.src_json, **dict(args.src_options)},
                           dst_options={**args.dst_json, **dict(args.dst_options)}, on_version=copied)
     if args.json:

