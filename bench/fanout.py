@@ -16,8 +16,10 @@ step's figures are one fan-out, not overlapping ones). Followers poll every ``--
 (``Subscriber.versions()``: an S3 LIST for (a), a conditional GET of ``refs/index.json`` through the edge for
 (b)) and pull the new version into their state.
 
-Per step and follower: time from the trainer's commit (``publish`` returned) to the follower's pull returned
-(applied, in its own clock: same machine), the bytes and requests the follower read. Per step at the origin:
+Per step and follower: time from the trainer's commit (the manifest's ``created`` time, taken right before its
+create-only write; ``publish`` returns after the ``refs/`` writes that follow it) to the follower's pull
+returned (applied; one machine, one clock), split into discovery (until a poll showed the version) and the
+pull itself, and the bytes and requests the follower read. Per step at the origin:
 (a) what the followers read (every byte a follower reads comes from SeaweedFS), (b) the body bytes and
 requests in the origin nginx's access log (what the edge fetched). Every follower hashes its state's bits
 after each pull and the trainer's hash of that step must match (bit-exact, else the run fails).
@@ -184,7 +186,7 @@ def run_case(case: str, n: int, args, servers: dict) -> dict:
             perturb(state, args.density, step)
             lines_before = len(origin_log.requests()) if origin_log else 0
             info = pub.publish(state, step=step)
-            committed = time.time()
+            committed = info.created  # the manifest's time, right before its create-only write (the commit point)
             expected[step] = _state_hash(state)
             got = []
             while len(got) < n:
@@ -255,38 +257,48 @@ PRICES = {  # list prices, USD, AWS us-east-1 (2025): a projection's inputs, che
 }
 
 
-def project(results: list[dict], servers: int = 1000, link_gbit: float = 1.0, edges: int = 20,
-            rtt_bucket_s: float = 0.030, rtt_edge_s: float = 0.005, poll_s: float = 1.0) -> dict:
-    """1,000 servers at ``link_gbit`` each, (i) straight from the bucket, (ii) behind a CDN with ``edges`` edge
-    locations (each misses once per object), from the measured per-follower bytes and requests of one step.
-    Time: a pull's sequential round trips plus its bytes at the link rate plus the apply time measured at N = 1
-    here (the follower's time minus nothing: an upper bound on this machine's CPU). Cost: egress and requests
-    per step at :data:`PRICES`, plus the bucket's LIST polling per step-interval of ``poll_s`` for (i)."""
-    one = {r["case"]: r for r in results if r["followers"] == min(x["followers"] for x in results)}
-    s3, http = one.get("s3"), one.get("http-cache")
-    base = s3 or http
-    per_bytes = base["follower_bytes_per_step"]
-    requests = (http or base)["follower_requests_per_step"]
-    gb = per_bytes / 1e9
+def project(results: list[dict], args, params: float = 7e9, servers: int = 1000, link_gbit: float = 1.0,
+            edges: int = 20, origin_gbit: float = 25.0, rtt_bucket_s: float = 0.030, rtt_edge_s: float = 0.005,
+            poll_s: float = 1.0) -> dict:
+    """1,000 servers at ``link_gbit`` each pulling one step of a ``params``-parameter bf16 model at this run's
+    change density: (i) straight from a bucket, (ii) behind a CDN with ``edges`` edge locations (each fetches an
+    object from the origin once), (iii) a region-local relay (``deltastore mirror`` + nginx). Inputs measured
+    here: a follower's bytes per changed element and its requests per step; the rest is stated below (round
+    trips, link rates, list prices): a projection, not a measurement. ``origin_gbit``: a self-hosted origin's
+    link (an S3 bucket's aggregate bandwidth is not the limit; its price is)."""
+    first = min(r["followers"] for r in results)
+    base = next(r for r in results if r["followers"] == first)
+    changed = args.elems * args.density
+    per_changed = base["follower_bytes_per_step"] / changed
+    step_bytes = params * args.density * per_changed
+    requests = base["follower_requests_per_step"]
+    gb = step_bytes / 1e9
     link = link_gbit * 1e9 / 8
-    apply_s = min(r["latency_median_s"] for r in results if r["followers"] == base["followers"])
-    direct_time = apply_s + requests * rtt_bucket_s + per_bytes / link
-    cdn_time = apply_s + requests * rtt_edge_s + per_bytes / link
+    origin_link = origin_gbit * 1e9 / 8
     p = PRICES
-    direct = {"egress_usd_internet": servers * gb * p["s3_egress_internet_per_gb"],
-              "egress_usd_inter_region": servers * gb * p["s3_egress_inter_region_per_gb"],
-              "requests_usd": servers * requests * p["s3_get_per_1k"] / 1e3,
-              "list_polling_usd_per_hour": servers * 3600 / poll_s * p["s3_list_per_1k"] / 1e3,
-              "origin_gb": servers * gb, "pull_s": direct_time}
-    cdn = {"egress_usd": servers * gb * p["cdn_egress_per_gb"] + edges * gb * p["cdn_origin_fetch_per_gb"],
-           "requests_usd": servers * requests * p["cdn_https_per_10k"] / 1e4,
-           "index_polling_usd_per_hour": servers * 3600 / poll_s * p["cdn_https_per_10k"] / 1e4,
-           "origin_gb": edges * gb, "pull_s": cdn_time}
-    relay = {"egress_usd_inter_region": gb * p["s3_egress_inter_region_per_gb"], "origin_gb": gb}
-    return {"servers": servers, "link_gbit": link_gbit, "edges": edges, "rtt_bucket_s": rtt_bucket_s,
-            "rtt_edge_s": rtt_edge_s, "poll_s": poll_s, "follower_bytes_per_step": per_bytes,
-            "follower_requests_per_step": requests, "apply_s_measured": apply_s, "prices": p,
-            "straight_from_bucket": direct, "behind_cdn": cdn, "region_relay_per_region": relay}
+    transfer = step_bytes / link
+    direct = {"origin_gb_per_step": servers * gb,
+              "pull_s": requests * rtt_bucket_s + transfer,
+              "self_hosted_origin_s": servers * step_bytes / origin_link,
+              "egress_usd_per_step_internet": servers * gb * p["s3_egress_internet_per_gb"],
+              "egress_usd_per_step_inter_region": servers * gb * p["s3_egress_inter_region_per_gb"],
+              "requests_usd_per_step": servers * requests * p["s3_get_per_1k"] / 1e3,
+              "list_polling_usd_per_hour": servers * 3600 / poll_s * p["s3_list_per_1k"] / 1e3}
+    cdn = {"origin_gb_per_step": edges * gb,
+           "pull_s": requests * rtt_edge_s + transfer,
+           "self_hosted_origin_s": edges * step_bytes / origin_link,
+           "egress_usd_per_step": servers * gb * p["cdn_egress_per_gb"] + edges * gb * p["cdn_origin_fetch_per_gb"],
+           "requests_usd_per_step": servers * requests * p["cdn_https_per_10k"] / 1e4,
+           "index_polling_usd_per_hour": servers * 3600 / poll_s * p["cdn_https_per_10k"] / 1e4}
+    relay = {"origin_gb_per_step_per_region": gb,
+             "egress_usd_per_step_per_region_inter_region": gb * p["s3_egress_inter_region_per_gb"],
+             "relay_link_s_for_all_servers": servers * step_bytes / origin_link}
+    return {"params": params, "density": args.density, "bytes_per_changed_element": per_changed,
+            "step_mb_per_server": step_bytes / 1e6, "requests_per_server_step": requests, "servers": servers,
+            "link_gbit": link_gbit, "edges": edges, "origin_gbit": origin_gbit, "rtt_bucket_s": rtt_bucket_s,
+            "rtt_edge_s": rtt_edge_s, "poll_s": poll_s, "prices_usd": p,
+            "straight_from_bucket": direct, "behind_cdn": cdn, "region_relay": relay,
+            "note": "apply time on the server is not included (docs/benchmarks.md measures it per model size)"}
 
 
 # -- servers -----------------------------------------------------------------------------------------------
@@ -342,6 +354,8 @@ def main() -> None:
                     help="http-cache-refs0: the same edge, refs/ passed through uncached (discovery at the poll "
                          "interval, every poll a conditional GET at the origin)")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--project-params", type=float, default=7e9,
+                    help="model size (parameters) the projection to 1,000 servers is made for (default 7e9)")
     args = ap.parse_args()
     servers = start_servers(args.cases)
     results = []
@@ -355,7 +369,7 @@ def main() -> None:
                       f"requests per step, startup {r['startup_s']:.0f} s", flush=True)
     finally:
         stop_servers(servers)
-    projection = project(results, poll_s=1.0) if results else None
+    projection = project(results, args, params=args.project_params) if results else None
     print_table(results, projection)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "projection": projection},

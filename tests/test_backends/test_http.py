@@ -221,3 +221,17 @@ def test_https(tmp_path):
             open_backend(f"{server.url}/s", ca_file=cert).get("no/such/key")
     finally:
         server.stop()
+
+
+def test_cli_over_http(served, capsys):
+    """ls/verify read an http:// store through its index; a URL with no store there is exit 3."""
+    from deltastore.cli import main
+
+    root, server = served
+    name = uuid.uuid4().hex
+    with ds.Publisher(str(root / name)) as pub:
+        pub.publish(model(5), step=1)
+    assert main(["ls", f"{server.url}/{name}"]) == 0
+    assert main(["verify", f"{server.url}/{name}"]) == 0
+    assert main(["ls", f"{server.url}/{uuid.uuid4().hex}"]) == 3
+    assert "not a deltastore store" in capsys.readouterr().err
