@@ -105,10 +105,9 @@ def follower(index: int, uri: str, options: dict, last_step: int, poll: float, r
     backend = _counting(open_backend(uri, **options))
     sub = Subscriber(DeltaStore(backend, uri), max_workers=2)
     target = sub.pull(step=0).state
-    ready.put((index, _state_hash(target)))
+    ready.put((index, _state_hash(target), backend.reads, backend.bytes, backend.lists))
     held = 0
     while held < last_step:
-        before = (backend.reads, backend.bytes, backend.lists)
         versions = sub.versions()
         if not versions or versions[-1] <= held:
             time.sleep(poll)
@@ -117,8 +116,7 @@ def follower(index: int, uri: str, options: dict, last_step: int, poll: float, r
         result = sub.pull(target)
         applied = time.time()
         held = result.step
-        reports.put((index, held, applied, _state_hash(target), backend.reads - before[0],
-                     backend.bytes - before[1], backend.lists - before[2], seen))
+        reports.put((index, held, applied, _state_hash(target), backend.reads, backend.bytes, backend.lists, seen))
 
 
 # -- the trainer side --------------------------------------------------------------------------------------
@@ -175,10 +173,12 @@ def run_case(case: str, n: int, args, servers: dict) -> dict:
     t0 = time.monotonic()
     for p in procs:
         p.start()
+    counted: dict[int, tuple[int, int, int]] = {}  # each follower's reads, bytes, lists so far (cumulative)
     for _ in range(n):
-        i, h = ready.get(timeout=args.timeout)
+        i, h, *counts = ready.get(timeout=args.timeout)
         if h != expected[0]:
             raise SystemExit(f"follower {i}: the anchor it pulled is not bit-exact")
+        counted[i] = tuple(counts)
     startup = time.monotonic() - t0
     steps = []
     try:
@@ -195,10 +195,13 @@ def run_case(case: str, n: int, args, servers: dict) -> dict:
                 except queue.Empty:
                     raise SystemExit(f"{case} N={n} step {step}: {len(got)} of {n} followers applied it within "
                                      f"{args.timeout} s") from None
-            for i, s, applied, h, reads, nbytes, lists, seen in got:
+            for k, (i, s, applied, h, reads, nbytes, lists, seen) in enumerate(got):
                 if s != step or h != expected[step]:
                     raise SystemExit(f"{case} N={n}: follower {i} reports step {s} hash {h[:12]}, expected step "
                                      f"{step} {expected[step][:12]}: NOT bit-exact")
+                before = counted[i]  # this step's share: every read since the last report, idle polls included
+                counted[i] = (reads, nbytes, lists)
+                got[k] = (i, s, applied, h, reads - before[0], nbytes - before[1], lists - before[2], seen)
             record = {"step": step, "delta_bytes": info.nbytes,
                       "latency": sorted(applied - committed for _, _, applied, *_ in got),
                       "discovery": sorted(g[7] - committed for g in got),

@@ -338,20 +338,8 @@ class HttpBackend(Backend):
             if ok:
                 raise ValueTooLargeError(f"{url} holds {declared} bytes, more than {limit}", size=declared)
             return _Answer(status, response.headers, b"", url)
-        body = bytearray()
-        body_start = time.monotonic()
-        while len(body) <= cap and (declared is None or len(body) < declared):
-            want = min(_CHUNK, cap + 1 - len(body))
-            _WATCHDOG.arm(token, body_start + self.read_timeout + (len(body) + want) / self.min_speed)
-            try:
-                chunk = response.read1(want)
-            except http.client.IncompleteRead as e:
-                raise self._truncated(method, url, len(body) + len(e.partial), declared, token) from None
-            if token.fired:
-                raise self._slow(method, url, len(body), declared)
-            if not chunk:
-                break
-            body += chunk
+        body = self._body(method, url, response, token, cap + 1 if declared is None else min(cap + 1, declared),
+                          declared)
         if len(body) > cap:
             response.close()
             conn.close()
@@ -367,17 +355,7 @@ class HttpBackend(Backend):
                      response: http.client.HTTPResponse, token: _Token, limit: int, declared: int | None) -> _Answer:
         """The first ``limit`` bytes of a 200 body (all of a shorter one); the connection is closed unless the
         body was read to its end."""
-        body = bytearray()
-        body_start = time.monotonic()
-        while len(body) < limit:
-            want = min(_CHUNK, limit - len(body))
-            _WATCHDOG.arm(token, body_start + self.read_timeout + (len(body) + want) / self.min_speed)
-            chunk = response.read1(want)
-            if token.fired:
-                raise self._slow(method, url, len(body), declared)
-            if not chunk:
-                break
-            body += chunk
+        body = self._body(method, url, response, token, limit, declared)
         if declared is not None and len(body) < min(limit, declared):
             raise self._truncated(method, url, len(body), declared, token)
         if declared is not None and len(body) == declared:
@@ -385,6 +363,26 @@ class HttpBackend(Backend):
         else:
             conn.close()
         return _Answer(200, response.headers, bytes(body), url)
+
+    def _body(self, method: str, url: str, response: http.client.HTTPResponse, token: _Token, most: int,
+              declared: int | None) -> bytearray:
+        """Up to ``most`` bytes of the body (fewer where it ends), each chunk under the watchdog's deadline: the
+        body must average ``min_speed`` after a ``read_timeout`` grace (:class:`TransferTooSlowError`)."""
+        body = bytearray()
+        started = time.monotonic()
+        while len(body) < most:
+            want = min(_CHUNK, most - len(body))
+            _WATCHDOG.arm(token, started + self.read_timeout + (len(body) + want) / self.min_speed)
+            try:
+                chunk = response.read1(want)
+            except http.client.IncompleteRead as e:
+                raise self._truncated(method, url, len(body) + len(e.partial), declared, token) from None
+            if token.fired:
+                raise self._slow(method, url, len(body), declared)
+            if not chunk:
+                break
+            body += chunk
+        return body
 
     def _slow(self, method: str, url: str, got: int, declared: int | None) -> TransferTooSlowError:
         of = f" of {declared}" if declared is not None else ""
