@@ -101,10 +101,7 @@ class _Mirror:
             log.warning("mirror: %s has a malformed %s; the listing decides, the copy gets its own index",
                         self.src.uri, INDEX_KEY)
             index_data = index = None
-        if self.src.backend.capabilities.listing:
-            listed = self.src.versions()
-        else:
-            listed = index.steps if index is not None else _latest_only(latest_data)
+        listed = self.src.versions()  # the listing, or without one the index (or the step refs/latest names)
         expected = {e.step: e.digest for e in index.entries} if index is not None else {}
         dst_steps = set(self.dst.versions())
         plan = self._plan(listed, expected, dst_steps)
@@ -252,11 +249,6 @@ class _Mirror:
         except (FileNotFoundError, ValueError):
             pass
         self.dst.backend.put(key, data, mode="overwrite")
-
-
-def _latest_only(latest_data: bytes | None) -> list[int]:
-    step = latest_step(latest_data) if latest_data is not None else None
-    return [] if step is None else [step]
 
 
 def mirror_store(src: Any, dst: Any, *, follow: bool = False, poll_interval: float = 1.0, trusted_keys: Any = None,
