@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml Makefile $(KERNEL_SOURCES)
 $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps verl==0.9.1
+	# nginx (Debian) serves stores over http:// in the tests: installed when missing
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || $(if $(filter 0,$(shell id -u)),,sudo) sh -c 'DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx'
 	touch $(TEST_STAMP)
 
 # the oldest version of every dependency (requirements-min.txt = pyproject.toml's lower bounds), in one

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see
     from .publisher import Publisher, VersionInfo
     from .registry import Registry
     from .store import DeltaStore, open_store
+    from .store_mirror import MirrorReport, mirror_store
     from .subscriber import PullResult, Subscriber
 
 #: public name -> the module that defines it
@@ -31,6 +32,7 @@ _LAZY = {
     "Publisher": "publisher", "VersionInfo": "publisher",
     "Registry": "registry",
     "DeltaStore": "store", "open_store": "store",
+    "MirrorReport": "store_mirror", "mirror_store": "store_mirror",
     "PullResult": "subscriber", "Subscriber": "subscriber",
 }
 

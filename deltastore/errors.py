@@ -246,3 +246,30 @@ class CredentialsError(AccessDeniedError):
 class DeviceUnavailableError(DeltaStoreError, ValueError):
     """A device argument (``mirror_device``) names a device this process does not have (``"cuda"`` on a
     machine or torch build without CUDA, ``"cuda:3"`` with two GPUs, a misspelt device type)."""
+
+
+# -- the HTTP read path, the store index and the mirror (issue 51) ---------------------
+class BadResponseError(BackendError):
+    """An HTTP server answered what a correct one never would: a body shorter or longer than it declared, a
+    ``Content-Range`` other than the one asked for, a redirect loop or too many redirects, a redirect from
+    ``https`` to ``http``, a malformed status line. Nothing read from that answer is used."""
+
+
+class TransferTooSlowError(BackendUnavailableError, TimeoutError):
+    """An HTTP transfer stayed below the backend's ``min_speed`` (a server that trickles bytes) or sent
+    nothing for ``read_timeout`` seconds; it was cut off, and is retried like any dropped connection."""
+
+
+class ListingUnsupportedError(DeltaStoreError, NotImplementedError):
+    """The backend cannot list keys (a plain HTTP server): versions are found through ``refs/index.json``."""
+
+
+class StoreIndexError(ManifestError):
+    """``refs/index.json`` is malformed, over its size bound, or names a version whose manifest has other
+    bytes than the digest it gives (a stale or tampered index, or a step rewritten by another writer)."""
+
+
+class MirrorConflictError(DeltaStoreError, FileExistsError):
+    """The mirror's destination already holds a version under a step the source has too, with other
+    manifest bytes: the destination is another store's, or another writer published into it. Nothing of
+    that step is overwritten."""

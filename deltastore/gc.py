@@ -100,7 +100,14 @@ def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
 
 
 def delete_versions(store: DeltaStore, steps: list[int]) -> None:
-    """Delete manifests, oldest first (phase 1)."""
+    """Delete manifests, oldest first (phase 1), after taking them out of ``refs/index.json`` (a failure
+    there is logged: a reader that meets a deleted version plans again)."""
+    if steps:
+        try:
+            store.update_index(drop=steps)
+        except Exception as e:  # noqa: BLE001 - the index is a discovery aid, the deletes go on
+            _log.warning("gc of %s: could not take %d deleted versions out of refs/index.json: %r", store.uri,
+                         len(steps), e)
     for s in sorted(steps):
         store.delete_version(s)
 

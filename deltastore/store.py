@@ -7,6 +7,7 @@ Layout under the store root::
     versions/000000000120.json         the manifest of step 120, written once, after its objects
     refs/latest                        optional hint, never the source of truth (signed, with the time
                                        it was issued, when the publisher signs: deltastore.signing)
+    refs/index.json                    recent versions and anchors, for readers that cannot list (deltastore.index)
 
 Commit order gives crash safety: objects first, manifest last with a
 create-only write. A version exists exactly when its manifest does; an object
@@ -41,10 +42,13 @@ from typing import Any
 from .backends import Backend, open_backend
 from .backends.base import KeyInfo
 from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNotFoundError, ManifestError,
-                     ObjectNotFoundError, ValueTooLargeError, VersionExistsError, VersionNotFoundError)
+                     ObjectNotFoundError, StoreIndexError, ValueTooLargeError, VersionExistsError,
+                     VersionNotFoundError)
+from .index import (INDEX_KEY, MAX_INDEX_BYTES, IndexEntry, StoreIndex, index_bytes, latest_step, merged, parse_index,
+                    read_bounded)
 from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
 from .manifest_cache import ManifestCache
-from .signing import LATEST_KEY, MAX_LATEST_BYTES, SigningKey, Trust, latest_bytes, sign_manifest
+from .signing import LATEST_KEY, MAX_LATEST_BYTES, SigningKey, Trust, latest_bytes, sign_document, sign_manifest
 
 log = logging.getLogger("deltastore.store")
 
@@ -58,7 +62,7 @@ STAT_TO_DELETE = 1.0
 """Seconds GC may take between its stat of an object and sending the delete (else it stats again)."""
 CLOCK_KEY = "gc/clock"
 STORE_MARKER = "deltastore.json"
-STORE_FORMAT = {"format": "deltastore", "format_version": "1.0"}
+STORE_FORMAT = {"format": "deltastore", "format_version": "1.1"}
 _VERSION_KEY = re.compile(r"^versions/(\d{12})\.json$")
 
 
@@ -104,6 +108,7 @@ class DeltaStore:
         #: the keys every manifest read must be signed by (a Subscriber's ``trusted_keys``); checked on the bytes,
         #: before the manifest is parsed or any object fetched
         self.trust: Trust | None = None
+        self._index: tuple[bytes, StoreIndex] | None = None  # the last index read (its bytes and parse)
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -350,7 +355,10 @@ class DeltaStore:
 
     # -- manifests ---------------------------------------------------------------
     def versions(self) -> list[int]:
-        """Committed steps, ascending (by listing manifests)."""
+        """Committed steps, ascending: by listing manifests, or on a backend that cannot list (plain HTTP) the
+        steps ``refs/index.json`` names (:meth:`read_index`; without an index, the step ``refs/latest`` names)."""
+        if not self.backend.capabilities.listing:
+            return self._unlisted_versions()
         steps = []
         for key in self.backend.list("versions/"):
             m = _VERSION_KEY.match(key)
@@ -385,10 +393,12 @@ class DeltaStore:
             stored = f"{e.size} bytes" if e.size is not None else "larger"
             raise ManifestError(f"{version_key(step)} is {stored}, over the {MAX_MANIFEST_BYTES} byte manifest "
                                 "limit (not read)") from None
+        digest = sha256_digest(data)
+        self._check_indexed(step, digest)
         manifest = self.parse_manifest(data)
         if manifest.step != step:
             raise ManifestError(f"{version_key(step)} holds the manifest of step {manifest.step}")
-        result = (manifest, sha256_digest(data))
+        result = (manifest, digest)
         self.manifest_cache.put(step, result, len(data))
         return result
 
@@ -463,6 +473,68 @@ class DeltaStore:
             return None
         except ValueTooLargeError:
             raise ManifestError(f"{LATEST_KEY} is over {MAX_LATEST_BYTES} bytes (not read)") from None
+
+    # -- the store index (refs/index.json; deltastore.index) ------------------------------------------
+    def read_index(self) -> StoreIndex | None:
+        """The parsed ``refs/index.json`` (None when the store has none); see :meth:`read_index_bytes`."""
+        got = self.read_index_bytes()
+        return None if got is None else got[1]
+
+    def read_index_bytes(self) -> tuple[bytes, StoreIndex] | None:
+        """The bytes of ``refs/index.json`` and their parse (None when the store has none). With :attr:`trust`, a
+        signed index must verify (:class:`SignatureError`, :class:`UntrustedKeyError`); an unsigned one is read,
+        since it only lists versions: each manifest and the signed latest are checked on their own.
+
+        Raises :class:`StoreIndexError` (malformed, over its bound) and :class:`UnsupportedFormatError`.
+        """
+        data = read_bounded(self.backend, INDEX_KEY, MAX_INDEX_BYTES)
+        if data is None:
+            return None
+        held = self._index
+        if held is not None and held[0] == data:
+            return held
+        self._index = held = (data, parse_index(data, self._check_index if self.trust is not None else None))
+        return held
+
+    def update_index(self, add: list[IndexEntry] | tuple[IndexEntry, ...] = (), drop: list[int] | tuple[int, ...] = ()) \
+            -> None:
+        """Rewrite ``refs/index.json`` with the entries ``add`` put in and the steps ``drop`` taken out, bounded
+        to the recent window and the last anchors (:func:`deltastore.index.merged`), signed by :attr:`signer`
+        when set. A malformed stored index is replaced; with nothing to add and no index stored, nothing is
+        written. Raises what the backend raises."""
+        try:
+            previous = self.read_index()
+        except StoreIndexError:
+            previous = None
+        if previous is None and not add:
+            return
+        signer = self.signer
+        sign = (lambda doc: sign_document(doc, signer)) if signer is not None else None
+        self.backend.put(INDEX_KEY, index_bytes(merged(previous, add, drop), sign=sign), mode="overwrite")
+
+    def _check_index(self, data: bytes, doc: Any) -> None:
+        if self.trust is not None and isinstance(doc, dict) and doc.get("signature") is not None:
+            self.trust.check(data, doc, INDEX_KEY)
+
+    def _unlisted_versions(self) -> list[int]:
+        """The steps of the index, or for a store written before it the step ``refs/latest`` names."""
+        index = self.read_index()
+        if index is not None:
+            return index.steps
+        data = self.read_latest()
+        step = latest_step(data) if data is not None else None
+        return [] if step is None else [step]
+
+    def _check_indexed(self, step: int, digest: str) -> None:
+        """On a backend that cannot list, a manifest's bytes must have the ``digest`` the index read last gives."""
+        held = self._index
+        if held is None or self.backend.capabilities.listing:
+            return
+        entry = held[1].entry(step)
+        if entry is not None and entry.digest != digest:
+            raise StoreIndexError(f"{version_key(step)} in {self.uri} has digest {digest}, "
+                                  f"{INDEX_KEY} names {entry.digest}: refused (a stale or tampered index or "
+                                  "manifest)")
 
     def _put_layout(self, manifest: Manifest) -> None:
         """Store the layout object ``manifest`` names, unless the last commit named it too (kept in the ledger,

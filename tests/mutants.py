@@ -330,6 +330,34 @@ MUTANTS = [
              "                store.trust = trust\n"
              "        return plan_path(unchecked, step, current,")],
            ["tests/test_backends/test_signed.py::test_tampered_delta_on_the_path_refused"]),
+    Mutant("http-body-unbounded", "an http(s):// read takes a body past its bound (the manifest's size + 1)",
+           [("deltastore/backends/http.py", "cap + 1 if declared is None else min(cap + 1, declared)",
+             "(1 << 40) if declared is None else min(cap + 1, declared)")],
+           ["tests/test_backends/test_http_hostile.py::test_endless_body_memory_is_bounded",
+            "tests/test_backends/test_http_hostile.py::test_hostile_object_answers"]),
+    Mutant("http-no-speed-floor", "an http(s):// body has no deadline: a trickling server holds a pull for ever",
+           [("deltastore/backends/http.py",
+             "            _WATCHDOG.arm(token, started + self.read_timeout + (len(body) + want) / self.min_speed)",
+             "            token.disarm()")],
+           ["tests/test_backends/test_http_hostile.py::test_hostile_object_answers[trickled-body]"]),
+    Mutant("http-weak-etag-trusted", "a file server's mtime+size ETag is used as a validator even when made in the "
+           "second its bytes were written (a same-size rewrite in that second is missed)",
+           [("deltastore/backends/http.py", "    if modified is None:\n        return True",
+             "    if True:\n        return True")],
+           ["tests/test_backends/test_http.py::TestNginxConformance::test_reads",
+            "tests/test_backends/test_http.py::test_polling_uses_conditional_gets"]),
+    Mutant("index-digest-unchecked", "a reader without listing takes a manifest whose bytes are not those the index "
+           "names", [("deltastore/store.py", "        self._check_indexed(step, digest)\n", "")],
+           ["tests/test_backends/test_http_hostile.py::test_tampered_manifest_against_the_index"]),
+    Mutant("mirror-manifest-first", "the mirror writes a version's manifest before its objects",
+           [("deltastore/store_mirror.py", "        missing = [(d, n) for d, n in refs.items() if not self.dst.has_object(d)]",
+             "        self.dst.backend.put(version_key(item.step), data, mode=\"create\")\n"
+             "        missing = [(d, n) for d, n in refs.items() if not self.dst.has_object(d)]")],
+           ["tests/test_mirror.py::test_tampered_source_copies_nothing_of_that_version"]),
+    Mutant("mirror-objects-unverified", "the mirror copies objects without checking them against their digest",
+           [("deltastore/store_mirror.py", "            body = self.src.get_object(digest, size)",
+             "            body = self.src.backend.get(object_key(digest))")],
+           ["tests/test_mirror.py::test_tampered_source_copies_nothing_of_that_version"]),
 ]
 
 

@@ -80,3 +80,6 @@ for _scheme, _extra, _needs in (("s3", "s3", "s3fs"), ("s3a", "s3", "s3fs"), ("g
                        install_hint=f"pip install 'deltastore[{_extra}]'", requires=(_needs,))
 _registry.register("hf", "deltastore.backends.hf:HfBucketBackend", install_hint="pip install 'deltastore[hf]'",
                    requires=("huggingface_hub", "hf_xet"))
+# Plain HTTP(S), read-only (issue 51): the standard library's http.client, nothing to install.
+_registry.register("http", "deltastore.backends.http:HttpBackend")
+_registry.register("https", "deltastore.backends.http:HttpBackend")

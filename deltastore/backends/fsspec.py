@@ -62,6 +62,7 @@ from typing import Any
 from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BucketNotFoundError, KeyExistsError,
                       KeyNotFoundError, MissingDependencyError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode
+from .cache_policy import cache_control, content_type
 from .credentials import credentials_error, missing_credentials
 from .options import check_fsspec_options
 from .retry import Progress, ProgressCallback, http_status, is_transient, run_parallel
@@ -308,16 +309,18 @@ class FsspecBackend(Backend):
         data = bytes(data)
         put_id = uuid.uuid4().hex
 
+        headers = self._http_headers(key)
+
         def attempt_put() -> None:
             if mode == "overwrite":
-                self.fs.pipe_file(path, data)
+                self.fs.pipe_file(path, data, **headers)
                 return
             if not self.capabilities.atomic_create or self.protocol not in _ATOMIC_CREATE:
                 if self.fs.isfile(path):
                     raise KeyExistsError(f"{key!r} already exists in {self.uri}")
-                self.fs.pipe_file(path, data)
+                self.fs.pipe_file(path, data, **headers)
                 return
-            kwargs: dict[str, Any] = {"mode": "create"}
+            kwargs: dict[str, Any] = {"mode": "create", **headers}
             if self.protocol in _GCS:  # preconditions hold on single-request uploads only
                 kwargs["chunksize"] = max(len(data) + 1, 50 << 20)
                 kwargs["metadata"] = {_PUT_ID: put_id}
@@ -335,6 +338,17 @@ class FsspecBackend(Backend):
 
         self._call("put", key, attempt_put)
         self.progress("put", key, len(data))
+
+    def _http_headers(self, key: str) -> dict[str, Any]:
+        """The ``Content-Type`` and ``Cache-Control`` the service stores with ``key`` and sends to HTTP readers
+        (a CDN in front of the bucket caches objects and manifests forever and ``refs/`` briefly;
+        :mod:`~deltastore.backends.cache_policy`), as the client's put arguments."""
+        cc = cache_control(key)
+        if self.protocol in _S3:
+            return {"ContentType": content_type(key), **({"CacheControl": cc} if cc else {})}
+        if self.protocol in _GCS:
+            return {"content_type": content_type(key), **({"fixed_key_metadata": {"cache_control": cc}} if cc else {})}
+        return {}
 
     def _put_id(self, path: str) -> str | None:
         """The put id recorded in the metadata of the object at ``path`` (None if absent or unreadable)."""
@@ -385,7 +399,7 @@ class FsspecBackend(Backend):
 
         def copy_onto_itself() -> None:  # a server-side copy: new LastModified, no bytes through us
             self.fs.call_s3("copy_object", Bucket=bucket, Key=object_key, MetadataDirective="REPLACE",
-                            CopySource={"Bucket": bucket, "Key": object_key})
+                            CopySource={"Bucket": bucket, "Key": object_key}, **self._http_headers(key))
 
         self._call("touch", key, copy_onto_itself)
 
@@ -455,9 +469,10 @@ class FsspecBackend(Backend):
         :class:`KeyExistsError` after every transfer ended."""
         items = {k: bytes(v) for k, v in items.items()}
         paths = {self._path(k): k for k in items}
-        if mode == "overwrite" and len(items) > 1 and getattr(self.fs, "async_impl", False):
+        same = len({str(self._http_headers(k)) for k in items}) == 1
+        if mode == "overwrite" and same and len(items) > 1 and getattr(self.fs, "async_impl", False):
             try:
-                self.fs.pipe({p: items[k] for p, k in paths.items()})
+                self.fs.pipe({p: items[k] for p, k in paths.items()}, **self._http_headers(next(iter(items))))
             except Exception:  # noqa: BLE001 - fall back to one key at a time
                 pass
             else:

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import DeltaStoreError
-from . import browse, demo, gc, keys, plugins, pull, stats, verify
+from . import browse, demo, gc, keys, mirror, plugins, pull, stats, verify
 from ._common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CliError, Parser, UsageError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (browse, verify, pull, gc, stats, plugins, keys, demo)
+_COMMANDS = (browse, verify, pull, gc, mirror, stats, plugins, keys, demo)
 
 
 def _global_options(p: argparse.ArgumentParser, default: object) -> None:

@@ -123,6 +123,8 @@ def is_store(store: DeltaStore) -> bool:
 
     if store.backend.exists(STORE_MARKER):
         return True
+    if not store.backend.capabilities.listing:  # plain HTTP: the index, or refs/latest, names versions
+        return bool(store.versions())
     return next(iter(store.backend.list("versions/")), None) is not None
 
 

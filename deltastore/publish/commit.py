@@ -25,6 +25,7 @@ from .._version import __version__
 from ..checksum import format_checksum
 from ..errors import PostCommitWarning, VersionExistsError
 from ..gc import Retention, delete_unreferenced, delete_versions, plan_gc
+from ..index import INDEX_KEY, IndexEntry
 from ..manifest import LAYOUT_OBJECT_FORMAT_VERSION, Manifest, Part, TensorRecord, sha256_digest
 from ..store import DeltaStore, version_key
 from .chain import ChainHead, Decision
@@ -76,11 +77,11 @@ def commit_manifest(store: DeltaStore, manifest: Manifest, writer_id: str) -> tu
     producer record) the version is committed and the failure is returned as a
     warning; otherwise (another writer's version, nothing there, the read fails
     too) the error stands. Raises :class:`VersionExistsError` when the version
-    is already there.
+    is already there. Last, the version is added to ``refs/index.json``; a failure there is a warning too.
     """
+    notes: list[str] = []
     try:
         data, digest = store.commit(manifest)
-        return data, digest, []
     except VersionExistsError:
         raise
     except Exception as e:
@@ -92,8 +93,15 @@ def commit_manifest(store: DeltaStore, manifest: Manifest, writer_id: str) -> tu
             landed = False
         if not landed:
             raise
-        return data, sha256_digest(data), [post_commit(f"version {manifest.step} is committed, but a step "
-                                                       f"after its commit point failed: {e!r}")]
+        manifest, digest = theirs, sha256_digest(data)
+        notes.append(post_commit(f"version {manifest.step} is committed, but a step after its commit point "
+                                 f"failed: {e!r}"))
+    try:  # last: readers that cannot list find the version through the index (deltastore.index)
+        store.update_index(add=[IndexEntry.of(manifest, digest, len(data))])
+    except Exception as e:  # noqa: BLE001 - after the commit point: reported, never raised
+        notes.append(post_commit(f"version {manifest.step} is committed, but updating {INDEX_KEY} failed (readers "
+                                 f"without a listing API do not see it until the next commit): {e!r}"))
+    return data, digest, notes
 
 
 class Retainer:

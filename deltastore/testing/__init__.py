@@ -2,12 +2,13 @@
 
 :class:`BackendConformance` is the backend conformance suite: subclass it in
 a pytest module and provide a ``backend`` fixture (see
-:mod:`deltastore.testing.conformance`). :class:`CodecConformance` is the codec
-conformance suite: subclass it and provide a ``codec`` fixture (see
-:mod:`deltastore.testing.codecs`).
+:mod:`deltastore.testing.conformance`); :class:`ReadOnlyBackendConformance` the one for
+backends that read what another writes (``http(s)://``), with a ``pair`` fixture.
+:class:`CodecConformance` is the codec conformance suite: subclass it and provide a
+``codec`` fixture (see :mod:`deltastore.testing.codecs`).
 """
 
 from .codecs import CodecConformance
-from .conformance import BackendConformance
+from .conformance import BackendConformance, ReadOnlyBackendConformance
 
-__all__ = ["BackendConformance", "CodecConformance"]
+__all__ = ["BackendConformance", "CodecConformance", "ReadOnlyBackendConformance"]

@@ -359,8 +359,107 @@ class BackendConformance:
         assert caps.listing, "DeltaStore discovers versions by listing"
 
 
+# -- read-only backends (http(s)://) ------------------------------------------------------------
+def check_read_only(reader: Backend, writer: Backend) -> None:
+    """What a writer stores, the reader reads back whole, by range and bounded; overwrites show (a mutable
+    ``refs/`` key polled again, conditionally or not); missing keys are :class:`KeyNotFoundError`."""
+    data = _blob(100_000, seed=11)
+    writer.put("objects/sha256/ab/cd", data)
+    writer.put("refs/latest", b"12")
+    writer.put("empty", b"")
+    assert reader.get("objects/sha256/ab/cd") == data and reader.exists("objects/sha256/ab/cd")
+    assert reader.get_bounded("objects/sha256/ab/cd", len(data)) == data
+    with pytest.raises(ValueTooLargeError):
+        reader.get_bounded("objects/sha256/ab/cd", len(data) - 1)
+    for start, end in [(0, 10), (99_990, 100_000), (5, 5), (99_995, 200_000), (100_000, 100_010)]:
+        assert reader.get_range("objects/sha256/ab/cd", start, end) == data[start:end], (start, end)
+    assert reader.get("empty") == b"" and reader.get_bounded("empty", 0) == b""
+    assert reader.stat("objects/sha256/ab/cd").size == len(data)
+    assert reader.get("refs/latest") == b"12"
+    writer.put("refs/latest", b"13")  # same size, likely the same second: an mtime+size ETag would not change
+    assert reader.get("refs/latest") == b"13"
+    assert reader.get("refs/latest") == b"13"
+    writer.put("refs/latest", b"140")
+    assert reader.get_bounded("refs/latest", 100) == b"140"
+    assert not reader.exists("no/such/key")
+    for op in (lambda: reader.get("no/such/key"), lambda: reader.get_bounded("no/such/key", 10),
+               lambda: reader.get_range("no/such/key", 0, 10), lambda: reader.get_range("no/such/key", 3, 3),
+               lambda: reader.stat("no/such/key")):
+        with pytest.raises(KeyNotFoundError):
+            op()
+    items = {f"batch/{i:03d}": _blob(500 + i, seed=i) for i in range(20)}
+    writer.put_many(items)
+    assert reader.get_many(list(items)) == items
+    assert reader.get_many(list(items), limits={k: len(v) for k, v in items.items()}) == items
+    with pytest.raises(KeyNotFoundError):
+        reader.get_many(["batch/001", "batch/missing"])
+
+
+def check_read_only_large(reader: Backend, writer: Backend, size: int = 64 * MiB) -> None:
+    data = _blob(size, seed=7)
+    writer.put("large/one", data)
+    got = reader.get_bounded("large/one", size)
+    assert len(got) == size and got == data
+    assert reader.get_range("large/one", size - 1000, size) == data[-1000:]
+
+
+def check_read_only_odd_keys(reader: Backend, writer: Backend) -> None:
+    for i, key in enumerate(ODD_KEYS):
+        writer.put(key, f"value {i}".encode())
+    for i, key in enumerate(ODD_KEYS):
+        assert reader.exists(key), key
+        assert reader.get(key) == f"value {i}".encode(), key
+
+
+def check_read_only_refusals(reader: Backend) -> None:
+    """Writes are :class:`ReadOnlyStoreError` (also ``OSError``), listing :class:`ListingUnsupportedError`
+    (also ``NotImplementedError``), bad keys :class:`InvalidKeyError`; nothing is sent for any of them."""
+    from ..errors import ListingUnsupportedError, ReadOnlyStoreError
+
+    assert not reader.capabilities.listing
+    for op in (lambda: reader.put("refs/latest", b"1"), lambda: reader.put("k", b"1", mode="create"),
+               lambda: reader.delete("k"), lambda: reader.touch("k"), lambda: reader.put_many({"k": b"1"})):
+        with pytest.raises(ReadOnlyStoreError):
+            op()
+        with pytest.raises(OSError):
+            op()
+    with pytest.raises(ListingUnsupportedError):
+        list(reader.list("versions/"))
+    with pytest.raises(NotImplementedError):
+        list(reader.list())
+    for key in BAD_KEYS:
+        with pytest.raises(InvalidKeyError):
+            reader.get(key)
+
+
+class ReadOnlyBackendConformance:
+    """pytest mix-in for a backend that reads what another writes (``http(s)://`` in front of a folder or a
+    bucket): provide a ``pair`` fixture returning ``(reader, writer)`` over the same, empty storage."""
+
+    @pytest.fixture
+    def pair(self) -> tuple[Backend, Backend]:  # pragma: no cover - must be overridden
+        raise NotImplementedError("subclasses provide a `pair` fixture: (reader, writer) over the same storage")
+
+    @pytest.fixture
+    def large_size(self) -> int:
+        return 64 * MiB
+
+    def test_reads(self, pair: tuple[Backend, Backend]) -> None:
+        check_read_only(*pair)
+
+    def test_large_object(self, pair: tuple[Backend, Backend], large_size: int) -> None:
+        check_read_only_large(*pair, size=large_size)
+
+    def test_odd_keys(self, pair: tuple[Backend, Backend]) -> None:
+        check_read_only_odd_keys(*pair)
+
+    def test_refusals(self, pair: tuple[Backend, Backend]) -> None:
+        check_read_only_refusals(pair[0])
+
+
 __all__ = ["BackendConformance", "MiB", "ODD_KEYS", "BAD_KEYS", "check_batch", "check_bad_keys", "check_bad_modes",
            "check_bounded", "check_conditional_delete", "check_stat_touch",
            "check_concurrent_creates", "check_concurrent_writers", "check_create_only", "check_delete",
            "check_empty_value", "check_large", "check_list", "check_missing", "check_odd_keys",
-           "check_ranged_reads", "check_roundtrip"]
+           "check_ranged_reads", "check_roundtrip", "ReadOnlyBackendConformance", "check_read_only",
+           "check_read_only_large", "check_read_only_odd_keys", "check_read_only_refusals"]
