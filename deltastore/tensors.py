@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Union
 
 import torch
@@ -81,22 +81,24 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             return plain
         items = state.items()
     else:
-        items = state
+        items = checked_pairs(state)
     out: dict[str, torch.Tensor] = {}
     # by address first (one call a tensor); layouts are compared only at an address two tensors share
     first: dict[int, tuple[str, torch.Tensor | None]] = {}
     keyed: dict[tuple[Any, ...], str] = {}
     for name, t in items:
         if not isinstance(name, str):
-            raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
+            raise TargetMismatchError(f"tensor names must be strings, got {_short(name)}")
         if not isinstance(t, torch.Tensor):
             raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
         if name in out:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
         out[name] = t
+        ptr = t.data_ptr()
+        if ptr == 0 and t.is_meta:  # (only tensors without storage have address 0)
+            raise _no_data(name)
         if t.numel() == 0:  # no elements: never an alias
             continue
-        ptr = t.data_ptr()
         got = first.get(ptr)
         if got is None:
             first[ptr] = (name, t)
@@ -117,14 +119,44 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
     return out
 
 
+def checked_pairs(items: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` as ``(name, tensor)`` pairs, each checked as it is taken: :class:`TargetMismatchError` for an
+    item that is not a pair (a tuple or list of two), a name that is not a string, a value that is not a
+    tensor, or a tensor without data (on the ``meta`` device)."""
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TargetMismatchError(f"expected (name, tensor) pairs, got {_short(item)}")
+        name, t = item
+        if not isinstance(name, str):
+            raise TargetMismatchError(f"tensor names must be strings, got {_short(name)}")
+        if not isinstance(t, torch.Tensor):
+            raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.is_meta:
+            raise _no_data(name)
+        yield name, t
+
+
+def _no_data(name: str) -> TargetMismatchError:
+    return TargetMismatchError(f"{name!r} is a meta tensor, without data (load or materialize the weights "
+                               "first)")
+
+
+def _short(x: Any) -> str:
+    """``repr(x)`` cut short (an item may be a whole tensor)."""
+    text = f"{type(x).__name__} {x!r}" if not isinstance(x, torch.Tensor) else f"a tensor {tuple(x.shape)}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | None:
-    """``state`` as a dict when every key is a string and every value a tensor at an address of its own
-    (then none can alias another), by a few C-level passes instead of a loop over the tensors; else None,
+    """``state`` as a dict when every key is a string and every value a tensor with data at an address of its
+    own (then none can alias another), by a few C-level passes instead of a loop over the tensors; else None,
     and :func:`named_tensors` looks at each entry."""
     out = dict(state)
     values = list(out.values())
-    if (set(map(type, out)) - {str} or not all(issubclass(c, torch.Tensor) for c in set(map(type, values)))
-            or len(set(map(torch.Tensor.data_ptr, values))) != len(values)):
+    if set(map(type, out)) - {str} or not all(issubclass(c, torch.Tensor) for c in set(map(type, values))):
+        return None
+    ptrs = set(map(torch.Tensor.data_ptr, values))
+    if len(ptrs) != len(values) or 0 in ptrs:  # 0: no storage (empty, or meta: refused by the checks)
         return None
     return out
 

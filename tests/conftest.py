@@ -134,6 +134,16 @@ def publish_all(uri: str, states: list, **publisher_args) -> None:
             pub.publish(state, step=step)
 
 
+def quick_gc_store(uri: str):
+    """A store on ``uri`` whose publishers refresh every reused object right before each commit
+    (``refresh_window=0``): on local disk and memory (exact timestamps) it accepts a GC grace of 0
+    (``DeltaStore.min_gc_grace``), for tests that collect at once."""
+    from deltastore.backends import open_backend
+    from deltastore.store import DeltaStore
+
+    return DeltaStore(open_backend(uri), uri, refresh_window=0.0)
+
+
 def follower_at(uri: str, step: int):
     """A Subscriber and the dict target it pulled to ``step`` (the anchor at 0, then deltas)."""
     import deltastore as ds

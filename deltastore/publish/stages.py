@@ -26,7 +26,8 @@ from .._memory import pin_allocator
 from ..anchors import AnchorPolicy, Every, get_anchor_policy
 from ..codecs import Codec, get_codec
 from ..diff import DEFAULT_CHUNK_ELEMS
-from ..gc import Retention
+from ..errors import GraceTooShortError
+from ..gc import Retention, check_grace
 from ..store import DeltaStore, open_store
 from ..tensors import dtype_name
 from .chain import ChainHead
@@ -75,7 +76,8 @@ class PublishStages:
         Raises :class:`~deltastore.errors.UnknownCodecError` for an unknown codec or anchor policy,
         ``TypeError`` for metadata that is not JSON-serialisable, ``ValueError`` for an unsupported dtype,
         ``FileNotFoundError`` for a ``source_dir`` holding none of :data:`SOURCE_FILES`, and what opening
-        the store raises.
+        the store raises, :class:`~deltastore.errors.GraceTooShortError` for a ``gc_grace`` not longer than
+        the store's :attr:`~deltastore.store.DeltaStore.min_gc_grace`.
         """
         planner_codecs = get_codec(codec), get_codec(anchor_codec)
         if anchor is not None:
@@ -90,6 +92,12 @@ class PublishStages:
             dtype_name(dtype)
         pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         store = open_store(uri, **(storage_options or {}))
+        try:
+            check_grace(store, gc_grace, "gc_grace")
+        except GraceTooShortError:
+            if store is not uri:  # opened here
+                store.close()
+            raise
         planner = ObjectPlanner(*planner_codecs, max_object_bytes=max_object_bytes, max_workers=max_workers)
         stages = cls(store, planner, ChainHead(policy), Uploader(store, planner.max_workers),
                      Retainer(store, retention, gc_grace) if retention is not None else None, metadata,

@@ -22,6 +22,7 @@ import torch
 from ..codecs import TensorSpec
 from ..diff import Change, find_changes
 from ..errors import TargetMismatchError
+from ..tensors import checked_pairs
 from .mirror import DEFAULT_CHUNK_ELEMS, Diff, Mirror
 
 #: tensors compared per kernel call (a piece): small tensors share one fused compare
@@ -50,7 +51,7 @@ def diff_stream(items: Iterable[tuple[str, torch.Tensor]], mirror: Mirror, specs
     whole stream (compared tensors rebuilt) when it did not. Raises
     :class:`TargetMismatchError` for a non-string name, a non-tensor or a name given twice.
     """
-    it: Iterator[tuple[str, torch.Tensor]] = iter(items)
+    it: Iterator[tuple[str, torch.Tensor]] = checked_pairs(items)
     order: list[str] = []
     piece: dict[str, torch.Tensor] = {}
     piece_bytes = 0
