@@ -26,8 +26,11 @@ require_module("transformers")
 
 @pytest.fixture(scope="module")
 def adapter_store(tmp_path_factory):
-    """Versions 0..3 of a real PEFT adapter (``adapter_only=True``)."""
-    uri = str(tmp_path_factory.mktemp("lora-http") / "store")
+    return adapter_store_at(str(tmp_path_factory.mktemp("lora-http") / "store"))
+
+
+def adapter_store_at(uri: str) -> str:
+    """Versions 0..3 of a real PEFT adapter (``adapter_only=True``) published to ``uri``."""
     model = lora_model(base_model())
     with ds.Publisher(uri, adapter_only=True) as pub:
         pub.publish(model, step=0)

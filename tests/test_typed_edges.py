@@ -199,7 +199,7 @@ EOF
 """
 
 
-def test_a_full_disk_while_writing_a_folder_is_typed_and_keeps_the_old_one(tmp_path, capfd):
+def test_a_full_disk_while_writing_a_folder_is_typed_and_keeps_the_old_one(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) to mount a small tmpfs in a mount namespace of its own")
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)

@@ -28,6 +28,10 @@ def _states(n: int) -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture
 def published(where):
+    return published_store(where)
+
+
+def published_store(where):
     """A store with versions 0..5 (anchors every 2) that a retention of 2 would shrink."""
     uri = where.fresh()
     states = _states(6)
