@@ -166,7 +166,7 @@ def run_typed_edges() -> Stats:
     import test_typed_edges as T
 
     cases: list[Case] = []
-    for case, mode in itertools.product(sorted(T._MALFORMED), ["list", "iterator", "mapping", "background"]):
+    for case, mode in T.MALFORMED_CASES:
         cases.append((f"malformed item / meta tensor: {case}, {mode}",
                       lambda c=case, m=mode: T.test_a_malformed_item_or_a_meta_tensor_is_a_typed_error(_tmp(), c, m)))
     for bad, background in itertools.product(["nan", "inf", "-inf"], [False, True]):
