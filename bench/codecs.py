@@ -1,6 +1,6 @@
-"""Codec benchmark on the shared weight trace.
+"""Codec benchmark on a real weight trace (the shared SmolLM2 one, or another by --trace: bench/_trace.py).
 
-    .venv/bin/python bench/codecs.py [--traces ../shared/traces] [--steps 1,2,5,10] [--runs cold-lr1e-6,...]
+    .venv/bin/python bench/codecs.py [--trace minilm-l6] [--steps 1,2,5,10] [--runs cold-lr1e-6,...]
 
 Per run and codec: bytes per changed element (all chosen steps together), % of
 the full bf16 size of the recorded tensors, ratios against the reference
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _trace  # noqa: E402
 import reference_encoders as ref  # noqa: E402
 
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
@@ -52,16 +53,15 @@ def decode_apply(codec, data, ups, olds):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--traces", default=os.environ.get("DELTASTORE_TRACES", str(ROOT.parent / "shared" / "traces")))
-    ap.add_argument("--runs", default="cold-lr1e-6,dither-lr1e-5")
+    _trace.add_trace_arg(ap)
+    ap.add_argument("--runs", default=None, help="comma list (default: every run of the trace)")
     ap.add_argument("--steps", default="all", help="comma list or 'all'")
     ap.add_argument("--codecs", default=",".join(CODECS))
     args = ap.parse_args()
-    sys.path.insert(0, args.traces)
-    from weight_trace import load_trace
+    _trace.select(args.trace)
 
-    for run in args.runs.split(","):
-        tr = load_trace(str(Path(args.traces) / "smollm2-135m"), run=run)
+    for run in (args.runs.split(",") if args.runs else _trace.RUNS):
+        tr = _trace.load(run)
         steps = range(1, tr.steps + 1) if args.steps == "all" else [int(s) for s in args.steps.split(",")]
         model_bytes = sum(t.numel() * 2 for t in tr.base.values())
         totals: dict[str, float] = {}

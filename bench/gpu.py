@@ -210,7 +210,7 @@ def env_info() -> dict:
     info = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
             "numpy": np.__version__, "cpus": len(os.sched_getaffinity(0)), "deltastore": str(Path(ds.__file__).parent),
             "cuda_available": torch.cuda.is_available()}
-    for mod in ("numba", "llvmlite", "zstandard", "safetensors"):
+    for mod in ("zstandard", "safetensors"):
         try:
             m = __import__(mod)
             info[mod] = f"{getattr(m, '__version__', '?')} ({Path(m.__file__).parent})"
@@ -341,7 +341,7 @@ def drop_cache(path: str) -> bool:
 
 # -- phases ------------------------------------------------------------------------------------------
 def phase_warmup(rep: Report, a, dev: Dev, work: Path) -> None:
-    """Compile the numba kernels and touch every path once at a tiny size (not measured)."""
+    """Touch every path once at a tiny size (not measured): thread pools, lazy imports, CUDA context."""
     g = torch.Generator(device=dev.device).manual_seed(1)
     st = {f"w{i}": torch.randn((256, 1024), generator=g, device=dev.device).to(torch.bfloat16) for i in range(4)}
     pub = ds.Publisher(str(work / "warm-sync"), codec=a.codec, anchor_every=NEVER, mirror_device=dev.device)
@@ -489,7 +489,7 @@ def phase_codecs(rep: Report, a, dev: Dev, bw: dict, budget) -> None:
         if budget.left() < 60:
             rep.note("codec phase cut short by the time budget")
             break
-    rep.note("deltastore has no GPU codec kernels (deltastore/kernels is numba on the CPU): codec figures are "
+    rep.note("deltastore has no GPU codec kernels (deltastore/kernels is compiled C on the CPU): codec figures are "
              "host-CPU encode/decode against copy_ bandwidth")
 
 

@@ -6,8 +6,8 @@
 #
 # Prepared here by bench/gpu_wheels.sh; the device call carries bench/.wheels/core and bench/.gpu-trace
 # (see docs/benchmarks.md, "GPU (bench/gpu.py)"). Wheels go into bench/.site (pip --target, ignored by git),
-# which shadows the image's packages on PYTHONPATH and survives between calls on a warm machine, so a first
-# call that carries only bench/.wheels/numba (too large to travel with the trace) can install numba ahead.
+# which shadows the image's packages and the carried source tree on PYTHONPATH (deltastore's wheel holds its
+# compiled kernels; the source tree has none) and survives between calls on a warm machine.
 # Writes $OUT/gpu.json (every figure) and $OUT/gpu.log. Env: PYTHON (default python3), GPU_BUDGET (seconds
 # bench/gpu.py plans for, default 330), GPU_TIMEOUT (hard stop, default 390), GPU_PROFILE (functions printed
 # from the profiled extra step of each run, default 30; 0: none), WHEELS=none (skip the install).
@@ -32,18 +32,15 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - <<'EOF' || exit 3
 import sys
 try:
-    import numpy, numba, llvmlite, zstandard, torch, safetensors, fsspec
+    import numpy, zstandard, torch, safetensors, fsspec
+    import deltastore, deltastore.kernels.diff
 except ImportError as e:
-    sys.exit(f"gpu_run.sh: {e!r}\n  numba/llvmlite missing or not matching this numpy: carry bench/.wheels/numba in a "
-             "first call ('bash bench/gpu_run.sh install'), then run again (docs/benchmarks.md)")
-v = tuple(int(x) for x in numba.__version__.split(".")[:2])
-if v < (0, 60):
-    sys.exit(f"gpu_run.sh: numba {numba.__version__} is older than pyproject's numba>=0.60: carry bench/.wheels/numba")
+    sys.exit(f"gpu_run.sh: {e!r}\n  carry bench/.wheels/core (bash bench/gpu_wheels.sh: zstandard and deltastore's "
+             "cp312 wheel with its compiled kernels)")
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}, available "
-      f"{torch.cuda.is_available()}), numpy {numpy.__version__}, numba {numba.__version__} ({numba.__file__}), "
-      f"llvmlite {llvmlite.__version__}, zstandard {zstandard.__version__}, safetensors {safetensors.__version__}")
-import deltastore
-print(f"deltastore from {deltastore.__file__}")
+      f"{torch.cuda.is_available()}), numpy {numpy.__version__}, zstandard {zstandard.__version__}, "
+      f"safetensors {safetensors.__version__}")
+print(f"deltastore from {deltastore.__file__}, kernels {deltastore.kernels.diff.diff_items.__module__}")
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 df -h "${TMPDIR:-/tmp}" | tail -1

@@ -6,8 +6,9 @@ Data: one real step's changes of each trace run (``bench/scale.py``'s
 replicated model of ``--size`` GB, every tensor its own storage), written
 into that model: positions sparse enough that the hardware prefetcher cannot
 follow them. The shipped kernel (``kernels.diff.scatter_items``) asks for
-the cache line 32 items ahead; the reference is the plain loop, compiled in
-this process and run through the same threads and segment split. The two
+the cache line 32 items ahead; the reference is the plain loop
+(``kernels._diff.scatter_items_plain``, compiled with it) run through the
+same threads and segment split. The two
 alternate ``--repeat`` times; prints median wall and process CPU ms, their
 spread, and shipped / reference ratios (below 1: the prefetch pays). Checks
 that both leave the same bits.
@@ -21,20 +22,11 @@ import statistics
 import time
 
 import torch
-from numba import njit
 
 import scale
 from deltastore import segments
 from deltastore.kernels import diff as kernels
-
-
-@njit(nogil=True, cache=True)
-def _plain_scatter(like, ptr, lens, pos, bounds, s0, s1, vals):  # noqa: ANN001, ANN202 - kernel signature
-    for s in range(s0, s1):
-        a = kernels._at(ptr[s], lens[s], like)
-        for i in range(bounds[s], bounds[s + 1]):
-            a[pos[i]] = vals[i]
-    return 0
+from deltastore.kernels._diff import scatter_items_plain as _plain_scatter
 
 
 def _timed(fn) -> tuple[float, float]:  # noqa: ANN001
@@ -60,7 +52,7 @@ def run(run_name: str, size: float, repeat: int) -> dict:
         finally:
             kernels.scatter_items = shipped
 
-    with_kernel(_plain_scatter)  # compile / warm both
+    with_kernel(_plain_scatter)  # warm both
     with_kernel(shipped)
     rows: dict[str, list[tuple[float, float]]] = {"shipped": [], "reference": []}
     for _ in range(repeat):

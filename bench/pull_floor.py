@@ -8,7 +8,8 @@ The library's pull decodes an object in stages that each write an array
 left when all of that is taken away: the object's two zstd streams
 decompressed at once (positions on one thread, value planes on the other),
 then one fused kernel pass per thread that reads each gap, steps the value and
-writes it into the target, with nothing written anywhere else. The threads
+writes it into the target, with nothing written anywhere else (``bench/_pull_floor.c``,
+compiled here with the system C compiler, ``$CC`` or ``cc``, and called through ctypes). The threads
 split the tensors at a point worked out before the clock starts (a format
 could store such split points; today's does not). It then adds back the
 one check a pull cannot skip, the checksum of every touched tensor, in the
@@ -27,17 +28,20 @@ the same tensors timed around each. Data as in ``bench/pull_stages.py``
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from numba import njit  # noqa: E402
 
 import pull_stages  # noqa: E402
 import scale  # noqa: E402
@@ -45,54 +49,29 @@ import deltastore as ds  # noqa: E402
 from deltastore import tracking  # noqa: E402
 from deltastore.checksum import tensor_keys  # noqa: E402
 from deltastore.codecs._common import read_header, unpack_frames, zstd_decompress  # noqa: E402
-from deltastore.kernels.bitstream import (_RING_MASK, _STEP_AHEAD, _applied, _gap_offsets, _leb128, _ordered,  # noqa: E402
-                                          _plane_step, _step_range)
-from deltastore.kernels.checksum import C1, _fmix  # noqa: E402
-from deltastore.kernels.diff import _at, _prefetch_for_write  # noqa: E402
+from deltastore.kernels.bitstream import _gap_offsets, _step_range  # noqa: E402
 from deltastore.kernels.parallel import each  # noqa: E402
 
-@njit(nogil=True)
-def _fused(like, ptr, lens, counts, keys, s0, s1, gaps, i0, e0, planes, fmag, lo, hi, hashed, sums):
-    # segment s: lens[s] elements at ptr[s], counts[s] positions from byte i0 of the LEB128 gap stream and
-    # value steps from column e0 of the planes; positions decoded _STEP_AHEAD items ahead into a ring (their
-    # cache lines fetched meanwhile), as the library's kernel; with ``hashed``, sums[s] gains the checksum
-    # change. Returns the first segment that is off, or -1.
-    npl = planes.shape[0]
-    width = like.itemsize
-    ring = np.empty(_RING_MASK + 1, np.int64)
-    i = i0
-    e = e0
-    n = gaps.size
-    for s in range(s0, s1):
-        a = _at(ptr[s], lens[s], like)
-        lim = np.int64(lens[s])
-        key = keys[s]
-        m = counts[s]
-        q = np.int64(-1)
-        got = 0
-        total = np.uint64(0)
-        for c in range(m):
-            while got < m and got <= c + _STEP_AHEAD:
-                x, i, st = _leb128(gaps, i, n)
-                q += np.int64(x) + 1
-                if st or q >= lim:
-                    return s
-                ring[got & _RING_MASK] = q
-                _prefetch_for_write(ptr[s] + q * width)
-                got += 1
-            p = ring[c & _RING_MASK]
-            old = a[p]
-            o = _applied(_plane_step(planes, npl, e), np.int64(old), fmag)
-            if o < lo or o > hi:
-                return s
-            y = _ordered(o, fmag)
-            a[p] = y
-            if hashed:
-                h = np.uint64(p) * C1
-                total += _fmix((h ^ np.uint64(y & 0xFFFF)) + key) - _fmix((h ^ np.uint64(old & 0xFFFF)) + key)
-            e += 1
-        sums[s] += total
-    return -1
+
+def _floor_kernel() -> ctypes.CDLL:
+    """``_pull_floor.c`` compiled with the system C compiler (``$CC``, default ``cc``) into a temporary folder."""
+    out = Path(tempfile.mkdtemp(prefix="pull-floor-")) / "_pull_floor.so"
+    src = Path(__file__).with_name("_pull_floor.c")
+    subprocess.run([os.environ.get("CC", "cc"), "-O3", "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))  # a CDLL call releases the GIL: the two halves run on two threads at once
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.fused.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, i64, i64, ctypes.c_int, p]
+    lib.fused.restype = i64
+    return lib
+
+
+def _fused(lib: ctypes.CDLL, ptr: np.ndarray, lens: np.ndarray, counts: np.ndarray, keys: np.ndarray, s0: int,
+           s1: int, gaps: np.ndarray, i0: int, e0: int, planes: np.ndarray, fmag: int, lo: int, hi: int,
+           hashed: bool, sums: np.ndarray) -> int:
+    """The fused floor pass over segments ``s0 .. s1 - 1`` (see ``_pull_floor.c``)."""
+    return lib.fused(ptr.ctypes.data, lens.ctypes.data, counts.ctypes.data, keys.ctypes.data, s0, s1, gaps.ctypes.data,
+                     gaps.size, i0, e0, planes.ctypes.data, planes.strides[0], planes.shape[0], int(fmag), int(lo),
+                     int(hi), int(hashed), sums.ctypes.data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.manifest(2)
     recs = m.tensor_map()
     fmag, lo, hi = _step_range(np.dtype(np.int16), True)
-    like = np.zeros(0, np.int16)
+    lib = _floor_kernel()
     objects = []  # per object: what the timed pull starts from (its bytes) and what it may know beforehand
     for index in sorted(m.delta_objects):
         raw, _ = unpack_frames(sub.store.get_object(m.objects[index].digest), "auto")
@@ -160,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         each(2, unpack)
         sums = np.zeros(len(o["ptr"]), np.uint64)
         runs = o["runs"]
-        bad = each(2, lambda k: _fused(like, o["ptr"], o["lens"], o["counts"], o["keys"], runs[k][0], runs[k][1],
+        keys = np.ascontiguousarray(o["keys"], np.uint64)
+        bad = each(2, lambda k: _fused(lib, o["ptr"], o["lens"], o["counts"], keys, runs[k][0], runs[k][1],
                                        box[0], runs[k][2], runs[k][3], planes, fmag, lo, hi, hashed, sums))
         assert all(b == -1 for b in bad), bad
 
@@ -173,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[float]] = {"library pull": [], "floor: decompress + fused apply": [],
                                     "floor + checksum in the same pass": []}
     copies: list[float] = []
-    one(False)  # compile
+    one(False)  # warm up
     for k, v in target.items():
         v.copy_(before[k])
     one(True)

@@ -4,8 +4,9 @@
                                     [--tensors 16384 --tensors-mb 200] [--codecs auto ulp zstd raw]
                                     [--quick] [--json PATH] [--skip memory codecs ...]
 
-Data: the real SmolLM2 trace (env ``DELTASTORE_TRACES``, default ``../shared/traces``).
-Its 20 recorded tensors are replicated, each replica a clone under new names
+Data: a real weight trace, chosen by ``--trace`` (``bench/_trace.py``): the shared SmolLM2 trace
+(default; env ``DELTASTORE_TRACES``, default ``../shared/traces``) or ``minilm-l6`` (``bench/traces/``,
+a BERT encoder). Its recorded tensors (20 for SmolLM2) are replicated, each replica a clone under new names
 (``r<k>.<name>``), until the model reaches ``--size`` GB of bf16. Replica ``k``
 starts at a different recorded step (``k`` mod the cycle) and steps through the
 run's recorded steps 2..N cyclically (``deltastore.chains.extend_trace`` semantics:
@@ -459,8 +460,8 @@ print(baseline() - before)
 
 
 def _import_cost():
-    """What ``import deltastore`` adds to a process that has imported torch (numba and llvmlite, mostly):
-    paid before any figure's baseline is taken, so part of none of them."""
+    """What ``import deltastore`` adds to a process that has imported torch: paid before any figure's baseline
+    is taken, so part of none of them."""
     out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, os.path.dirname(os.path.abspath(__file__))],
                          capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
@@ -576,11 +577,7 @@ class Runner:
 
 
 # -- figures -----------------------------------------------------------------------------------------
-RUN_SHORT = {"cold-lr1e-6": "cold", "dither-lr1e-5": "dither"}
-
-
-def short(run: str) -> str:
-    return RUN_SHORT.get(run, run)
+short = _trace.short
 
 
 class Figures:
@@ -839,8 +836,8 @@ def report(cfg, figs: Figures, extra: dict, loads: list[float]) -> None:
     if rt:
         print(f"- fixed runtime memory of a fresh process (a tiny model's first publish / first pull): "
               f"{rt['publish'] / MB:.0f} MB / {rt['pull'] / MB:.0f} MB, part of every steady figure above; "
-              f"before them, `import deltastore` itself: {rt['import'] / MB:.0f} MB (numba and llvmlite, mostly; "
-              "in no figure's baseline-relative count)")
+              f"before them, `import deltastore` itself: {rt['import'] / MB:.0f} MB "
+              "(in no figure's baseline-relative count)")
     fm = extra.get("fresh_memory")
     if fm:
         reporting = {True: "on", False: "off", None: "no balloon device"}[fm["reports_free_pages"]]
@@ -898,7 +895,11 @@ DEFAULTS = {"size": 1.0, "tensors": 16384, "tensors_mb": 200.0, "repeat": 3}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    pre = argparse.ArgumentParser(add_help=False)
+    _trace.add_trace_arg(pre)
+    _trace.select(pre.parse_known_args(argv)[0].trace)  # the runs to offer are the chosen trace's
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _trace.add_trace_arg(ap)
     ap.add_argument("--size", type=float, help="model size in GB of bf16 (default 1.0; --quick 0.02)")
     ap.add_argument("--runs", nargs="+", default=_trace.RUNS, choices=_trace.RUNS)
     ap.add_argument("--repeat", type=int, help="measured steps per case, after one warm-up (default 3; --quick 2)")
@@ -925,11 +926,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if not (_trace.TRACES / "weight_trace.py").exists():
         sys.exit(f"weight trace not found at {_trace.TRACES}; set DELTASTORE_TRACES")
-    cfg = {"size": a.size, "runs": a.runs, "repeat": a.repeat, "warmup": 1, "tensors": a.tensors,
+    if _trace.trace_dir(a.trace) is None:
+        sys.exit(f"trace {a.trace!r} not found (have: {', '.join(_trace.available()) or 'none'})")
+    cfg = {"trace": a.trace, "size": a.size, "runs": a.runs, "repeat": a.repeat, "warmup": 1, "tensors": a.tensors,
            "tensors_mb": a.tensors_mb, "codecs": a.codecs, "threads": a.threads, "quick": a.quick}
     print(f"bench/scale.py: size {a.size} GB, runs {' '.join(a.runs)}, repeat {a.repeat} (+1 warm-up), "
           f"many-tensors {a.tensors} x {a.tensors_mb:g} MB, codecs {' '.join(a.codecs)}, threads {a.threads}, "
-          f"trace {_trace.TRACES}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+          f"trace {a.trace} ({_trace.trace_dir(a.trace)}), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
           f"deltastore from {Path(ds.__file__).parent}", flush=True)
     run_case = Runner(cfg)
     res: dict = {}
@@ -973,7 +976,7 @@ def main(argv=None) -> int:
         if "memory" not in a.skip:
             res["runtime"] = run_case("runtime memory of a fresh process", case_runtime, fresh=True)
             res["fresh_memory"] = run_case("what fresh memory costs here", case_fresh_memory)
-        many_run = "dither-lr1e-5" if "dither-lr1e-5" in a.runs else a.runs[-1]
+        many_run = next((r for r in a.runs if short(r) == "dither"), a.runs[-1])
         res["many_run"] = many_run
         if "many" not in a.skip:
             store, sref = os.path.join(work, "many"), os.path.join(work, "many.safetensors")

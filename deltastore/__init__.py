@@ -4,20 +4,51 @@
     pub = ds.Publisher("./runs/grpo-1")
     pub.publish(model, step=1)
     ds.Subscriber("./runs/grpo-1").pull(inference_model)
+
+The names below are imported on first use (PEP 562), so ``import deltastore`` (and the command line)
+does not import torch until something that works on tensors is asked for.
 """
 
-from ._version import __version__
-from .anchors import AnchorPolicy, Every, every
-from .codecs import Codec, TensorSpec, Update, get_codec, register_codec
-from .manifest import Manifest, VersionRef
-from .publisher import Publisher, VersionInfo
-from .registry import Registry
-from .store import DeltaStore, open_store
-from .subscriber import PullResult, Subscriber
-from . import errors
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "AnchorPolicy", "Codec", "DeltaStore", "Every", "Manifest", "Publisher", "PullResult", "Registry",
-    "Subscriber", "TensorSpec", "Update", "VersionInfo", "VersionRef", "__version__", "errors", "every",
-    "get_codec", "open_store", "register_codec",
-]
+from ._version import __version__
+
+if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see
+    from . import errors
+    from .anchors import AnchorPolicy, Every, every
+    from .codecs import Codec, TensorSpec, Update, get_codec, register_codec
+    from .manifest import Manifest, VersionRef
+    from .publisher import Publisher, VersionInfo
+    from .registry import Registry
+    from .store import DeltaStore, open_store
+    from .subscriber import PullResult, Subscriber
+
+#: public name -> the module that defines it
+_LAZY = {
+    "AnchorPolicy": "anchors", "Every": "anchors", "every": "anchors",
+    "Codec": "codecs", "TensorSpec": "codecs", "Update": "codecs", "get_codec": "codecs", "register_codec": "codecs",
+    "Manifest": "manifest", "VersionRef": "manifest",
+    "Publisher": "publisher", "VersionInfo": "publisher",
+    "Registry": "registry",
+    "DeltaStore": "store", "open_store": "store",
+    "PullResult": "subscriber", "Subscriber": "subscriber",
+}
+
+__all__ = sorted([*_LAZY, "__version__", "errors"])
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "errors":
+        return importlib.import_module(".errors", __name__)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,7 +6,7 @@ large block freed, up to 32 MiB. After a few publishes or pulls, the
 temporaries of encoding and decoding (megabytes each) then come from the heaps
 of worker threads' arenas, and what is freed at the top of those heaps stays
 mapped: ``malloc_trim`` does not shrink them. Measured on a 1 GB bf16 model
-(``docs/benchmarks.md``), that kept 0.25–0.3× the model resident after a few
+(``bench/NOTES.md``), that kept 0.25–0.3× the model resident after a few
 dither steps, on top of the mirror.
 
 :func:`pin_allocator` fixes the threshold at :data:`MMAP_THRESHOLD` (which

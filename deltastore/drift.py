@@ -295,7 +295,7 @@ class _Merge:
     def into_prev(self) -> _Table:
         """The merged table written over the previous one (``prev``'s buffers are reused when they have
         room, else new ones with room for later merges): the pages a merge writes are then mostly
-        resident already, where fresh ones cost a page fault each (see ``docs/benchmarks.md``).
+        resident already, where fresh ones cost a page fault each (see ``bench/NOTES.md``).
         ``prev`` is not valid afterwards."""
         bounds = np.empty(len(self.names) + 1, np.int64)
         room = self.prev.room if self.prev is not None else None

@@ -181,6 +181,73 @@ def _rebuild_too_large(message: str, size: int | None) -> ValueTooLargeError:
     return ValueTooLargeError(message, size=size)
 
 
+class ReentrantCallError(DeltaStoreError, RuntimeError):
+    """A call that would wait on itself: ``Publisher.publish`` (or ``flush``/``close``) from the Publisher's own
+    background writer thread (a ``PendingVersionInfo`` done-callback, say), where it would deadlock."""
+
+
+# -- signed versions (issue 51) -----------------------------------------------------
+class SigningKeyError(DeltaStoreError, ValueError):
+    """A signing or trusted key cannot be used: a missing or unreadable file, not an Ed25519 key, malformed text.
+
+    The message names the file or the form given, never the key's bytes.
+    """
+
+
+class UntrustedVersionError(DeltaStoreError, ValueError):
+    """A version (or the signed latest ref) fails the check of a Subscriber with ``trusted_keys``.
+
+    Raised before any object of the version is fetched; the target keeps its version. ``what`` names the
+    step (``"version 12"``, ``"refs/latest"``), ``step`` is the step when known, ``key_id`` the signer's key
+    id when the document names one.
+    """
+
+    def __init__(self, message: str = "", *, what: str = "", step: int | None = None, key_id: str | None = None):
+        super().__init__(message)
+        self.what, self.step, self.key_id = what, step, key_id
+
+    def __reduce__(self):  # keep the fields across pickling (vLLM workers, multiprocessing)
+        return (_rebuild_untrusted, (type(self), str(self), self.what, self.step, self.key_id))
+
+
+class UnsignedVersionError(UntrustedVersionError):
+    """The version (or ``refs/latest``) carries no signature, and the Subscriber trusts only signed ones."""
+
+
+class UntrustedKeyError(UntrustedVersionError):
+    """The version is signed by a key that is not among the Subscriber's ``trusted_keys``."""
+
+
+class SignatureError(UntrustedVersionError):
+    """The signature does not verify: the signed bytes were changed (or the record is malformed)."""
+
+
+class RollbackError(UntrustedVersionError):
+    """The store offers an older latest version than one already seen or held: a replayed ``refs/latest``,
+    hidden versions, or a pull that would move a follower backward without being asked for that step."""
+
+
+class StaleLatestError(UntrustedVersionError, StaleVersionError):
+    """The signed latest version is older than the Subscriber's ``max_latest_age``: the store or a relay may
+    be withholding newer versions (a freeze), or the trainer stopped publishing."""
+
+
+def _rebuild_untrusted(cls: type, message: str, what: str, step: int | None, key_id: str | None
+                       ) -> UntrustedVersionError:
+    return cls(message, what=what, step=step, key_id=key_id)
+
+
+# -- an operator's first hour (issue 47) -------------------------------------------
+class CredentialsError(AccessDeniedError):
+    """No credentials for the store were found (or the named ones do not exist, such as an AWS profile):
+    nothing was sent. The message names where the client looked and how to provide them."""
+
+
+class DeviceUnavailableError(DeltaStoreError, ValueError):
+    """A device argument (``mirror_device``) names a device this process does not have (``"cuda"`` on a
+    machine or torch build without CUDA, ``"cuda:3"`` with two GPUs, a misspelt device type)."""
+
+
 # -- added for issue 48 --------------------------------------------------------------------------
 class EngineUnavailableError(ApplyError, ConnectionError):
     """The inference engine (a vLLM server's LoRA routes) refused the connection, dropped it or did not

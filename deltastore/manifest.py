@@ -1,4 +1,4 @@
-"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3; 1.0 to 1.2 are read too).
+"""Version manifests and their JSON form (format ``deltastore.manifest`` 1.3, 1.4 when signed; 1.0 to 1.2 are read too).
 
 A manifest is the only thing a reader trusts: it names every object of a
 version by digest, the codec that decodes each, and every tensor's dtype,
@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from .codecs.base import TensorSpec
 from .errors import ManifestError, UnsupportedFormatError
 from .quantize import check_record as check_quantization
-from .tensors import DTYPES
+from .tensor_spec import DTYPE_SIZES, TensorSpec, spec_from_name, torch_dtypes_if_loaded
 
 if TYPE_CHECKING:
     import torch
@@ -166,20 +165,19 @@ class TensorRecord(_RecordFields):
 
     An immutable tuple (every field a C-level read, and a parsed manifest's
     records made in one C call per tensor, :func:`_plain_columns`); raises
-    ``ValueError`` for a dtype :data:`~deltastore.tensors.DTYPES` lacks.
+    ``ValueError`` for a dtype :data:`~deltastore.tensor_spec.DTYPE_SIZES` lacks.
     """
 
     __slots__ = ()
 
     def __new__(cls, name: str, dtype: str, shape: Sequence[int], changed: int, checksum: str,
                 delta: Parts = (), full: Parts = (), diff: Parts = (), diff_changed: int = 0) -> TensorRecord:
-        torch_dtype = DTYPES.get(dtype)
-        if torch_dtype is None:
+        if dtype not in DTYPE_SIZES:
             raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
         shape = tuple(shape)
         numel = math.prod(shape)
         return tuple.__new__(cls, (name, dtype, shape, changed, checksum, delta, full, diff, diff_changed, numel,
-                                   _spec(name, torch_dtype, shape, numel)))
+                                   spec_from_name(name, dtype, shape, numel, torch_dtypes_if_loaded())))
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy / deepcopy
         return tuple(self)[:len(TENSOR_FIELDS)]
@@ -239,6 +237,14 @@ class Manifest:
     dropped_tensors: tuple[str, ...] = ()
     #: how the tensors were quantized (``deltastore.quantize``), None for weights as trained
     quantization: dict[str, Any] | None = None
+    #: format 1.4: ``{"alg", "key_id", "sig"}`` of the publisher's signature (:mod:`deltastore.signing`; a
+    #: Subscriber with ``trusted_keys`` checks it on the bytes before parsing), None when unsigned
+    signature: dict[str, str] | None = None
+
+    @property
+    def signed_by(self) -> str | None:
+        """The key id the version names as its signer (checked only by a reader with trusted keys), or None."""
+        return None if self.signature is None else self.signature.get("key_id")
 
     # -- derived figures -----------------------------------------------------
     @property
@@ -319,7 +325,11 @@ class Manifest:
 
     @functools.cached_property
     def layout_columns(self) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
-        """Names, torch dtypes and shapes of the tensors, in order (read-only lists)."""
+        """Names, torch dtypes and shapes of the tensors, in order (read-only lists; for a parsed manifest
+        the very lists of its :class:`RowLayout`, shared by every manifest of that layout). Imports torch."""
+        layout = self.__dict__.get("_row_layout")
+        if layout is not None:
+            return layout.columns
         return [t.name for t in self.tensors], [t.spec.dtype for t in self.tensors], [t.shape for t in self.tensors]
 
     @functools.cached_property
@@ -411,6 +421,8 @@ class Manifest:
             doc["quantization"] = self.quantization
         if self.layout_ref is not None:
             doc["layout"] = {"digest": self.layout_ref.digest, "size": self.layout_ref.size}
+        if self.signature is not None:
+            doc["signature"] = self.signature
         return doc
 
     def _tensors_json(self) -> list[dict[str, Any]] | dict[str, list[Any]]:
@@ -426,9 +438,12 @@ class Manifest:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, layouts: LayoutReader | None = None) -> Manifest:
+    def from_json(cls, data: bytes, layouts: LayoutReader | None = None,
+                  check: Callable[[bytes, Any], object] | None = None) -> Manifest:
         """Parse and validate manifest bytes; ``layouts`` reads the layout object a 1.3 manifest names when
         this process has not parsed it yet (:meth:`DeltaStore.parse_manifest` passes the store's).
+        ``check(data, document)`` runs on the JSON document before anything else is read or validated (a
+        :class:`~deltastore.signing.Trust`'s signature check) and raises what it raises.
 
         Raises :class:`ManifestError` for malformed content (bad JSON, duplicate
         keys, wrong types, out-of-range numbers, unsafe names, dangling object
@@ -437,7 +452,10 @@ class Manifest:
         and what ``layouts`` raises (a store's :class:`ObjectNotFoundError`,
         :class:`CorruptObjectError`).
         """
-        return _parse(_json_document(data, "manifest"), layouts)
+        doc = _json_document(data, "manifest")
+        if check is not None:
+            check(data, doc)
+        return _parse(doc, layouts)
 
 
 def _json_document(data: bytes, what: str) -> Any:
@@ -659,13 +677,25 @@ def _parse(doc: Any, layouts: LayoutReader | None = None) -> Manifest:
     m = Manifest(step=step, kind=kind, parent=parent, tensors=tuple(tensors), objects=tuple(objects),
                  created=float(created), producer=producer, metadata=metadata, aliases=aliases,
                  differential=differential, files=files, format_version=version, new_tensors=new_tensors,
-                 dropped_tensors=dropped, quantization=quantization)
+                 dropped_tensors=dropped, quantization=quantization, signature=_signature(doc))
     if layout is not None:  # the cached properties, shared by every manifest of this layout
-        m.__dict__.update(layout_key=layout.key, layout_columns=layout.columns, _row_layout=layout,
+        m.__dict__.update(layout_key=layout.key, _row_layout=layout,
                           checksum_values=dict(zip(layout.names, checksum_ints)), **role_objects)
     if layout_ref is not None:
         m.__dict__["layout_ref"] = layout_ref
     return m
+
+
+def _signature(doc: dict[str, Any]) -> dict[str, str] | None:
+    """The ``signature`` record (format 1.4) as stored: its shape is checked here, the signature itself by a
+    reader with trusted keys (:class:`deltastore.signing.Trust`), before parsing."""
+    record = doc.get("signature")
+    if record is None:
+        return None
+    if (not isinstance(record, dict) or set(record) != {"alg", "key_id", "sig"}
+            or not all(isinstance(v, str) for v in record.values())):
+        raise ManifestError("the signature field is not {\"alg\", \"key_id\", \"sig\"} strings")
+    return record
 
 
 def _layout_ref(doc: dict[str, Any]) -> LayoutRef:
@@ -683,7 +713,7 @@ def _named_layout_columns(section: dict[str, Any], ref: LayoutRef, layouts: Layo
     checks the columns read from the object)."""
     values = _tensor_columns(section, VALUE_FIELDS)
     known = _LAYOUT_OBJECTS.get(ref.digest)
-    if known is not None and not set(known.dtypes) <= DTYPES.keys():
+    if known is not None and not set(known.dtypes) <= DTYPE_SIZES.keys():
         known = None  # the table of dtypes this reader knows decides, not the one it knew then
     if known is not None:
         layout_columns = known.columns_in
@@ -778,7 +808,7 @@ def _record(t: Any, i: int, n_objects: int) -> TensorRecord:
     where = f"tensors[{i}]"
     name = check_tensor_name(_get(t, "name", str, where))
     dtype = _get(t, "dtype", str, where)
-    if dtype not in DTYPES:
+    if dtype not in DTYPE_SIZES:
         raise ManifestError(f"{where} ({name}): unsupported dtype {dtype!r}")
     shape_list = _get(t, "shape", list, where)
     if len(shape_list) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL
@@ -808,7 +838,7 @@ def _plain_record(t: Any, n_objects: int) -> TensorRecord | None:
     name, dtype, shape, changed, checksum = t.get("name"), t.get("dtype"), t.get("shape"), t.get("changed"), \
         t.get("checksum")
     if (type(name) is not str or type(dtype) is not str or type(shape) is not list or type(changed) is not int
-            or type(checksum) is not str or dtype not in DTYPES or len(shape) > MAX_DIMS
+            or type(checksum) is not str or dtype not in DTYPE_SIZES or len(shape) > MAX_DIMS
             or not _NAME.match(name) or ".." in name or not _CHECKSUM.match(checksum)):
         return None
     numel = 1
@@ -966,7 +996,8 @@ class RowLayout:
     def of(cls, names: list[str], dtypes: list[str], shapes: list[list[int]], numels: list[int]) -> RowLayout:
         names, dtypes = list(names), list(dtypes)  # copies of the columns as checked: the document is the caller's
         tuples = list(map(tuple, shapes))
-        specs = [_spec(nm, DTYPES[d], t, k) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
+        known = torch_dtypes_if_loaded()
+        specs = [spec_from_name(nm, d, t, k, known) for nm, d, t, k in zip(names, dtypes, tuples, numels)]
         return cls((names, dtypes, [list(x) for x in shapes]), names, dtypes, tuples, numels, specs)
 
     @functools.cached_property
@@ -1003,14 +1034,6 @@ class RowLayout:
         return self.names, [s.dtype for s in self.specs], self.shapes
 
 
-def _spec(name: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> TensorSpec:
-    """``TensorSpec(name, dtype, shape)`` with its element count: one ``__dict__``, not a frozen dataclass's
-    per-field ``object.__setattr__`` (made per tensor of every layout)."""
-    got = TensorSpec.__new__(TensorSpec)
-    object.__setattr__(got, "__dict__", {"name": name, "dtype": dtype, "shape": shape, "numel": numel})
-    return got
-
-
 #: the layouts of the manifests parsed last (a reader follows one model, a process few), by tensor count and
 #: first and last name; a hit needs the very same columns
 _LAYOUTS: dict[tuple[int, str, str], RowLayout] = {}
@@ -1042,7 +1065,7 @@ def _known_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> Row
     # equal lists of strings are the same strings; equal shapes could still hold 2.0 or True for 2 or 1; the
     # dtypes are looked up again (the table of dtypes this reader knows decides, not the one it knew then)
     if (names == seen_names and dtypes == seen_dtypes and shapes == seen_shapes
-            and set(map(type, itertools.chain.from_iterable(shapes))) <= {int} and set(dtypes) <= DTYPES.keys()):
+            and set(map(type, itertools.chain.from_iterable(shapes))) <= {int} and set(dtypes) <= DTYPE_SIZES.keys()):
         return got
     return None
 
@@ -1052,7 +1075,7 @@ def _checked_layout(names: list[Any], dtypes: list[Any], shapes: list[Any]) -> R
     :func:`_known_layout`), else None."""
     n = len(names)
     if not (set(map(type, names)) == set(map(type, dtypes)) == {str} and set(map(type, shapes)) == {list}
-            and set(dtypes) <= DTYPES.keys()):
+            and set(dtypes) <= DTYPE_SIZES.keys()):
         return None
     joined = "\n".join(names) + "\n"
     if (".." in joined or joined.count("\n") != n or _NAME_LINES.fullmatch(joined) is None

@@ -37,8 +37,9 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     loads with ``transformers`` and vLLM; for a quantized version (``fp8_block128``)
     ``config.json`` gains the matching ``quantization_config``. A version
     published with ``adapter_only=True`` is written as a PEFT adapter folder
-    (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written.
-    ``progress`` is passed to :meth:`Subscriber.pull`.
+    (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written; each
+    has the mode any new file gets (0666 less the umask). ``progress`` is passed to
+    :meth:`Subscriber.pull`.
 
     Every file is written into a hidden folder inside ``out_dir`` first and
     moved into place (a rename each) only once all are written, so a failure
@@ -55,6 +56,7 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
         os.makedirs(out_dir, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".deltastore-partial-", dir=out_dir)
         written = _write_version(state, manifest, extra, stage, step, shard_bytes)
+        _follow_umask(stage, written)  # before the files appear in out_dir
         for fname in written:
             os.replace(os.path.join(stage, fname), os.path.join(out_dir, fname))
     except (OSError, SafetensorError) as e:
@@ -63,6 +65,29 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
     return written
+
+
+def _follow_umask(out_dir: str | os.PathLike[str], names: list[str]) -> None:
+    """Give the written files the mode any new file gets (0666 less the umask): safetensors writes 0600,
+    which a server running as another user (a vLLM container on a shared volume) cannot read."""
+    mode = 0o666 & ~current_umask()
+    for name in names:
+        os.chmod(os.path.join(out_dir, name), mode)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``); elsewhere
+    by setting and restoring it (a file another thread creates in between gets mode 0666/0777)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _write_error(e: OSError | SafetensorError, step: int, out_dir: str | os.PathLike[str]) -> OutputWriteError:

@@ -57,8 +57,11 @@ def tqdm_callback(desc: str, unit: str = "B") -> Callback:
     kwargs: dict[str, Any] = {"desc": desc, "file": sys.stderr, "leave": False}
     if unit == "B":
         kwargs.update(unit="B", unit_scale=True, unit_divisor=1024)
-    else:
-        kwargs.update(unit=f" {unit}")
+    elif unit == "s":  # a wait: seconds done of seconds, no rate (a rate of seconds per second says nothing)
+        kwargs.update(bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s")
+    else:  # counted things: "12/40 [00:01<00:02, 9.87 manifests/s]", never inverted to "1.01s/ manifests"
+        kwargs.update(unit=f" {unit}", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                                   "[{elapsed}<{remaining}, {rate_noinv_fmt}]")
     return TqdmCallback(tqdm_kwargs=kwargs)
 
 

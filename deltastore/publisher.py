@@ -28,8 +28,10 @@ Publisher unchanged, so the same step can be retried.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,7 +44,7 @@ from .adapters import peft_adapter, record_config
 from .anchors import AnchorPolicy, ChainState
 from .codecs import Codec, TensorSpec
 from .diff import DEFAULT_CHUNK_ELEMS
-from .errors import ManifestError, TargetMismatchError
+from .errors import ManifestError, ReentrantCallError, TargetMismatchError
 from .gc import Retention
 from .manifest import VersionRef, check_tensor_name
 from .publish.background import BackgroundWriter
@@ -51,7 +53,7 @@ from .publish.info import PendingVersionInfo, VersionInfo
 from .publish.mirror import Mirror, Pending
 from .publish.resume import resume_chain
 from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
-from .publish.stream import diff_stream
+from .publish.stream import diff_stream, owned_items
 from .publish.version import Captured, write_version
 from .quantize import get_quantizer
 from .tensors import StateLike, dtype_name, named_tensors
@@ -108,6 +110,9 @@ class Publisher:
         adapter_only: ``publish(peft_model)`` publishes only its adapter's tensors
             (PEFT names) and records ``adapter_config.json`` (:mod:`deltastore.adapters`);
             a model that is not a PEFT model is a :class:`TargetMismatchError`.
+        signing_key: sign every committed version and ``refs/latest`` with this Ed25519 key (a path to a PEM
+            file from ``deltastore keygen``, PEM bytes or a key object; needs ``deltastore[sign]``). Followers
+            with ``trusted_keys`` accept only versions it signed (``docs/security.md``). Kept in memory only.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -122,7 +127,7 @@ class Publisher:
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
                  mirror_device: str | torch.device | None = None, quantize: Any = None,
-                 adapter_only: bool = False):
+                 adapter_only: bool = False, signing_key: Any = None):
         #: the stages (also what :class:`~deltastore.ShardedPublisher` opens per rank): the store, object
         #: planning, the chain's committed head and the anchor policy's decision, uploads, retention after each
         #: commit, the configuration they share (``deltastore/publish/stages.py``)
@@ -130,7 +135,7 @@ class Publisher:
             uri, codec=codec, anchor_every=anchor_every, storage_options=storage_options, metadata=metadata,
             anchor=anchor, anchor_codec=anchor_codec, max_object_bytes=max_object_bytes, chunk_elems=chunk_elems,
             dtype=dtype, retention=retention, gc_grace=gc_grace, source_dir=source_dir, max_workers=max_workers,
-            mirror_device=mirror_device)
+            mirror_device=mirror_device, signing_key=signing_key)
         self.store, self.planner, self.head, self.uploader, self.retainer = (
             stages.store, stages.planner, stages.head, stages.uploader, stages.retainer)
         self.metadata, self.chunk_elems, self.dtype, self.mirror_device, self.writer_id = (
@@ -141,6 +146,7 @@ class Publisher:
         #: version files recorded in every manifest (``source_dir``'s config and tokenizer, an adapter's config)
         self.files: dict[str, dict[str, Any]] = {}
         self._closed = False
+        self._lock = threading.Lock()  # one publish/flush/close at a time (publish's docstring)
         self.quantizer = get_quantizer(quantize)
         self.adapter_only = adapter_only
         # Background mode: the capture side compares against the same mirror object (which the
@@ -186,9 +192,17 @@ class Publisher:
         """The codec of whole tensors (anchors)."""
         return self.planner.anchor_codec
 
-    @paused
     def publish(self, state: StateLike, *, step: int, progress: _progress.ProgressArg = None) -> VersionInfo:
         """Commit ``state`` as version ``step``.
+
+        Thread-safe: calls from several threads are serialised (one runs at a
+        time, in the order they take the Publisher's lock), and each is
+        checked against the step the previous one published, so a step that
+        is no longer above the last raises :class:`StepOrderError` and one
+        already committed :class:`VersionExistsError`; ``flush()`` and
+        ``close()`` wait for a publish in progress. Calling any of them from
+        the background writer's own thread (a done-callback of a pending
+        version) raises :class:`ReentrantCallError`.
 
         ``state`` is an ``nn.Module``, a mapping or an iterable of
         ``(name, tensor)``, on any device. Raises :class:`VersionExistsError`
@@ -198,10 +212,16 @@ class Publisher:
 
         Synchronous (default): returns the :class:`VersionInfo` once the
         version is committed; on any error nothing is committed and the
-        Publisher is unchanged, so the same step can be retried. An iterator
-        (not a mapping or module) on a chain whose layout the Publisher knows
-        is compared piece by piece as it is consumed, so each tensor may be
-        produced just in time and dropped (``deltastore/publish/stream.py``).
+        Publisher is unchanged, so the same step can be retried. An iterable
+        of pairs (not a mapping or module) is a stream: each item need only
+        stay valid until the next one is requested (a producer may recycle one
+        buffer, or refill a tensor after yielding it). On a chain whose layout
+        the Publisher knows it is compared piece by piece as it is consumed,
+        so each tensor may be produced just in time and dropped; otherwise (a
+        new chain, a layout change, ``quantize``, ``adapter_only``, background
+        mode) each item is copied before the next is requested
+        (``deltastore/publish/stream.py``). A ``list`` or ``tuple`` of pairs is
+        held by the caller and taken as it is.
 
         With ``background=True``: returns a :class:`PendingVersionInfo` (a
         ``VersionInfo``) as soon as the changes are captured (the bit-compare is
@@ -228,9 +248,14 @@ class Publisher:
         (see :mod:`deltastore.progress`); it counts objects stored (not
         reported in background mode).
         """
-        if progress is not None and progress is not False:
-            with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
-                return self.publish(state, step=step)
+        with self._serialised():
+            if progress is not None and progress is not False:
+                with _progress.reporting(progress, desc=f"publish {step}", unit="objects"):
+                    return self._publish(state, step)
+            return self._publish(state, step)
+
+    @paused
+    def _publish(self, state: StateLike, step: int) -> VersionInfo:
         if self._closed:
             raise RuntimeError("Publisher is closed")
         if self._writer is not None:
@@ -245,6 +270,8 @@ class Publisher:
                 return self._write_sync(Captured(step, self._specs, self._aliases, self._mirror, streamed.diff,
                                                   time.time()))
             state = streamed.pairs  # it left the layout: the ordinary capture below
+        elif not isinstance(state, (Mapping, torch.nn.Module, list, tuple)):
+            state = owned_items(state)  # a stream captured whole: each item copied before the next is produced
         tensors, specs, aliases = self._normalise(state)
         background = self._writer is not None
         mirror = self._capture_mirror if background else self._mirror
@@ -301,25 +328,51 @@ class Publisher:
         release_memory()  # once _write's temporaries (a differential, encoded objects) are freed, not before
         return info
 
+    def refresh_latest(self) -> None:
+        """Sign ``refs/latest`` again, for the last committed version, with the time now.
+
+        Followers that bound the age of the signed latest (``Subscriber(max_latest_age=...)``) take it as
+        fresh again: call it while the trainer publishes nothing for longer than that bound (evaluation, a
+        checkpoint). A no-op without a signing key or before the first commit. With ``background=True`` the
+        queued versions are committed first (:meth:`flush`), so the ref never names an older version than
+        the last commit's; call it from the thread that publishes.
+        """
+        self.flush()
+        last = self.head.last
+        if self.store.signer is not None and last is not None:
+            self.store.write_latest(last.step, last.digest)
+
     def flush(self) -> None:
         """Wait until every queued version is committed; raise a background error if one occurred."""
-        if self._writer is not None:
-            self._writer.join()
-            self._raise_background_error()
+        with self._serialised():
+            if self._writer is not None:
+                self._writer.join()
+                self._raise_background_error()
 
     def close(self) -> None:
         """Drain queued versions, finish deferred deletions whose grace has passed, release everything.
 
         Raises a background error after closing, if one occurred.
         """
-        if self._closed:
-            return
-        error = self._writer.close() if self._writer is not None else None
-        self._closed = True
-        self._mirror = self._capture_mirror = None
-        self.stages.close()
+        with self._serialised():
+            if self._closed:
+                return
+            error = self._writer.close() if self._writer is not None else None
+            self._closed = True
+            self._mirror = self._capture_mirror = None
+            self.stages.close()
         if error is not None:
             raise error
+
+    @contextmanager
+    def _serialised(self) -> Iterator[None]:
+        """Hold the Publisher's lock: one publish, flush or close at a time (see :meth:`publish`)."""
+        if self._writer is not None and self._writer.is_writer_thread():
+            raise ReentrantCallError("publish(), flush() and close() cannot be called from the Publisher's "
+                                     "background writer thread (a pending version's callback): it would wait "
+                                     "for itself; hand the call to another thread")
+        with self._lock:
+            yield
 
     def __enter__(self) -> Publisher:
         return self

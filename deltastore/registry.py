@@ -11,6 +11,7 @@ discovered lazily the first time a name is not found.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -27,6 +28,7 @@ class _Entry:
     target: Any  # a class, or a dotted path "module:attr" not yet imported
     install_hint: str | None = None
     entry_point: str | None = None  # "group: name = value (distribution)" when found through an entry point
+    requires: tuple[str, ...] = ()  # modules the target imports that an extra installs (see missing())
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,13 @@ class Registry(Generic[T]):
         self._lock = threading.RLock()
 
     def register(self, name: str, target: type[T] | str, *, install_hint: str | None = None,
-                 clobber: bool = False) -> None:
+                 clobber: bool = False, requires: tuple[str, ...] = ()) -> None:
         """Register ``target`` (a class or a ``"module:Class"`` path) under ``name``.
 
-        Raises :class:`PluginConflictError` when a *different* plugin already
-        holds the name and ``clobber`` is false; registering the same target
-        again is a no-op.
+        ``requires``: modules the target needs that are not always installed (an extra's packages), so
+        that :meth:`missing` can tell without importing anything. Raises :class:`PluginConflictError`
+        when a *different* plugin already holds the name and ``clobber`` is false; registering the same
+        target again is a no-op.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
@@ -87,7 +90,7 @@ class Registry(Generic[T]):
                 raise PluginConflictError(
                     f"{self.kind} {name!r} is already registered as {_describe(old.target)}; "
                     f"pass clobber=True to replace it with {_describe(target)}")
-            self._entries[name] = _Entry(target, install_hint)
+            self._entries[name] = _Entry(target, install_hint, requires=tuple(requires))
 
     def unregister(self, name: str) -> None:
         """Remove ``name`` (no error if absent)."""
@@ -102,12 +105,7 @@ class Registry(Generic[T]):
         lazy plugin's module cannot be imported.
         """
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is None:
-                self._load_entry_points()
-                entry = self._entries.get(name)
-            if entry is None:
-                raise self._error(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}")
+            entry = self._entry(name)
             if isinstance(entry.target, str):
                 try:
                     entry.target = _import_dotted(entry.target)
@@ -119,6 +117,33 @@ class Registry(Generic[T]):
                     raise MissingDependencyError(
                         f"{self.kind} {name!r} needs a package that is not installed ({e}){hint}") from e
             return entry.target
+
+    def missing(self, name: str) -> str | None:
+        """What keeps ``name`` from loading, found without importing the plugin (its module, and the modules
+        it was registered as requiring, are looked up, not run): None when all are installed, else a
+        message naming the missing module. A module that is found may still fail when imported
+        (:meth:`get` tells). Raises the registry's :class:`UnknownPluginError` subclass for an unknown name.
+        """
+        with self._lock:
+            entry = self._entry(name)
+            if not isinstance(entry.target, str):
+                return None
+            module = entry.target.partition(":")[0] if ":" in entry.target else entry.target.rpartition(".")[0]
+            for needed in (module, *entry.requires):
+                if not _installed(needed):
+                    hint = f"; install it with: {entry.install_hint}" if entry.install_hint else ""
+                    return f"{self.kind} {name!r} needs module {needed!r}, which is not installed{hint}"
+            return None
+
+    def _entry(self, name: str) -> _Entry:
+        """The entry of ``name`` (entry points scanned when it is not registered); the caller holds the lock."""
+        entry = self._entries.get(name)
+        if entry is None:
+            self._load_entry_points()
+            entry = self._entries.get(name)
+        if entry is None:
+            raise self._error(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}")
+        return entry
 
     def names(self) -> list[str]:
         """All registered names, entry points included."""
@@ -159,6 +184,14 @@ class Registry(Generic[T]):
                 dist_name = getattr(dist, "name", None) if dist is not None else None
                 hint = f"pip install {dist_name}" if dist_name else None
                 self._entries[ep.name] = _Entry(ep.value, hint, f"entry point {self.group} ({dist_name or '?'})")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be found (its parent packages are imported to look, the module itself is not)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or a module without a spec
+        return False
 
 
 def _same_target(a: Any, b: Any) -> bool:

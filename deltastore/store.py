@@ -5,7 +5,8 @@ Layout under the store root::
     deltastore.json                    store marker (format name and version)
     objects/sha256/ab/cdef...          immutable objects, named by the sha256 of their bytes
     versions/000000000120.json         the manifest of step 120, written once, after its objects
-    refs/latest                        optional hint, never the source of truth
+    refs/latest                        optional hint, never the source of truth (signed, with the time
+                                       it was issued, when the publisher signs: deltastore.signing)
 
 Commit order gives crash safety: objects first, manifest last with a
 create-only write. A version exists exactly when its manifest does; an object
@@ -43,6 +44,7 @@ from .errors import (CorruptObjectError, DeltaStoreError, KeyExistsError, KeyNot
                      ObjectNotFoundError, ValueTooLargeError, VersionExistsError, VersionNotFoundError)
 from .manifest import MAX_MANIFEST_BYTES, MAX_STEP, Manifest, VersionRef, sha256_digest
 from .manifest_cache import ManifestCache
+from .signing import LATEST_KEY, MAX_LATEST_BYTES, SigningKey, Trust, latest_bytes, sign_manifest
 
 log = logging.getLogger("deltastore.store")
 
@@ -98,6 +100,11 @@ class DeltaStore:
         # objects since the last commit were reused (found present, refreshed) rather than uploaded
         self._written: dict[str, float] = {}
         self._reused: dict[str, float] = {}
+        #: signs every committed manifest and ``refs/latest`` (a Publisher's ``signing_key``); kept in memory only
+        self.signer: SigningKey | None = None
+        #: the keys every manifest read must be signed by (a Subscriber's ``trusted_keys``); checked on the bytes,
+        #: before the manifest is parsed or any object fetched
+        self.trust: Trust | None = None
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -402,7 +409,8 @@ class DeltaStore:
         Raises :class:`ManifestError`, :class:`UnsupportedFormatError`, and for
         the layout object :class:`ObjectNotFoundError` or :class:`CorruptObjectError`.
         """
-        return Manifest.from_json(data, layouts=self._read_object)
+        return Manifest.from_json(data, layouts=self._read_object,
+                                  check=self.trust.check_manifest if self.trust is not None else None)
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (see :meth:`manifest_with_digest`)."""
@@ -428,7 +436,10 @@ class DeltaStore:
         self._prepare_commit(manifest)
         if not self.backend.capabilities.atomic_create:
             manifest = dataclasses.replace(manifest, producer={**manifest.producer, "commit": "check-then-write"})
-        data = manifest.to_json()
+        if self.signer is not None:
+            manifest, data = sign_manifest(manifest, self.signer)
+        else:
+            data = manifest.to_json()
         try:
             self.backend.put(version_key(manifest.step), data, mode="create")
         except KeyExistsError:
@@ -441,10 +452,27 @@ class DeltaStore:
             self._reused.clear()
         self._ensure_marker()
         try:
-            self.backend.put("refs/latest", str(manifest.step).encode(), mode="overwrite")
+            self.write_latest(manifest.step, digest)
         except OSError:
-            pass  # only a hint
+            pass  # only a hint (a signing follower takes a newer signed manifest over it)
         return data, digest
+
+    def write_latest(self, step: int, digest: str) -> None:
+        """Write ``refs/latest``: the step as ASCII digits, or with a :attr:`signer` the signed latest document
+        (step, manifest digest, the time now; :mod:`deltastore.signing`)."""
+        if self.signer is None:
+            self.backend.put(LATEST_KEY, str(step).encode(), mode="overwrite")
+        else:
+            self.backend.put(LATEST_KEY, latest_bytes(step, digest, self.signer), mode="overwrite")
+
+    def read_latest(self) -> bytes | None:
+        """The bytes of ``refs/latest`` (at most :data:`~deltastore.signing.MAX_LATEST_BYTES`), None when absent."""
+        try:
+            return self.backend.get_bounded(LATEST_KEY, MAX_LATEST_BYTES)
+        except KeyNotFoundError:
+            return None
+        except ValueTooLargeError:
+            raise ManifestError(f"{LATEST_KEY} is over {MAX_LATEST_BYTES} bytes (not read)") from None
 
     def _put_layout(self, manifest: Manifest) -> None:
         """Store the layout object ``manifest`` names, unless the last commit named it too (kept in the ledger,

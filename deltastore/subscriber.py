@@ -10,6 +10,7 @@ target back (see :mod:`deltastore.pull.anchor` and ``docs/architecture.md``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,14 +27,16 @@ from .checksum import full_checksum, tensor_keys
 from .codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from .errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError, ObjectNotFoundError,
                      InvalidStepError, ParentMismatchError, StaleVersionError, TargetMismatchError,
-                     VersionNotFoundError)
+                     UntrustedVersionError, VersionNotFoundError)
 from .layout import PathLayout, layout_diff, layout_of, path_layout, same_spec
 from .manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from .pull.anchor import WriteFailed, stream_anchor
 from .pull.checked_target import CheckedTarget
 from .pull.decoded import DecodedUpdates
+from .pull.latest import LatestCheck
 from .pull.objects import decode_object, decode_sparse_object, object_index
 from .pull.planner import Plan, plan_path
+from .signing import as_trust
 from .store import DeltaStore, open_store
 from .tensors import bits_view, named_tensors
 from .undo import DEFAULT_MEMORY_BYTES, UndoJournal
@@ -59,6 +62,9 @@ class PullResult:
     lag: committed versions newer than ``step`` when the pull started.
     created: wall-clock time (seconds since the epoch) the version was committed;
         ``age`` is how old it is now.
+    signed_by: the key id that signed the version, checked (None without ``trusted_keys``).
+    latest_age: with ``trusted_keys``, a pull of the latest: seconds since the signed latest was issued
+        (``docs/security.md``); else None.
     """
 
     step: int
@@ -70,6 +76,8 @@ class PullResult:
     written: dict[str, int] = field(default_factory=dict)
     lag: int = 0
     created: float = 0.0
+    signed_by: str | None = None
+    latest_age: float | None = None
 
     @property
     def age(self) -> float:
@@ -117,13 +125,26 @@ class Subscriber:
             system temp directory). Needs up to the target's size in free space.
         journal_memory: old bits an anchor pull keeps in memory before it spills
             to ``journal_dir``.
+        trusted_keys: public keys (paths, PEM or OpenSSH text, key objects) whose signatures this
+            Subscriber accepts: every manifest it reads must carry one, checked on its bytes before any
+            object is fetched, and the latest comes from the signed ``refs/latest``, never older than one
+            seen before (:class:`UntrustedVersionError` and its subclasses; ``docs/security.md``). None
+            (default): versions are not checked (an open store's own ``trust`` applies, if it has one).
+        max_latest_age: with ``trusted_keys``, refuse (:class:`StaleLatestError`) a latest whose signature
+            is older than this many seconds (a frozen store or relay); :attr:`PullResult.latest_age` reports it.
     """
 
     def __init__(self, uri: Any, *, storage_options: dict[str, Any] | None = None, verify_anchors: bool = True,
                  max_lag: int | None = None, max_workers: int = 4, journal_dir: str | None = None,
-                 journal_memory: int = DEFAULT_MEMORY_BYTES):
+                 journal_memory: int = DEFAULT_MEMORY_BYTES, trusted_keys: Any = None,
+                 max_latest_age: float | None = None):
         pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
+        trust = as_trust(trusted_keys)  # keys checked before the store is opened
         self.store: DeltaStore = open_store(uri, **(storage_options or {}))
+        if trust is not None:
+            self.store.trust = trust
+            self.store.forget_all()  # a manifest read before without the check is read again with it
+        self.latest_check = LatestCheck(self.store.trust, max_latest_age)
         self.verify_anchors = verify_anchors
         if max_lag is not None and (not isinstance(max_lag, int) or max_lag < 0):
             raise ValueError(f"max_lag must be a non-negative integer, got {max_lag!r}")
@@ -133,6 +154,9 @@ class Subscriber:
         self.journal_memory = journal_memory
         self.replans = 0  # pulls that had to plan again because GC removed part of their path
         self._checked = CheckedTarget()  # the last target's checks, reused while it stays as they saw it
+        # one pull or stage at a time (they share _checked and the store's prefetches); re-entrant: a pull
+        # into a new dict stages its anchor
+        self._lock = threading.RLock()
 
     # -- discovery ---------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -140,8 +164,20 @@ class Subscriber:
         return self.store.versions()
 
     def latest(self) -> int | None:
-        """The highest committed step, or None."""
-        return self.store.latest()
+        """The highest committed step, or None; with trusted keys, the signed latest (checked as in
+        :meth:`pull`, :mod:`deltastore.pull.latest`)."""
+        with self._lock:  # the latest accepted is this Subscriber's state, shared with its pulls
+            return self.latest_check.resolve(self.store, self.versions())
+
+    def resolve_latest(self, current: VersionRef | None = None) -> int:
+        """The version a pull of the latest brings a target holding ``current`` to: :meth:`latest`, and with
+        trusted keys never below ``current`` (:class:`RollbackError`). Raises :class:`VersionNotFoundError`
+        for an empty store."""
+        with self._lock:
+            step = self.latest_check.resolve(self.store, self.versions(), current)
+        if step is None:
+            raise VersionNotFoundError(f"{self.store.uri} holds no versions yet")
+        return step
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of ``step`` (:class:`VersionNotFoundError` if absent)."""
@@ -175,7 +211,6 @@ class Subscriber:
                          where=self.store.uri)
 
     # -- pulling -------------------------------------------------------------------
-    @paused
     def pull(self, target: Target = None, *, step: int | None = None, allow_anchor: bool = True,
              progress: _progress.ProgressArg = None) -> PullResult:
         """Bring ``target`` to version ``step`` (default: the latest), bit-exactly.
@@ -203,18 +238,37 @@ class Subscriber:
 
         ``progress``: ``True`` for a bar on stderr, or an fsspec ``Callback``
         (see :mod:`deltastore.progress`); it counts object bytes fetched.
+
+        With ``trusted_keys``, every manifest the pull reads is checked before any object is fetched, and a
+        pull of the latest takes it from the signed ``refs/latest``: an unsigned version, an unknown key, a
+        bad signature, a replayed or frozen latest, or a latest below the target's version raise a subclass
+        of :class:`UntrustedVersionError` naming the version and the key id, the target untouched.
+
+        Thread-safe: a Subscriber runs one pull or stage at a time, and pulls
+        into one target, from any Subscribers and threads, run one at a time
+        (each starts from the version the one before it left).
         """
         if step is not None:
             _check_step_arg(step)
-        if progress is not None and progress is not False:
-            with _progress.reporting(progress, desc="pull"):
-                return self.pull(target, step=step, allow_anchor=allow_anchor)
+        with self._lock, tracking.exclusive(target):
+            if progress is not None and progress is not False:
+                with _progress.reporting(progress, desc="pull"):
+                    return self._pull_latest(target, step, allow_anchor)
+            return self._pull_latest(target, step, allow_anchor)
+
+    @paused
+    def _pull_latest(self, target: Target, step: int | None, allow_anchor: bool) -> PullResult:
+        """:meth:`pull` once the target is held: resolve the step, then pull, re-planning around GC and
+        corrupt objects."""
         t0 = time.perf_counter()
         versions = self.versions()
+        latest_age = None
         if step is None:
-            if not versions:
+            current = tracking.get_version(target) if target is not None else None
+            step = self.latest_check.resolve(self.store, versions, current)
+            if step is None:
                 raise VersionNotFoundError(f"{self.store.uri} holds no versions yet")
-            step = versions[-1]
+            latest_age = self.latest_check.age
         lag = sum(1 for s in versions if s > step)
         if self.max_lag is not None and lag > self.max_lag:
             raise StaleVersionError(f"version {step} is {lag} versions behind the latest ({versions[-1]}), "
@@ -231,6 +285,8 @@ class Subscriber:
                         self.store.forget_prefetched()  # what a failed pull left downloading
                 _log.info("pulled version %d (%s): %d B fetched, %d versions applied, %.3f s", res.step, res.path,
                           res.bytes_fetched, len(res.versions_applied), time.perf_counter() - t0)
+                if self.store.trust is not None:
+                    res.signed_by, res.latest_age = self.store.manifest(res.step).signed_by, latest_age
                 return res
             except CorruptObjectError as e:
                 # Nothing was written. Go around the bad object if another path exists
@@ -282,7 +338,7 @@ class Subscriber:
         Raises the same typed errors as :meth:`pull`.
         """
         _check_step_arg(step)
-        with self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
+        with self._lock, self.store.manifest_cache.holding():  # the path's manifests read once, then trimmed
             return self._stage(step, current, reader, allow_anchor, avoid, layout_changes)
 
     def _stage(self, step: int, current: VersionRef | None, reader: Reader | None, allow_anchor: bool,
@@ -503,7 +559,7 @@ class Subscriber:
             return None
         try:
             m, digest = self.store.manifest_with_digest(current.step)
-        except VersionNotFoundError:
+        except (VersionNotFoundError, UntrustedVersionError):  # (untrusted: a path from it is not planned)
             return None
         return m if digest == current.digest else None
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import os
+from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 import torch
 
-from .errors import TargetMismatchError
+from .errors import DeviceUnavailableError, TargetMismatchError
 
 #: dtypes that can be published, by their manifest name.
 DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +38,38 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise TargetMismatchError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}") from None
+
+
+def available_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``torch.device(device)`` when this process can place tensors there.
+
+    Raises :class:`DeviceUnavailableError` naming ``what`` (the argument) and the devices there are when
+    ``device`` is not a device (``"cuda0"``), when torch has no CUDA or no GPU is visible (``"cuda"``), or
+    when the index is past the last GPU (``"cuda:3"`` with two).
+    """
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceUnavailableError(f"{what}={device!r} is not a device ({e})") from None
+    if d.type in ("cpu", "meta"):
+        return d
+    if d.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceUnavailableError(f"{what}={device!r}: {why} (CUDA_VISIBLE_DEVICES="
+                                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use 'cpu'")
+        if d.index is not None and d.index >= count:
+            raise DeviceUnavailableError(f"{what}={device!r}: this process sees {count} CUDA device(s), "
+                                         f"cuda:0 to cuda:{count - 1}")
+        return d
+    try:  # another accelerator type (xpu, mps, ...): it is there when a tensor can be made on it
+        torch.empty(0, device=d)
+    except (AssertionError, RuntimeError, NotImplementedError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]
+        raise DeviceUnavailableError(f"{what}={device!r}: not available in this process "
+                                     f"({type(e).__name__}: {reason}); use 'cpu'") from None
+    return d
 
 
 _BITS_OF: dict[torch.dtype, torch.dtype] = {}
@@ -81,14 +114,14 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             return plain
         items = state.items()
     else:
-        items = checked_pairs(state)
+        items = state
     out: dict[str, torch.Tensor] = {}
     # by address first (one call a tensor); layouts are compared only at an address two tensors share
     first: dict[int, tuple[str, torch.Tensor | None]] = {}
     keyed: dict[tuple[Any, ...], str] = {}
     for name, t in items:
         if not isinstance(name, str):
-            raise TargetMismatchError(f"tensor names must be strings, got {_short(name)}")
+            raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
         if name in out:
@@ -96,7 +129,7 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
         out[name] = t
         ptr = t.data_ptr()
         if ptr == 0 and t.is_meta:  # (only tensors without storage have address 0)
-            raise _no_data(name)
+            raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model first")
         if t.numel() == 0:  # no elements: never an alias
             continue
         got = first.get(ptr)
@@ -117,34 +150,6 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             continue
         keyed[alias] = name
     return out
-
-
-def checked_pairs(items: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``items`` as ``(name, tensor)`` pairs, each checked as it is taken: :class:`TargetMismatchError` for an
-    item that is not a pair (a tuple or list of two), a name that is not a string, a value that is not a
-    tensor, or a tensor without data (on the ``meta`` device)."""
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise TargetMismatchError(f"expected (name, tensor) pairs, got {_short(item)}")
-        name, t = item
-        if not isinstance(name, str):
-            raise TargetMismatchError(f"tensor names must be strings, got {_short(name)}")
-        if not isinstance(t, torch.Tensor):
-            raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
-        if t.is_meta:
-            raise _no_data(name)
-        yield name, t
-
-
-def _no_data(name: str) -> TargetMismatchError:
-    return TargetMismatchError(f"{name!r} is a meta tensor, without data (load or materialize the weights "
-                               "first)")
-
-
-def _short(x: Any) -> str:
-    """``repr(x)`` cut short (an item may be a whole tensor)."""
-    text = f"{type(x).__name__} {x!r}" if not isinstance(x, torch.Tensor) else f"a tensor {tuple(x.shape)}"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .manifest import VersionRef
@@ -66,3 +68,29 @@ def _dropped(key: int, wr: weakref.ref) -> None:
         entry = _weak.get(key)
         if entry is not None and entry[0] is wr:  # not a newer object that got the same id
             del _weak[key]
+
+
+# targets being written, by id, each with its lock and how many pulls hold or wait for it (the entry goes when
+# none does; the target is alive meanwhile, so its id cannot be reused)
+_busy: dict[int, list[Any]] = {}
+
+
+@contextmanager
+def exclusive(target: Any) -> Iterator[None]:
+    """Hold ``target`` for one pull: pulls into the same target (from any Subscriber, any thread) run one at
+    a time. ``None`` (a pull into a new dict) holds nothing."""
+    if target is None:
+        yield
+        return
+    key = id(target)
+    with _lock:
+        entry = _busy.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:
+            yield
+    finally:
+        with _lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _busy[key]

@@ -28,6 +28,8 @@ class VerifyReport:
     notes: ``(step, message)`` for what is not wrong but weaker than usual: a version committed
         with a check-then-write create (a backend without atomic create, e.g. ``hf://``), which a
         concurrent writer could have raced (``docs/format.md``).
+    signers: step -> the key id that signed the version (None: unsigned), for every version that parsed;
+        checked when the store has ``trust`` (a version that fails it is a problem, not listed here).
     """
 
     versions: list[int] = field(default_factory=list)
@@ -35,6 +37,7 @@ class VerifyReport:
     objects: int = 0
     problems: list[tuple[int | None, str]] = field(default_factory=list)
     notes: list[tuple[int, str]] = field(default_factory=list)
+    signers: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +79,7 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
             continue
         digests[step] = digest
         report.versions.append(step)
+        report.signers[step] = m.signed_by
         if m.producer.get("commit") == "check-then-write":
             report.notes.append((step, "committed with a check-then-write create (no atomic create on this "
                                        "backend): a concurrent writer could have raced it"))

@@ -6,9 +6,11 @@
     make mutants
 
 The working tree is never touched: the repository (its tracked and untracked,
-not ignored files, or ``--rev``'s tree) is copied to a temporary directory,
-each mutant is applied there (a literal edit that must match exactly once, so
-a mutant that no longer applies is an error, not a pass), the tests that guard
+not ignored files, or ``--rev``'s tree) is copied to a temporary directory and
+its compiled kernels are built there (again after each mutant of a kernel
+source: ``deltastore/kernels/_*.pyx``, ``_simd.h``), each mutant is applied
+there (a literal edit that must match exactly once, so a mutant that no
+longer applies is an error, not a pass), the tests that guard
 that promise run there with this interpreter and ``PYTHONPATH`` pointing at
 the copy (checked: ``deltastore.__file__`` must lie in the copy, not in the
 editable install), and the edit is undone. First the same tests run on the
@@ -75,7 +77,7 @@ MUTANTS = [
              "            pass\n")],
            ["tests/test_update_batch.py"]),
     Mutant("take-one-part", "a tensor straddling two parts of the compare's output is cut at the first one",
-           [("deltastore/kernels/diff.py", "            a = e\n            k += 1\n", "            a = b\n")],
+           [("deltastore/kernels/_diff.pyx", "            a = e\n            k += 1\n", "            a = b\n")],
            ["tests/test_update_batch.py"]),
     Mutant("publish-per-tensor", "the synchronous publish hands every tensor to the codec as its own Update",
            [("deltastore/publish/objects.py", "                if diff is not None:  # in name order",
@@ -107,8 +109,8 @@ MUTANTS = [
            ["tests/test_bad_inputs.py"]),
     Mutant("in-place-segment-not-stepped-back", "a tensor the in-place kernel meets a bad item in keeps the items "
            "written before it",
-           [("deltastore/kernels/bitstream.py",
-             "                a[r] = _unapplied(_plane_step(planes, npl, seg_e + d), np.int64(a[r]), fmag)\n",
+           [("deltastore/kernels/_bitstream.pyx",
+             "                a[r] = <step_t>_unapplied(_plane_step(planes, seg_e + d), <int64_t>a[r], fmag)\n",
              "                pass\n")],
            ["tests/test_kernels.py", "tests/test_bad_inputs.py"]),
     Mutant("anchor-placed-unjournaled",
@@ -172,12 +174,12 @@ MUTANTS = [
              "                if True:\n                    loose.update")],
            ["tests/test_batched_reads.py"]),
     Mutant("merged-batch-stale-bits", "a batch merged with staged changes keeps the earlier delta's bits",
-           [("deltastore/kernels/merge.py", "upos[k], ubits[k], uorig[k] = a, bits[j], sorig[i]",
-             "upos[k], ubits[k], uorig[k] = a, sbits[i], sorig[i]")],
+           [("deltastore/kernels/_merge.pyx", "            ubits[k] = sb if a < c else nb\n",
+             "            ubits[k] = sb if a <= c else nb\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("merged-batch-original", "a merged batch keeps the staged bits as the target's originals",
-           [("deltastore/kernels/merge.py", "upos[k], ubits[k], uorig[k] = a, sbits[i], sorig[i]\n                i += 1",
-             "upos[k], ubits[k], uorig[k] = a, sbits[i], sbits[i]\n                i += 1")],
+           [("deltastore/kernels/_merge.pyx", "            uorig[k] = bf if c < a else so\n",
+             "            uorig[k] = bf if c < a else (so if c == a else sb)\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("staged-overlay-no-fallback", "old bits read out of order over staged deltas skip the staged bits",
            [("deltastore/apply.py", "        if segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old):\n"
@@ -219,7 +221,8 @@ MUTANTS = [
            [("deltastore/codecs/_common.py", "        if dtype != \"U8\" or len(shape) != 1:", "        if False:")],
            ["tests/test_codecs/test_bad_input.py"]),
     Mutant("ulp-ordered-unsigned", "the ulp steps of floats are taken on raw bits, not the ordered image",
-           [("deltastore/kernels/bitstream.py", "    return x ^ ((x >> 63) & fmag)", "    return x")],
+           [("deltastore/kernels/_bitstream.pyx", "    return x ^ ((x >> 63) & fmag)", "    return x"),
+            ("deltastore/kernels/_simd.h", "    return x ^ ((x >> 63) & fmag);", "    return x;")],
            ["tests/test_kernels.py"]),
     Mutant("fresh-dict-untracked", "the dict a pull returns is not tracked (its next pull takes an anchor)",
            [("deltastore/subscriber.py", "            tracking.set_version(result, ref)  # tracked weakly", "            pass  # tracked weakly")],
@@ -232,24 +235,17 @@ MUTANTS = [
            ["tests/test_background.py"]),
     Mutant("drift-merge-keeps-returned", "an element that changes back to the anchor's bits stays in the drift "
            "(the committed merge)",
-           [("deltastore/kernels/diff.py", "        keep = np.int64(a != x) | np.int64(anc != cn[j])\n        pos[w - 1]",
-             "        keep = np.int64(1)\n        pos[w - 1]")],
+           [("deltastore/kernels/_diff.pyx", "        keep = (a != x) | (anc != cn[j])\n        pos[w - 1]",
+             "        keep = 1\n        pos[w - 1]")],
            ["tests/test_drift.py"]),
     Mutant("drift-count-keeps-returned", "an element that changes back to the anchor's bits is still counted as drift",
-           [("deltastore/kernels/diff.py", "        keep = np.int64(a != x) | np.int64(anc != cn[j])\n        if write:",
-             "        keep = np.int64(1)\n        if write:")],
+           [("deltastore/kernels/_diff.pyx", "        keep = (a != x) | (anc != cn[j])\n        if write:",
+             "        keep = 1\n        if write:")],
            ["tests/test_drift.py"]),
     Mutant("drift-runs-overlap", "runs of rows merged on several threads start their output at the wrong place",
            [("deltastore/drift.py", "self._each(out_pos, out_anchor, out_bounds, starts[:-1], write=True)",
              "self._each(out_pos, out_anchor, out_bounds, [0] * len(self.runs), write=True)")],
            ["tests/test_drift.py"]),
-    Mutant("runtime-object-unchecked", "the runtime's cached object code is loaded without checking its digest",
-           [("deltastore/kernels/jit.py", "            or hashlib.sha256(rest).hexdigest() != digest):", "            ):")],
-           ["tests/test_kernels_jit.py"]),
-    Mutant("lean-load-refreshes", "a cached kernel's load makes numba's compiler ready first (numba's own load)",
-           [("deltastore/kernels/jit.py", "            ensure_runtime(target_context, self._cache_path)\n",
-             "            target_context.refresh()\n")],
-           ["tests/test_kernels_jit.py"]),
     Mutant("drift-budget-ignored", "the drift tracker keeps every drifted position whatever its budget",
            [("deltastore/drift.py", "            if budget_bytes is None or held <= budget_bytes or rate >= _MAX_RATE_LOG2:",
              "            if True:")],
@@ -294,6 +290,47 @@ MUTANTS = [
              '            if given is not None and self._table is not None and getattr(names, "table", None) is '
              'self._table:\n', "            if given is not None:\n")],
            ["tests/test_row_read_path.py"]),
+    Mutant("publish-unserialised", "publish() from several threads runs concurrently (no lock)",
+           [("deltastore/publisher.py", "        with self._lock:\n            yield\n", "        yield\n")],
+           ["tests/test_reliability/test_concurrent_use.py"]),
+    Mutant("pull-target-unserialised", "pulls into one target from several threads or Subscribers run concurrently",
+           [("deltastore/subscriber.py", "        with self._lock, tracking.exclusive(target):",
+             "        if True:")],
+           ["tests/test_reliability/test_concurrent_use.py"]),
+    Mutant("stream-holds-items", "a streamed publish holds live items for a later compare (no copy of small ones)",
+           [("deltastore/publish/stream.py",
+             "            piece[name] = t.detach().to(device=mirror.device, dtype=sp.dtype, copy=True)",
+             "            piece[name] = t")],
+           ["tests/test_publish_stream.py"]),
+    Mutant("whole-stream-not-copied", "a stream captured whole keeps references to its items (no copies)",
+           [("deltastore/publisher.py", "            state = owned_items(state)", "            state = list(state)")],
+           ["tests/test_publish_stream.py"]),
+    Mutant("signature-unchecked", "a manifest whose bytes changed after signing is accepted (any signature of a "
+           "trusted key id passes)",
+           [("deltastore/signing.py", "if any(k.verify(signature, signed) for k in keys):", "if True:")],
+           ["tests/test_backends/test_signed.py::test_tampered_manifest_refused",
+            "tests/test_backends/test_signed.py::test_swapped_objects_refused"]),
+    Mutant("unsigned-accepted", "an unsigned manifest passes a Subscriber with trusted keys",
+           [("deltastore/signing.py", "        if record is None:\n            raise UnsignedVersionError(",
+             "        if record is None:\n            return ''\n            raise UnsignedVersionError(")],
+           ["tests/test_backends/test_signed.py::test_unsigned_versions_refused"]),
+    Mutant("latest-may-go-back", "a follower accepts a signed refs/latest older than one it accepted before",
+           [("deltastore/pull/latest.py", "if seen is not None and (signed.step < seen.step or signed.issued < seen.issued):",
+             "if False:")],
+           ["tests/test_backends/test_signed.py::test_replayed_latest_refused"]),
+    Mutant("path-manifests-unchecked", "only the wanted version's manifest is checked, not the others on the path",
+           [("deltastore/subscriber.py", "        return plan_path(self.store.manifest_with_digest, step, current,",
+             "        def unchecked(s, store=self.store):\n"
+             "            if s == step:\n"
+             "                return store.manifest_with_digest(s)\n"
+             "            trust, store.trust = store.trust, None\n"
+             "            try:\n"
+             "                store.forget(s)\n"
+             "                return store.manifest_with_digest(s)\n"
+             "            finally:\n"
+             "                store.trust = trust\n"
+             "        return plan_path(unchecked, step, current,")],
+           ["tests/test_backends/test_signed.py::test_tampered_delta_on_the_path_refused"]),
     # issue 48: four plausible bugs the rest of the suite let through (tests/test_reliability/test_false_claims.py)
     Mutant("differential-base-by-step", "the planner takes a differential from the target when the target holds "
            "its base's step, whatever that version's digest (a joiner of a rewritten store)",
@@ -336,6 +373,25 @@ def copy_tree(dest: Path, rev: str | None) -> None:
             continue  # a venv, or a tracked file deleted in the working tree
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest / rel)
+
+
+KERNEL_SOURCES = (".pyx", ".pxd", ".h")
+
+
+def build(copy: Path) -> None:
+    """Compile the kernels in the copy (``setup.py build_ext --inplace``): the working tree's builds are ignored
+    files, never copied, and a mutant of a kernel source needs its own build. Cython comes from this
+    environment or, where it has none, is installed into the copy first (``pip --target``)."""
+    env = env_for(copy)
+    if subprocess.run([sys.executable, "-c", "import Cython"], env=env, capture_output=True).returncode != 0:
+        if not (copy / ".cython").exists():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(copy / ".cython"),
+                            "Cython>=3.0.11"], check=True)
+        env["PYTHONPATH"] = f"{copy / '.cython'}{os.pathsep}{env['PYTHONPATH']}"
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=copy, env=env,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"building the kernels in {copy} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
 
 
 def env_for(copy: Path) -> dict[str, str]:
@@ -395,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         copy_tree(copy, opts.rev)
+        build(copy)
         rev = opts.rev or "working tree"
         head = subprocess.run(["git", "rev-parse", "--short", opts.rev or "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip()
@@ -408,11 +465,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline: the unmutated copy passes {len(every)} test files/ids in {secs:.0f} s", flush=True)
         survived = []
         for m in chosen:
+            kernel = any(rel.endswith(KERNEL_SOURCES) for rel, _, _ in m.edits)
             originals = apply(copy, m)
             try:
+                if kernel:
+                    build(copy)
                 status, failed, secs, tail = run_tests(copy, m.tests)
             finally:
                 restore(originals)
+                if kernel:
+                    build(copy)
             m.caught_by = failed
             caught = status != 0 and bool(failed)
             if not caught:

@@ -134,3 +134,24 @@ def test_drift_bench_runs_bit_exact(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2", "3"] and "bit-exact" in proc.stdout.splitlines()
+
+
+def test_scale_quick_runs_on_the_bert_trace(tmp_path):
+    """``--trace minilm-l6`` (bench/traces/): scale.py takes that trace's runs and reports their publish and pull
+    figures under the same keys (``cold`` / ``dither``) as for the shared trace."""
+    _trace_module()
+    out = tmp_path / "scale.json"
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    env.pop("DELTASTORE_TRACE", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--quick", "--trace", "minilm-l6", "--skip", "background",
+         "memory", "codecs", "many", "dense", "--json", str(out), "--workdir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == [] and doc["config"]["trace"] == "minilm-l6"
+    assert doc["config"]["runs"] == ["cold-lr1e-6", "dither-lr5e-6"]
+    for r in ("cold", "dither"):
+        for key in ("publish_sync", "pull", "download_vs_bound"):
+            assert _finite(doc["figures"][f"{key}.{r}"]["value"]) and doc["figures"][f"{key}.{r}"]["value"] > 0
+    assert 0 < doc["densities"]["cold"] < doc["densities"]["dither"] < 0.1

@@ -178,7 +178,8 @@ def test_reader_without_fp8_support_refuses_the_dtype(tmp_path, monkeypatch):
         pub.publish(_state(), step=0)
     import deltastore.manifest as manifest_mod
 
-    monkeypatch.setattr(manifest_mod, "DTYPES", {k: v for k, v in manifest_mod.DTYPES.items() if "float8" not in k})
+    older = {k: v for k, v in manifest_mod.DTYPE_SIZES.items() if "float8" not in k}
+    monkeypatch.setattr(manifest_mod, "DTYPE_SIZES", older)
     with pytest.raises(ManifestError, match="float8_e4m3fn"):
         ds.Subscriber(uri).pull(step=0)
 

@@ -39,17 +39,15 @@ def _stored(uri: str) -> tuple[list[int], list[str]]:
 
 _T = torch.zeros(4096, dtype=torch.bfloat16)
 _MALFORMED = {
-    "a one-item tuple": ([("a.weight",)], r"expected \(name, tensor\) pairs, got tuple \('a.weight',\)"),
-    "a three-item tuple": ([("a.weight", _T, 1)], r"expected \(name, tensor\) pairs, got tuple \('a.weight', "),
-    "a bare tensor": ([_T], r"expected \(name, tensor\) pairs, got a tensor \(4096,\)"),
-    "an int": ([5], r"expected \(name, tensor\) pairs, got int 5"),
-    "a name that is not a string": ([(7, _T)], "tensor names must be strings, got int 7"),
+    "a one-item tuple": ([("a.weight",)], r"must be a \(name, tensor\) pair, got \('a.weight',\)"),
+    "a three-item tuple": ([("a.weight", _T, 1)], r"must be a \(name, tensor\) pair, got \('a.weight', tensor"),
+    "a bare tensor": ([_T], r"must be a \(name, tensor\) pair, got tensor\("),
+    "an int": ([5], r"must be a \(name, tensor\) pair, got 5"),
+    "a name that is not a string": ([(7, _T)], "tensor names must be strings, got 7"),
     "a value that is not a tensor": ([("a.weight", [1.0])], "'a.weight' is a list, not a tensor"),
     "a meta tensor": ([("a.weight", torch.empty(4096, dtype=torch.bfloat16, device="meta"))],
-                      "'a.weight' is a meta tensor, without data"),
+                      r"'a.weight' is a meta tensor \(no data\): materialize the model"),
 }
-
-
 MODES = ["list", "iterator", "mapping", "background"]
 #: every case through every way in, but a mapping, which always gives pairs, only with pairs
 MALFORMED_CASES = [(c, m) for c in sorted(_MALFORMED) for m in MODES

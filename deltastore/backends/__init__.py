@@ -74,8 +74,9 @@ def open_backend(uri: str | Any, **storage_options: Any) -> Backend:
     return wrapped
 
 # Network backends (issue 5): fsspec protocols and Hugging Face Buckets, imported on first use.
-_registry.register("s3", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[s3]'")
-_registry.register("s3a", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[s3]'")
-_registry.register("gs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
-_registry.register("gcs", "deltastore.backends.fsspec:FsspecBackend", install_hint="pip install 'deltastore[gcs]'")
-_registry.register("hf", "deltastore.backends.hf:HfBucketBackend", install_hint="pip install 'deltastore[hf]'")
+for _scheme, _extra, _needs in (("s3", "s3", "s3fs"), ("s3a", "s3", "s3fs"), ("gs", "gcs", "gcsfs"),
+                                ("gcs", "gcs", "gcsfs")):
+    _registry.register(_scheme, "deltastore.backends.fsspec:FsspecBackend",
+                       install_hint=f"pip install 'deltastore[{_extra}]'", requires=(_needs,))
+_registry.register("hf", "deltastore.backends.hf:HfBucketBackend", install_hint="pip install 'deltastore[hf]'",
+                   requires=("huggingface_hub", "hf_xet"))

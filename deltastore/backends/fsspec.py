@@ -65,6 +65,8 @@ from typing import Any
 from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BucketNotFoundError, KeyExistsError,
                       KeyNotFoundError, MissingDependencyError, UnknownOptionError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode
+from .credentials import credentials_error, missing_credentials
+from .options import check_fsspec_options
 from .retry import Progress, ProgressCallback, http_status, is_transient, run_parallel
 
 _ATOMIC_CREATE = {"s3": True, "s3a": True, "gs": True, "gcs": True}
@@ -234,6 +236,7 @@ class FsspecBackend(Backend):
         if not sep:
             raise ValueError(f"not a URI: {uri!r}")
         protocol = protocol.lower()
+        check_fsspec_options(protocol, options, uri)  # before any client is built
         ours = {k: options.pop(k) for k in _TRANSPORT_OPTIONS if k in options}
         timeout = options.pop("timeout", None)
         connect = float(options.pop("connect_timeout", timeout if timeout is not None else CONNECT_TIMEOUT))
@@ -264,6 +267,8 @@ class FsspecBackend(Backend):
         except PermissionError as e:
             raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
         except Exception as e:
+            if missing_credentials(e):
+                raise credentials_error(self.protocol, self.uri, e) from e
             if http_status(e) in (401, 403):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
             if is_transient(e):

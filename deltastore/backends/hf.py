@@ -60,8 +60,10 @@ from typing import Any
 import huggingface_hub  # noqa: F401 - a missing extra fails here, so the registry reports its install hint
 
 from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BucketNotFoundError, KeyExistsError,
-                      KeyNotFoundError, UnknownOptionError, ValueTooLargeError)
+                      KeyNotFoundError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode, check_key
+from .credentials import credentials_error, missing_credentials
+from .options import check_options
 from .retry import Progress, ProgressCallback, http_status, is_refused, is_transient
 
 _URI_PREFIX = "hf://buckets/"
@@ -125,10 +127,7 @@ class HfBucketBackend(Backend):
         bucket_id, prefix = parse_bucket_uri(uri)
         valid = [p for p in inspect.signature(cls.__init__).parameters
                  if p not in ("self", "bucket_id", "prefix", "uri")]
-        bad = sorted(k for k in options if k not in valid)
-        if bad:
-            raise UnknownOptionError(f"unknown storage option(s) {bad} for hf://buckets; valid: {valid} "
-                                     "(and 'retry', 'deadline')")
+        check_options(options, valid, uri)
         return cls(bucket_id, prefix, uri=uri, **options)
 
     def check_access(self) -> None:
@@ -158,6 +157,8 @@ class HfBucketBackend(Backend):
         except EntryNotFoundError:
             raise KeyNotFoundError(f"{key!r} not found in {self.uri}") from None
         except Exception as e:
+            if missing_credentials(e) or (is_refused(e) and not self._has_token()):
+                raise credentials_error("hf", self.uri, e) from e
             if is_refused(e):
                 raise AccessDeniedError(f"{what} {key!r} in {self.uri}: access denied ({e})") from e
             if is_transient(e):
@@ -166,6 +167,14 @@ class HfBucketBackend(Backend):
             if isinstance(e, OSError):
                 raise BackendError(f"{what} {key!r} in {self.uri} failed: {e}") from e
             raise
+
+    def _has_token(self) -> bool:
+        """Whether a token was given or found (``HF_TOKEN``, the saved login)."""
+        if self.api.token is not None:
+            return bool(self.api.token)
+        from huggingface_hub import get_token
+
+        return get_token() is not None
 
     def _download(self, paths: list[str]) -> dict[str, bytes]:
         """Fetch ``paths`` in one batch; raises EntryNotFoundError when any is missing."""

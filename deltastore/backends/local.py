@@ -24,8 +24,9 @@ import uuid
 from collections.abc import Iterator
 
 from ..errors import (AccessDeniedError, BackendError, KeyExistsError, KeyNotFoundError, ReadOnlyStoreError,
-                      StoreFullError, UnknownOptionError, ValueTooLargeError)
+                      StoreFullError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode
+from .options import check_options
 
 _TMP_PREFIX = ".tmp-"
 _OPTIONS = ("fsync",)
@@ -66,10 +67,7 @@ class LocalBackend(Backend):
     @classmethod
     def from_uri(cls, uri: str, **options: object) -> LocalBackend:
         """A bare path or ``file://PATH``; ``options`` may hold ``fsync`` (:class:`UnknownOptionError` otherwise)."""
-        bad = sorted(k for k in options if k not in _OPTIONS)
-        if bad:
-            raise UnknownOptionError(f"unknown storage option(s) {bad} for a local store; valid: {list(_OPTIONS)} "
-                                     "(and 'retry', 'deadline')")
+        check_options(options, _OPTIONS, f"the local store {uri}")
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         return cls(path, **options)  # type: ignore[arg-type]
 

@@ -10,8 +10,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import KeyExistsError, KeyNotFoundError, UnknownOptionError
+from ..errors import KeyExistsError, KeyNotFoundError
 from .base import Backend, Capabilities, KeyInfo, PutMode
+from .options import check_options
 
 _SHARED: dict[str, tuple[dict[str, tuple[bytes, float]], threading.Lock]] = {}
 _SHARED_LOCK = threading.Lock()
@@ -33,8 +34,7 @@ class MemoryBackend(Backend):
     @classmethod
     def from_uri(cls, uri: str, **options: object) -> MemoryBackend:
         """``memory://NAME`` -> the shared in-process store NAME."""
-        if options:
-            raise UnknownOptionError(f"memory:// takes no storage options, got {sorted(options)}; valid: []")
+        check_options(options, (), uri)
         return cls(uri.split("://", 1)[1])
 
     def _entry(self, key: str) -> tuple[bytes, float]:

@@ -8,8 +8,16 @@ out of attempts or time, and :class:`RetryingBackend` wraps any backend in
 that policy (the one retry layer: :func:`~deltastore.backends.open_backend`
 puts every remote backend behind it, and the clients' own retries are turned
 off so the layers do not multiply). A transient failure that outlives the
-deadline becomes :class:`BackendUnavailableError`. Each retry is logged at
-DEBUG on ``deltastore.backends.retry`` with its cause.
+deadline becomes :class:`BackendUnavailableError`. The first retry of a store
+in trouble (since its last success) is logged at INFO on
+``deltastore.backends.retry`` with the operation, the cause and the deadline
+(the command line shows it on a terminal), every later one at DEBUG.
+
+A refused connection (nothing listens at the endpoint: a wrong host or port)
+to a store this process has not reached yet is not retried: it fails at once,
+where waiting out the deadline would only delay the same error. Once a store
+has answered, a refused connection is a restart and is retried like any
+transient failure.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ _TRANSIENT_NAMES = {
     "TransportError", "NetworkError", "TimeoutException", "RemoteProtocolError", "ProtocolError",
     "ChunkedEncodingError", "FSTimeoutError",
 }
+# ... except these, which some clients derive from their transport errors but which no retry can fix: a URL
+# the client cannot use (a missing or unknown scheme, a malformed host)
+_PERMANENT_NAMES = {"UnsupportedProtocol", "InvalidURL", "MissingSchema", "InvalidSchema", "InvalidUrlClientError"}
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
               ValueError, TypeError, KeyError, NotImplementedError)
 
@@ -92,6 +103,16 @@ def is_refused(exc: BaseException) -> bool:
     return any(_REFUSED.search(str(e)) for e in _chain(exc))
 
 
+def is_connection_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (anywhere in its cause chain) is a refused TCP connection (``ECONNREFUSED``)."""
+    for e in _chain(exc):
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return True
+        if isinstance(getattr(e, "os_error", None), ConnectionRefusedError):  # aiohttp's ClientConnectorError
+            return True
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the call that raised ``exc`` may succeed.
 
@@ -107,6 +128,8 @@ def is_transient(exc: BaseException) -> bool:
     if status is not None:
         return status in _TRANSIENT_STATUS
     if isinstance(exc, _PERMANENT):
+        return False
+    if any(c.__name__ in _PERMANENT_NAMES for e in _chain(exc) for c in type(e).__mro__):
         return False
     for e in _chain(exc):
         if isinstance(e, (ConnectionError, TimeoutError)):
@@ -171,9 +194,10 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** retry)))
 
     def call(self, fn: Callable[[int], R], *, transient: Callable[[BaseException], bool] = is_transient,
-             what: str = "call") -> R:
+             what: str = "call", on_retry: Callable[[int, float, BaseException], None] | None = None) -> R:
         """Run ``fn(attempt)`` (attempt = 0, 1, ...) until it returns; re-raise a permanent or the last error.
 
+        ``on_retry(retry, pause, error)`` is called before each retry's pause (default: a DEBUG log line).
         Only ``Exception`` is retried: ``KeyboardInterrupt``/``SystemExit`` pass at once.
         """
         start = time.monotonic()
@@ -189,10 +213,18 @@ class RetryPolicy:
                 # no try starts that would, taking as long as the last one did, end past the deadline
                 if self.deadline is not None and now + pause + (now - began) - start > self.deadline:
                     raise
-                log.debug("retry %d/%d of %s in %.2f s after %s: %s", attempt + 1, self.attempts - 1, what,
-                          pause, type(e).__name__, e)
+                if on_retry is not None:
+                    on_retry(attempt + 1, pause, e)
+                else:
+                    log.debug("retry %d/%d of %s in %.2f s after %s: %s", attempt + 1, self.attempts - 1, what,
+                              pause, type(e).__name__, e)
                 time.sleep(pause)
         raise AssertionError("unreachable")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def run_parallel(fn: Callable[[T], R], items: Iterable[T], max_workers: int) -> list[R]:
@@ -247,30 +279,56 @@ class RetryingBackend(WrapperBackend):
         self.retry = RetryPolicy.coerce(retry)
         self.retries = 0
         self._lock = threading.Lock()
+        self._reached = False  # a call succeeded: a refused connection is a restart from now on
+        self._troubled = False  # a retry was announced and no call has succeeded since
 
     def _call(self, op: str, key: str, fn: Callable[[], R]) -> R:
         start = time.monotonic()
         tries = [0]
+        what = f"{op} {key!r} on {self.inner!r}" if key else f"{op} on {self.inner!r}"
 
         def attempt(n: int) -> R:
             tries[0] = n + 1
             if n:
                 with self._lock:
                     self.retries += 1
-            return fn()
+            got = fn()
+            self._reached = True
+            self._troubled = False
+            return got
+
+        def worth_retrying(e: BaseException) -> bool:
+            return is_transient(e) and (self._reached or not is_connection_refused(e))
 
         try:
-            return self.retry.call(attempt, what=f"{op} {key!r} on {self.inner!r}")
+            return self.retry.call(attempt, transient=worth_retrying, what=what,
+                                   on_retry=lambda n, pause, e: self._announce(what, n, pause, e, start))
         except Exception as e:
             if not is_transient(e):
                 raise
-            cause = str(e) if isinstance(e, BackendUnavailableError) else f"{op} {key!r} on {self.inner!r}: " \
-                f"{type(e).__name__}: {e}"
-            final = BackendUnavailableError(
-                f"store unreachable after {tries[0]} tries in {time.monotonic() - start:.1f} s "
-                f"(deadline {self.retry.deadline} s): {cause}")
+            cause = str(e) if isinstance(e, BackendUnavailableError) else f"{what}: {type(e).__name__}: {e}"
+            if worth_retrying(e):
+                final = BackendUnavailableError(
+                    f"store unreachable after {tries[0]} {'try' if tries[0] == 1 else 'tries'} in "
+                    f"{time.monotonic() - start:.1f} s (deadline {self.retry.deadline} s): {cause}")
+            else:
+                final = BackendUnavailableError(f"store unreachable: connection refused (not retried: this store "
+                                                f"has not answered yet; check the endpoint): {cause}")
             final.retried = True  # type: ignore[attr-defined]
             raise final from e
+
+    def _announce(self, what: str, retry: int, pause: float, error: BaseException, start: float) -> None:
+        """Log a retry: at INFO the first one since the store last answered (what, why, the deadline), so
+        that an operator sees at once that a store is unreachable; the others at DEBUG."""
+        with self._lock:
+            first, self._troubled = not self._troubled, True
+        if first and log.isEnabledFor(logging.INFO):
+            left = (f"for up to {max(self.retry.deadline - (time.monotonic() - start), 0.0):.0f} s more "
+                    "(storage option 'deadline')") if self.retry.deadline is not None else "with no deadline"
+            log.info("%s failed (%s: %s); retrying %s", what, type(error).__name__, _first_line(error), left)
+        else:
+            log.debug("retry %d/%d of %s in %.2f s after %s: %s", retry, self.retry.attempts - 1, what, pause,
+                      type(error).__name__, error)
 
     def _put(self, key: str, data: bytes, mode: PutMode) -> None:
         tried = [0]

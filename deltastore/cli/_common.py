@@ -9,13 +9,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .. import progress as _progress
-from ..errors import BucketNotFoundError, UnknownBackendError
-from ..store import STORE_MARKER, DeltaStore, open_store
+if TYPE_CHECKING:  # the store (numpy) and progress bars (fsspec, tqdm) are imported when a command needs them
+    from ..store import DeltaStore
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_A_STORE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_A_STORE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class CliError(Exception):
@@ -120,6 +119,8 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def is_store(store: DeltaStore) -> bool:
     """A store holds its ``deltastore.json`` marker, or (written before the marker) manifests under ``versions/``."""
+    from ..store import STORE_MARKER
+
     if store.backend.exists(STORE_MARKER):
         return True
     return next(iter(store.backend.list("versions/")), None) is not None
@@ -127,10 +128,15 @@ def is_store(store: DeltaStore) -> bool:
 
 def open_existing(args: argparse.Namespace) -> DeltaStore:
     """Open the store ``args.uri`` names; :class:`CliError` (exit 3) when nothing there is a store."""
+    from ..errors import BucketNotFoundError, UnknownBackendError, UnknownOptionError
+    from ..store import STORE_MARKER, open_store
+
     try:
         store = open_store(args.uri, **storage_options(args))
     except BucketNotFoundError as e:
         raise CliError(f"{args.uri}: not a deltastore store ({e})", EXIT_NOT_A_STORE) from e
+    except UnknownOptionError as e:  # names the URI itself
+        raise UsageError(f"deltastore {args.command}: {e}") from e
     except UnknownBackendError as e:
         raise UsageError(f"deltastore {args.command}: {args.uri}: no backend serves this URI ({e})") from e
     except (TypeError, ValueError) as e:  # a malformed URI, or an option the backend does not take
@@ -154,6 +160,32 @@ def format_time(created: float) -> str:
         return f"{created!r} (not a date)"
 
 
+def iso_time(created: float) -> str | None:
+    """A manifest's ``created`` as ISO 8601 UTC (``2026-03-01T12:00:00.250Z``), or None when no calendar date
+    fits it (what ``--json`` prints, the epoch seconds beside it)."""
+    try:
+        when = datetime.fromtimestamp(created, timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def dated(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its ``created`` (epoch seconds) as :func:`iso_time` and the seconds as ``created_unix``."""
+    return {**doc, "created": iso_time(doc["created"]), "created_unix": doc["created"]}
+
+
+def step_ranges(steps: Iterable[int]) -> str:
+    """Steps as runs of consecutive numbers: ``[1, 2, 3, 7, 9, 10]`` -> ``"1-3, 7, 9-10"``."""
+    runs: list[list[int]] = []
+    for s in sorted(set(steps)):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -166,24 +198,26 @@ def human_bytes(n: float) -> str:
 
 def bars_on(args: argparse.Namespace) -> bool:
     """Bars are drawn when stderr is a terminal, unless ``--quiet`` or ``DELTASTORE_NO_PROGRESS=1``."""
-    if getattr(args, "quiet", False) or _progress.disabled_by_env():
+    if getattr(args, "quiet", False):
         return False
     isatty = getattr(sys.stderr, "isatty", None)
-    return bool(isatty and isatty())
+    if not (isatty and isatty()):
+        return False
+    from .. import progress
 
-
-def callback(args: argparse.Namespace, desc: str, unit: str = "B") -> Any:
-    """The ``progress=`` argument for a library call: a tqdm bar when :func:`bars_on`, else None."""
-    return _progress.tqdm_callback(desc, unit) if bars_on(args) else None
+    return not progress.disabled_by_env()
 
 
 @contextmanager
 def bar(args: argparse.Namespace, desc: str, total: float | None = None, unit: str = "B") -> Iterator[Any]:
-    """A callback (fsspec convention) for a CLI loop; a no-op one when bars are off. Closed on exit."""
-    cb = callback(args, desc, unit)
-    if cb is None:
-        yield _progress.current()
+    """A tqdm bar as an fsspec callback (what a library call's ``progress=`` takes) when :func:`bars_on`,
+    else None; closed (and wiped) on exit, before the command prints its result."""
+    if not bars_on(args):
+        yield None
         return
+    from .. import progress
+
+    cb = progress.tqdm_callback(desc, unit)
     try:
         if total is not None:
             cb.set_size(total)
@@ -192,22 +226,30 @@ def bar(args: argparse.Namespace, desc: str, total: float | None = None, unit: s
         cb.close()
 
 
+def advance(cb: Any, n: int = 1) -> None:
+    """Move the bar ``cb`` of :func:`bar` on by ``n`` (thread-safe; nothing when bars are off)."""
+    if cb is not None:
+        from .. import progress
+
+        progress.advance(cb, n)
+
+
 def tracked(args: argparse.Namespace, items: Iterable[Any], desc: str, total: int, unit: str) -> Iterator[Any]:
     """Iterate ``items`` with a bar of ``total`` units (one per item)."""
     with bar(args, desc, total, unit) as cb:
         for item in items:
             yield item
-            _progress.advance(cb)
+            advance(cb)
 
 
 def sleeper(args: argparse.Namespace, desc: str) -> Callable[[float], None]:
     """A ``sleep(seconds)`` that shows the wait as a bar of seconds when bars are on."""
 
     def sleep(seconds: float) -> None:
-        if not bars_on(args):
-            time.sleep(seconds)
-            return
         with bar(args, desc, total=seconds, unit="s") as cb:
+            if cb is None:
+                time.sleep(seconds)
+                return
             end = time.monotonic() + seconds
             while (left := end - time.monotonic()) > 0:
                 time.sleep(min(0.1, left))

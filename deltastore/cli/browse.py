@@ -6,13 +6,15 @@ import argparse
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeltaStoreError
-from ..manifest import Manifest
-from ..store import DeltaStore
-from ._common import (CliError, add_json_argument, add_store_arguments, emit_json, format_time, non_negative_int,
-                      open_existing, tracked)
+from ._common import (CliError, add_json_argument, add_store_arguments, dated, emit_json, format_time,
+                      non_negative_int, open_existing, tracked)
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
+    from ..store import DeltaStore
 
 #: manifests fetched at once by ``ls`` and ``stats`` (each is one small GET)
 FETCH_WORKERS = 16
@@ -54,13 +56,15 @@ def row(m: Manifest) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ..manifest import Manifest
+
     with open_existing(args) as store:
         steps = store.versions()
         rows = []
         for step, m in manifests(store, steps, args):
             rows.append(row(m) if isinstance(m, Manifest) else {"step": step, "error": f"{type(m).__name__}: {m}"})
     if args.json:
-        emit_json({"uri": args.uri, "versions": rows})
+        emit_json({"uri": args.uri, "versions": [r if "error" in r else dated(r) for r in rows]})
         return 0
     if not rows:
         print(f"{args.uri}: no versions")
@@ -81,13 +85,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if step is None:
             raise CliError(f"{args.uri}: no versions")
         m, digest = store.manifest_with_digest(step)
-    if args.json:
-        emit_json(m.to_dict())
+    if args.json:  # the manifest's fields, its date as ISO 8601 (the epoch seconds beside it) and its digest
+        emit_json({**dated(m.to_dict()), "manifest_digest": digest})
         return 0
-    print(f"version {m.step} ({m.kind}), manifest {digest}, created {format_time(m.created)}")
-    print(f"parent: {m.parent.step if m.parent else None}; differential from: "
-          f"{m.differential.step if m.differential else None}; format {m.format_version}; producer {m.producer}")
-    print(f"metadata: {json.dumps(m.metadata)}")
+    print(f"version {m.step} ({m.kind}), manifest {digest}, created {format_time(m.created)} UTC")
+    print(f"parent: {_step_of(m.parent)}; differential from: {_step_of(m.differential)}; "
+          f"format {m.format_version}; producer {_json(m.producer)}")
+    print(f"metadata: {_json(m.metadata)}")
+    for label, value in (("files", {name: rec.get("size") for name, rec in m.files.items()}),
+                         ("aliases", m.aliases), ("quantization", m.quantization),
+                         ("new tensors", list(m.new_tensors)), ("dropped tensors", list(m.dropped_tensors))):
+        if value:
+            print(f"{label}: {_json(value)}")
     print(f"changed {m.changed:,} of {m.total:,} elements ({100 * m.changed / max(m.total, 1):.4f} %)")
     for i, o in enumerate(m.objects):
         print(f"object {i}: {o.digest} {o.size:,} B codec {o.codec['id']} {o.codec.get('version')}")
@@ -96,3 +105,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         roles = " ".join(f"{','.join(str(p.object) for p in parts) or '-':>6}" for parts in (t.delta, t.full, t.diff))
         print(f"{t.name:<60} {t.dtype:>9} {str(list(t.shape)):>18} {t.changed:>10,}  {roles} {t.checksum}")
     return 0
+
+
+def _step_of(ref: Any) -> str:
+    return str(ref.step) if ref is not None else "none"
+
+
+def _json(value: Any) -> str:
+    """``value`` as compact JSON (what ``--json`` would print), not a Python repr."""
+    return json.dumps(value, sort_keys=True, default=str)

@@ -12,13 +12,21 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("plugins", parents=parents, help="list codecs, backends and anchor policies",
                        description="List every registered codec, backend (URI scheme) and anchor policy: its "
                                    "class, where it comes from (built-in or an entry point) and whether it "
-                                   "loads here (with the install hint when it does not).")
+                                   "is installed here (with the install hint when it is not). Nothing is "
+                                   "imported unless --load is given.")
+    s.add_argument("--load", action="store_true",
+                   help="import every plugin to check that it loads (slower: the codecs import torch)")
     add_json_argument(s)
     s.set_defaults(func=cmd_plugins)
 
 
-def plugin_table() -> dict[str, list[dict[str, Any]]]:
-    """``{kind: [{name, target, origin, available, install_hint, error}]}`` for every registry."""
+def plugin_table(load: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """``{kind: [{name, target, origin, available, install_hint, error}]}`` for every registry.
+
+    ``available``: the plugin's module and the packages it needs are installed (found, not imported:
+    :meth:`Registry.missing`); with ``load`` each plugin is imported too, and one that fails to import
+    is unavailable with its error.
+    """
     from .. import anchors, backends, codecs  # noqa: F401 - importing them registers the built-ins
     from ..errors import DeltaStoreError
     from ..registry import anchor_policies, backends as backend_registry, codecs as codec_registry
@@ -28,11 +36,12 @@ def plugin_table() -> dict[str, list[dict[str, Any]]]:
                            ("anchor_policies", anchor_policies)):
         rows = []
         for info in registry.describe():
-            error = None
-            try:
-                registry.get(info.name)
-            except (DeltaStoreError, ImportError) as e:
-                error = str(e)
+            error = registry.missing(info.name)
+            if error is None and load:
+                try:
+                    registry.get(info.name)
+                except (DeltaStoreError, ImportError) as e:
+                    error = str(e)
             rows.append({"name": info.name, "target": info.target, "origin": info.origin,
                          "available": error is None, "install_hint": info.install_hint, "error": error})
         out[kind] = rows
@@ -40,7 +49,7 @@ def plugin_table() -> dict[str, list[dict[str, Any]]]:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    table = plugin_table()
+    table = plugin_table(load=args.load)
     if args.json:
         emit_json(table)
         return 0

@@ -15,7 +15,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from ._common import CliError, add_store_arguments, callback, non_negative_int, open_existing
+from ._common import CliError, add_store_arguments, bar, non_negative_int, open_existing
+from .keys import add_trust_arguments, latest_step, trust_of
 
 #: files a folder written by ``pull`` holds; a non-empty OUT_DIR without one of them is not replaced
 _CHECKPOINT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -29,30 +30,33 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     add_store_arguments(s)
     s.add_argument("out_dir", metavar="OUT_DIR")
     s.add_argument("--step", type=non_negative_int, help="the version (default: the latest)")
+    add_trust_arguments(s)
     s.set_defaults(func=cmd_pull)
     s = sub.add_parser("materialize", parents=parents, help="alias of pull with the step as an argument",
                        description="The older spelling of `pull URI OUT_DIR --step STEP`.")
     add_store_arguments(s)
     s.add_argument("step", type=non_negative_int)
     s.add_argument("out_dir", metavar="OUT_DIR")
+    add_trust_arguments(s)
     s.set_defaults(func=cmd_pull)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..materialize import materialize
+    from ..materialize import current_umask, materialize
 
     out = os.path.abspath(args.out_dir)
     _check_replaceable(out)
+    trust = trust_of(args)
     with open_existing(args) as store:
-        step = args.step if args.step is not None else store.latest()
-        if step is None:
-            raise CliError(f"{args.uri}: no versions")
+        store.trust = trust  # every manifest read is checked against the keys before any object is fetched
+        step = args.step if args.step is not None else latest_step(args, store)
         parent = os.path.dirname(out)
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.pull-", dir=parent)
         try:
-            files = materialize(store, step, tmp, progress=callback(args, f"pull {step}"))
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
+            with bar(args, f"pull {step}") as cb:  # closed before the result line
+                files = materialize(store, step, tmp, progress=cb)
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; a pulled folder is as readable as any
             _swap_in(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -84,9 +88,3 @@ def _swap_in(new: str, out: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

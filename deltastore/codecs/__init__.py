@@ -9,15 +9,35 @@ entry point in the group ``deltastore.codecs``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ManifestError, UnsupportedFormatError
 from ..registry import codecs as _registry
-from .base import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, read_old_bits,
-                   write_in_place)
+from ..tensor_spec import TensorSpec
+
+if TYPE_CHECKING:
+    from .base import Codec, InPlace, OldBits, Update, UpdateBatch, WrittenBatch, read_old_bits, write_in_place
 
 __all__ = ["Codec", "InPlace", "OldBits", "TensorSpec", "Update", "UpdateBatch", "WrittenBatch", "get_codec",
            "read_old_bits", "register_codec", "write_in_place"]
+
+#: the names of :mod:`.base` offered here, imported (with torch) on first use: registering codecs, reading a
+#: manifest or listing plugins needs no torch
+_FROM_BASE = ("Codec", "InPlace", "OldBits", "Update", "UpdateBatch", "WrittenBatch", "read_old_bits",
+              "write_in_place")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BASE:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FROM_BASE))
+
 
 _registry.register("raw", "deltastore.codecs.raw:RawCodec")
 _registry.register("dense", "deltastore.codecs.dense:DenseCodec")
@@ -44,6 +64,8 @@ def get_codec(config: str | dict[str, Any] | Codec) -> Codec:
     major version must equal the installed codec's, else
     :class:`UnsupportedFormatError`. Unknown names raise :class:`UnknownCodecError`.
     """
+    from .base import Codec
+
     if isinstance(config, Codec):
         return config
     if isinstance(config, str):

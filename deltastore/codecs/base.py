@@ -40,7 +40,6 @@ after, and the writes are undone if anything is off).
 from __future__ import annotations
 
 import abc
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from typing import Any, ClassVar, Literal, Optional
 import numpy as np
 import torch
 
-from ..tensors import bits_dtype
+from ..tensor_spec import TensorSpec
 
 _SPEC_NAME = operator.attrgetter("name")
 
@@ -133,42 +132,6 @@ class WrittenBatch:
     specs: list[TensorSpec]
     bounds: np.ndarray
     target: InPlace
-
-
-class _Numel:
-    """``TensorSpec.numel``, the element count: worked out on first use and kept in the (frozen) instance's
-    ``__dict__`` under the same name, where every later read finds it as a plain attribute, with no call
-    (a non-data descriptor; a property would run on every read, and it is read per tensor on hot paths,
-    often through a C-level ``operator.attrgetter``)."""
-
-    def __get__(self, spec: TensorSpec | None, owner: type | None = None) -> Any:
-        if spec is None:
-            return self
-        got = spec.__dict__["numel"] = math.prod(spec.shape)
-        return got
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, dtype and shape of one published tensor."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    numel = _Numel()  # the element count, an int (see _Numel); not a field
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's elements."""
-        return self.numel * self.bits_dtype.itemsize
-
-    @property
-    def bits_dtype(self) -> torch.dtype:
-        got = self.__dict__.get("_bits_dtype")
-        if got is None:
-            got = self.__dict__["_bits_dtype"] = bits_dtype(self.dtype)
-        return got
 
 
 class RowSpecs(list):  # type: ignore[type-arg]

@@ -28,12 +28,18 @@ class PollingLoop:
         raise NotImplementedError
 
     def run(self) -> None:
-        """Poll until :meth:`stop`; errors are logged and the engine keeps what it serves."""
+        """Poll until :meth:`stop`; errors are logged and the engine keeps what it serves. A failure that
+        repeats the previous poll's (the same version refused again) is logged once, then at DEBUG."""
+        last: tuple[Any, ...] | None = None
         while not self._stop.is_set():
             try:
                 self.poll_once()
+                last = None
             except Exception as e:
-                self._poll_log.warning(self._poll_failure, self.served_step, type(e).__name__, e)
+                failure = (self.served_step, type(e).__name__, str(e))
+                self._poll_log.log(logging.DEBUG if failure == last else logging.WARNING, self._poll_failure,
+                                   *failure)
+                last = failure
             self._stop.wait(self.poll_interval)
 
     def start(self) -> threading.Thread:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..publisher import Publisher, VersionInfo
+from ..signing import key_texts
 
 
 class DeltaStoreWeightTransfer:
@@ -51,17 +52,21 @@ class DeltaStoreWeightTransfer:
             ``set_version``, as in :mod:`deltastore.integrations.vllm.follower`): makes the
             sync a synchronous swap on that server.
         dtype: publish floating-point weights in this dtype (default bf16; None: as they are).
-        **publisher_options: any other :class:`~deltastore.Publisher` keyword argument.
+        trusted_keys: with ``control``, the public keys the server checks each applied version against
+            (default: the public half of ``signing_key`` when the Publisher signs; ``docs/security.md``).
+        **publisher_options: any other :class:`~deltastore.Publisher` keyword argument (``signing_key``
+            signs every version).
 
     Attributes:
         published: the steps published, in order. last: the last VersionInfo (or Future).
     """
 
     def __init__(self, uri: Any, *, control: Any = None, dtype: torch.dtype | None = torch.bfloat16,
-                 **publisher_options: Any) -> None:
+                 trusted_keys: Any = None, **publisher_options: Any) -> None:
         self._given = uri if isinstance(uri, Publisher) else None
         self.uri = None if self._given is not None else uri
         self.control = control
+        self.trusted_keys = trusted_keys
         self.publisher_options = dict(publisher_options, dtype=dtype)
         self.publisher: Publisher | None = None
         self.trainer: Any = None
@@ -108,7 +113,9 @@ class DeltaStoreWeightTransfer:
             if isinstance(self.last, Future):
                 self.last.result()
             uri = self.publisher.store.uri
-            self.control.apply(uri, step, {})
+            signer = self.publisher.store.signer
+            keys = key_texts(self.trusted_keys if self.trusted_keys is not None or signer is None else [signer])
+            self.control.apply(uri, step, {}, **({"trusted_keys": keys} if keys else {}))
             self.control.reset_prefix_cache()
             self.control.set_version(str(step))
 

@@ -61,19 +61,24 @@ class DeltaStoreCheckpointEngine(CheckpointEngine):
             server adapter that loads a subset in place; verl's vLLM and SGLang adapters are
             given every tensor by default).
         dtype: publish floating-point weights in this dtype (default bf16; None: as they are).
-        **publisher_options: any other :class:`~deltastore.Publisher` keyword argument.
+        trusted_keys, max_latest_age: the rollout side's :class:`~deltastore.Subscriber` options: pull only
+            versions signed by one of these public keys (paths or PEM/OpenSSH text), and refuse a signed latest
+            older than ``max_latest_age`` seconds (``docs/security.md``).
+        **publisher_options: any other :class:`~deltastore.Publisher` keyword argument (``signing_key``:
+            sign every version).
     """
 
     wire_format = "named_tensors"
 
     def __init__(self, bucket_size: int = 0, *, uri: str, storage_options: dict[str, Any] | None = None,
                  wait_s: float = 600.0, changed_only: bool = False, dtype: torch.dtype | str | None = torch.bfloat16,
-                 **publisher_options: Any) -> None:
+                 trusted_keys: Any = None, max_latest_age: float | None = None, **publisher_options: Any) -> None:
         self.bucket_size = bucket_size
         self.uri = uri
         self.storage_options = dict(storage_options or {})
         self.wait_s = float(wait_s)
         self.changed_only = changed_only
+        self.trusted_keys, self.max_latest_age = trusted_keys, max_latest_age
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.publisher_options = dict(publisher_options, dtype=dtype)
@@ -127,7 +132,8 @@ class DeltaStoreCheckpointEngine(CheckpointEngine):
                               ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Pull version ``global_steps`` (default: latest) into the host copy and yield every tensor."""
         if self.subscriber is None:
-            self.subscriber = Subscriber(self.uri, storage_options=self.storage_options)
+            self.subscriber = Subscriber(self.uri, storage_options=self.storage_options,
+                                         trusted_keys=self.trusted_keys, max_latest_age=self.max_latest_age)
         sub = self.subscriber
         if global_steps is not None:
             deadline = time.monotonic() + self.wait_s

@@ -1,42 +1,21 @@
 """Compiled kernels for the O(model) and O(changed) hot loops.
 
-Every kernel here is a numba ``@njit(nogil=True, cache=True)`` function over
-numpy arrays: it compiles once per machine (cached next to the module), runs
-without the GIL, and is parallelised by :func:`deltastore.kernels.parallel.chunked`
-(threads over contiguous chunks), never by numba's own threading layer, so
-kernels may be called from any number of Python threads at once.
+Each module here (``diff``, ``planes``, ``checksum``, ``bitstream``, ``ranks``, ``merge``) is the Python face
+of a C extension built from the ``_<module>.pyx`` beside it (Cython) when the package is installed: the loops
+run on numpy arrays and raw addresses without the GIL, nothing is compiled at run time, and nothing is cached
+or written anywhere. The few loops that gain from wide vectors (``_simd.h``) carry run-time CPU dispatch
+(baseline, AVX2, AVX-512 on x86-64 Linux). They are parallelised by :func:`deltastore.kernels.parallel.chunked`
+(threads over contiguous chunks), so kernels may be called from any number of Python threads at once.
 
-Kernels raise nothing: callers validate inputs (sizes, ranges) first, or a
-kernel returns a status code that the caller turns into a typed error.
+Kernels raise nothing on the data they are given: callers validate inputs (sizes, ranges) first, or a kernel
+returns a status code that the caller turns into a typed error. Arguments of the wrong kind (dtype, layout, a
+read-only output) raise ``TypeError``/``ValueError`` before any memory is touched.
 """
 
-
-def _shield_llvmlite_lib() -> None:
-    """Make ``llvmlite.binding.ffi.lib`` refuse dunder names, as every Python object should.
-
-    Its ``__getattr__`` wraps whatever the underlying ``CDLL`` returns, so
-    ``hasattr(lib, "__dict__")`` is true and ``vars(lib)`` yields a function
-    wrapper. Code that scans every module's globals and reads ``vars(value)``
-    (vLLM's ``triton_utils.dispatcher._rebind_kernels``, run while an engine
-    starts) then fails with ``AttributeError: ... has no attribute 'get'`` in
-    any process that has imported numba. Only dunder lookups change.
-    """
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:  # pragma: no cover - numba always brings llvmlite
-        return
-    cls = type(ffi.lib)
-    original = cls.__getattr__
-    if getattr(original, "_deltastore_shielded", False):
-        return
-
-    def __getattr__(self, name):  # type: ignore[no-untyped-def]
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return original(self, name)
-
-    __getattr__._deltastore_shielded = True  # type: ignore[attr-defined]
-    cls.__getattr__ = __getattr__
-
-
-_shield_llvmlite_lib()
+try:
+    from . import _checksum  # noqa: F401 - the extensions are built together: one that loads stands for all
+except ImportError as e:  # a source checkout that was never built, or a build for another Python
+    raise ImportError(
+        f"deltastore's compiled kernels do not load ({e}): install the package with pip (`pip install deltastore`, "
+        "or `pip install -e .` in a checkout), or build them in place with `python setup.py build_ext --inplace` "
+        "(needs Cython, numpy and a C compiler)") from e

@@ -1,4 +1,4 @@
-"""Bit streams and code-cost counting for the built-in sparse codecs (numba, nogil).
+"""Bit streams and code-cost counting for the built-in sparse codecs (compiled: ``_bitstream.pyx``, nogil).
 
 The byte layout is the one :mod:`deltastore.codecs._bits` documents: a unary
 stream U (``q`` zero bits then a one bit per value) and a raw stream R (each
@@ -12,24 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 
-from .checksum import C1, _fmix
-from .diff import _at, _prefetch_for_write, _voidptr, segment_runs  # address -> array, for data where it lies
-from .jit import njit
+from ._bitstream import (  # noqa: F401 - tests call the two gap readers and _gap_offsets directly
+    _apply_gaps_at, _apply_steps, _gap_offsets, _gap_positions, _gap_positions_mixed, _gap_stream, _kind_sums,
+    _max_step, _pack_raw, _pack_unary, _restore_gaps_at, _step_planes, _unpack_raw, _unpack_unary,
+    _uvarint_decode, _uvarint_encode, _uvarint_size)
+from .diff import segment_runs
 from .parallel import chunked, each, threads
-
-_U64 = np.uint64
-
-
-@njit(nogil=True, cache=True)
-def _pack_unary(q: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    pos = 0
-    for i in range(q.size):
-        pos += q[i]
-        out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-        pos += 1
 
 
 def pack_unary(q: np.ndarray) -> bytes:
@@ -43,25 +33,6 @@ def pack_unary(q: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-@njit(nogil=True, cache=True)
-def _unpack_unary(data: np.ndarray, count: int, out: np.ndarray) -> int:  # pragma: no cover - compiled
-    found = 0
-    last = -1
-    for byte in range(data.size):
-        b = data[byte]
-        if b == 0:
-            continue
-        for j in range(8):
-            if b & (0x80 >> j):
-                bit = byte * 8 + j
-                out[found] = bit - last - 1
-                last = bit
-                found += 1
-                if found == count:
-                    return found
-    return found
-
-
 def unpack_unary(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]:
     """First ``count`` quotients of a U stream (int64) and how many were found (< count: truncated)."""
     out = np.empty(count, np.int64)
@@ -70,32 +41,6 @@ def unpack_unary(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]
     buf = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
     found = _unpack_unary(buf, count, out)
     return out[:found], found
-
-
-@njit(nogil=True, cache=True)
-def _pack_raw(w: np.ndarray, r: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    acc = np.uint64(0)  # pending bits, right-aligned
-    n = 0               # how many pending bits (< 8 between values)
-    o = 0
-    for i in range(w.size):
-        width = w[i]
-        if width == 0:
-            continue
-        v = r[i]
-        # write the value's bits in pieces of at most 32 so the accumulator never overflows
-        while width > 0:
-            take = width if width <= 32 else width - 32
-            piece = (v >> np.uint64(width - take)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-            acc = (acc << np.uint64(take)) | piece
-            n += take
-            width -= take
-            while n >= 8:
-                n -= 8
-                out[o] = np.uint8((acc >> np.uint64(n)) & np.uint64(0xFF))
-                o += 1
-            acc &= (np.uint64(1) << np.uint64(n)) - np.uint64(1)
-    if n:
-        out[o] = np.uint8((acc << np.uint64(8 - n)) & np.uint64(0xFF))
 
 
 def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
@@ -109,24 +54,6 @@ def pack_raw(w: np.ndarray, r: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-@njit(nogil=True, cache=True)
-def _unpack_raw(data: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    bitpos = 0
-    for i in range(w.size):
-        width = w[i]
-        v = np.uint64(0)
-        while width > 0:
-            byte = bitpos >> 3
-            off = bitpos & 7
-            avail = 8 - off
-            take = width if width < avail else avail
-            bits = (np.uint64(data[byte]) >> np.uint64(avail - take)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-            v = (v << np.uint64(take)) | bits
-            bitpos += take
-            width -= take
-        out[i] = v
-
-
 def unpack_raw(data: bytes | np.ndarray, w: np.ndarray) -> np.ndarray:
     """Values of widths ``w`` read in order from an R stream; the caller has checked it holds sum(w) bits."""
     w = np.ascontiguousarray(w, dtype=np.int64)
@@ -138,46 +65,6 @@ def unpack_raw(data: bytes | np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 # -- exact code costs ---------------------------------------------------------------------
-_SMALL = 1 << 12  # values below this are counted in a histogram first (gaps and steps nearly always are)
-
-
-@njit(nogil=True, cache=True)
-def _add_costs(x: np.uint64, c: int, kr: int, ke: int, rice: np.ndarray, rice_f: np.ndarray, eg: np.ndarray,
-               short: np.ndarray) -> None:  # pragma: no cover - compiled
-    # ``c`` values equal to ``x``: rice[k] += c * (x >> k); eg[k] += c * (bit_length(x + 2**k) - 1) for
-    # 2**k <= x (the others contribute exactly k each, added from ``short`` at the end).
-    b = 0
-    t = x
-    while t:
-        t >>= np.uint64(1)
-        b += 1
-    short[b] += c
-    for k in range(min(b, kr + 1)):
-        q = x >> np.uint64(k)
-        rice[k] += q * np.uint64(c)
-        rice_f[k] += np.float64(q) * c
-    top = np.uint64(1) << np.uint64(b) if b < 64 else np.uint64(0)
-    for k in range(min(b, ke + 1)):
-        # 2**k <= x < 2**b: x + 2**k has bit length b, or b + 1 once it reaches 2**b
-        s = x + (np.uint64(1) << np.uint64(k))
-        eg[k] += c * (b - 1 + (1 if (b < 64 and s >= top) else 0))
-
-
-@njit(nogil=True, cache=True)
-def _kind_sums(v: np.ndarray, start: int, stop: int, kr: int, ke: int, rice: np.ndarray, rice_f: np.ndarray,
-               eg: np.ndarray, short: np.ndarray) -> None:  # pragma: no cover - compiled
-    hist = np.zeros(_SMALL, np.int64)
-    for i in range(start, stop):
-        x = v[i]
-        if x < _SMALL:
-            hist[x] += 1
-        else:
-            _add_costs(x, 1, kr, ke, rice, rice_f, eg, short)
-    for u in range(_SMALL):
-        if hist[u]:
-            _add_costs(np.uint64(u), hist[u], kr, ke, rice, rice_f, eg, short)
-
-
 def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact per-parameter totals for choosing a RICE/EG code for the uint64 values ``v``.
 
@@ -212,56 +99,6 @@ def kind_sums(v: np.ndarray, kr: int, ke: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 # -- LEB128 ------------------------------------------------------------------------------
-@njit(nogil=True, cache=True, inline="always")
-def _varint_len(x: np.uint64) -> int:  # pragma: no cover - compiled
-    n = 1
-    x >>= np.uint64(7)
-    while x:
-        x >>= np.uint64(7)
-        n += 1
-    return n
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _put_varint(out: np.ndarray, o: int, x: np.uint64) -> int:  # pragma: no cover - compiled
-    while x >= np.uint64(0x80):
-        out[o] = np.uint8((x & np.uint64(0x7F)) | np.uint64(0x80))
-        x >>= np.uint64(7)
-        o += 1
-    out[o] = np.uint8(x)
-    return o + 1
-
-
-@njit(nogil=True, cache=True)
-def _uvarint_size(v: np.ndarray) -> int:  # pragma: no cover - compiled
-    total = 0
-    for i in range(v.size):
-        total += _varint_len(v[i])
-    return total
-
-
-@njit(nogil=True, cache=True)
-def _uvarint_encode(v: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    o = 0
-    for i in range(v.size):
-        o = _put_varint(out, o, v[i])
-
-
-@njit(nogil=True, cache=True)
-def _gap_stream(ptrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover - compiled
-    # the gap stream of the sorted int64 arrays at ptrs: per array its first position, then each gap minus
-    # one; with an empty ``out`` only its length is counted
-    total = 0
-    for s in range(ptrs.size):
-        a = numba.carray(_voidptr(ptrs[s]), (lens[s],), np.int64)
-        prev = np.int64(-1)
-        for i in range(lens[s]):
-            x = np.uint64(a[i] - prev - np.int64(1))
-            prev = a[i]
-            total = _put_varint(out, total, x) if out.size else total + _varint_len(x)
-    return total
-
-
 def gap_stream(arrays: Sequence[np.ndarray]) -> bytes:
     """LEB128 gap stream of sorted int64 arrays, one after the other, read where they are (no
     concatenation, no temporary gaps): the layout :func:`gap_positions` decodes."""
@@ -303,28 +140,6 @@ def uvarint_encode(values: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-@njit(nogil=True, cache=True)
-def _uvarint_decode(b: np.ndarray, count: int, out: np.ndarray) -> tuple[int, int]:  # pragma: no cover
-    # returns (values decoded, bytes used); values decoded < count: truncated; -1: a value over 10 bytes
-    i = 0
-    for k in range(count):
-        x = np.uint64(0)
-        j = 0
-        while True:
-            if i >= b.size:
-                return k, i
-            byte = np.uint64(b[i])
-            i += 1
-            if j >= 10:
-                return -1, i
-            x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
-            j += 1
-            if byte < np.uint64(0x80):
-                break
-        out[k] = x
-    return count, i
-
-
 def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int, int]:
     """``(values, decoded, used)``: the first ``count`` LEB128 values, how many were complete
     (``-1``: one was longer than 10 bytes) and the bytes they used."""
@@ -332,92 +147,6 @@ def uvarint_decode(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, in
     out = np.empty(count, np.uint64)
     decoded, used = _uvarint_decode(b, count, out)
     return out, decoded, used
-
-
-@njit(nogil=True, cache=True)
-def _gap_positions(b: np.ndarray, counts: np.ndarray, numels: np.ndarray, out: np.ndarray) -> tuple[int, int, int]:
-    # returns (status, segment, bytes used): 0 ok; 1 truncated; 2 a value over 10 bytes; 3 a position past
-    # its segment's numel. Positions are strictly increasing per segment, so each is checked as it is made.
-    i = 0
-    k = 0
-    n = b.size
-    for s in range(counts.size):
-        lim = np.uint64(numels[s])
-        p = np.uint64(0)
-        for c in range(counts[s]):
-            if i < n and b[i] < 0x80:  # a one-byte value (most gaps): no loop
-                x = np.uint64(b[i])
-                i += 1
-            else:
-                x = np.uint64(0)
-                j = 0
-                while True:
-                    if i >= n:
-                        return 1, s, i
-                    if j >= 10:
-                        return 2, s, i
-                    byte = np.uint64(b[i])
-                    i += 1
-                    x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
-                    j += 1
-                    if byte < np.uint64(0x80):
-                        break
-            if x >= lim:  # checked before the add: no wrap-around
-                return 3, s, i
-            p = x if c == 0 else p + x + np.uint64(1)
-            if p >= lim:
-                return 3, s, i
-            out[k] = np.int64(p)
-            k += 1
-    return 0, -1, i
-
-
-@njit(nogil=True, cache=True)
-def _gap_positions_mixed(b: np.ndarray, counts: np.ndarray, numels: np.ndarray,
-                         out: np.ndarray) -> tuple[int, int, int]:  # pragma: no cover - compiled
-    # :func:`_gap_positions` for streams where one- and two-byte values mix (sparse changes: gaps around
-    # 128): a value of one or two bytes is read without a branch on which (that branch would be
-    # mispredicted for most values), anything longer by the general loop. Same results, statuses included.
-    # (The general loop is written out here as in _gap_positions: moved into a shared inline helper it
-    # made _gap_positions 2.7x slower on a real cold stream, 3.7 -> 9.9 ms.)
-    i = 0
-    k = 0
-    n = b.size
-    for s in range(counts.size):
-        lim = np.int64(numels[s])
-        p = np.int64(-1)
-        for c in range(counts[s]):
-            x = np.int64(-1)
-            if i + 1 < n:
-                b0 = np.int64(b[i])
-                b1 = np.int64(b[i + 1])
-                more = b0 >> 7  # 1 when a second byte follows
-                if (more & (b1 >> 7)) == 0:
-                    x = (b0 & 0x7F) | ((b1 << 7) * more)
-                    i += 1 + more
-            if x < 0:  # three bytes or more, or the stream's last byte
-                xu = np.uint64(0)
-                j = 0
-                while True:
-                    if i >= n:
-                        return 1, s, i
-                    if j >= 10:
-                        return 2, s, i
-                    byte = np.uint64(b[i])
-                    i += 1
-                    xu |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
-                    j += 1
-                    if byte < np.uint64(0x80):
-                        break
-                if xu >= np.uint64(lim):  # checked before the add: no wrap-around
-                    return 3, s, i
-                x = np.int64(xu)
-            p = p + x + 1
-            if p >= lim:
-                return 3, s, i
-            out[k] = p
-            k += 1
-    return 0, -1, i
 
 
 #: stream bytes per position above which :func:`gap_positions` uses the branch-free reader (a real cold
@@ -443,37 +172,6 @@ def gap_positions(data: bytes | np.ndarray, counts: np.ndarray, numels: np.ndarr
 
 
 # -- ulp steps in the ordered image ----------------------------------------------------------
-@njit(nogil=True, cache=True, inline="always")
-def _ordered(x: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
-    # sign-magnitude -> two's complement for floats (fmag = the magnitude mask; -0.0 -> -1), integers as
-    # they are (fmag = 0); branch-free, and its own inverse
-    return x ^ ((x >> 63) & fmag)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _step(new: np.int64, old: np.int64, fmag: np.int64) -> np.uint64:  # pragma: no cover - compiled
-    d = _ordered(new, fmag) - _ordered(old, fmag)
-    return np.uint64((d << np.int64(1)) ^ (d >> np.int64(63))) - np.uint64(1)  # zig-zag, minus one
-
-
-@njit(nogil=True, cache=True)
-def _max_step(new: np.ndarray, old: np.ndarray, fmag: np.int64) -> np.uint64:  # pragma: no cover - compiled
-    m = np.uint64(0)
-    for i in range(new.size):
-        m = max(m, _step(np.int64(new[i]), np.int64(old[i]), fmag))
-    return m
-
-
-@njit(nogil=True, cache=True)
-def _step_planes(new: np.ndarray, old: np.ndarray, fmag: np.int64, out: np.ndarray) -> None:  # pragma: no cover
-    npl = out.shape[0]
-    for i in range(new.size):
-        x = _step(np.int64(new[i]), np.int64(old[i]), fmag)
-        for j in range(npl):
-            out[j, i] = np.uint8(x & np.uint64(0xFF))
-            x >>= np.uint64(8)
-
-
 def step_planes(new: np.ndarray, old: np.ndarray, is_float: bool, nplanes: int | None = None) -> np.ndarray:
     """``uint8[nplanes, n]``: plane ``j`` holds byte ``j`` (little-endian) of ``zigzag(ordered(new) -
     ordered(old)) - 1`` for paired raw bits of one width.
@@ -491,46 +189,6 @@ def step_planes(new: np.ndarray, old: np.ndarray, is_float: bool, nplanes: int |
     if nplanes and new.size:
         chunked(new.size, lambda a, e: _step_planes(new[a:e], old[a:e], fmag, out[:, a:e]), 1 << 18)
     return out
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _applied(z: np.int64, x: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
-    # old bits x (sign-extended) plus the step coded as z = zigzag(step) - 1, in the ordered image
-    u = np.uint64(z) + np.uint64(1)  # unsigned: a 64-bit step's top bit must shift out logically
-    return _ordered(x, fmag) + (np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1)))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _unapplied(z: np.int64, y: np.int64, fmag: np.int64) -> np.int64:  # pragma: no cover - compiled
-    # the inverse of _applied: the old raw bits from the new ones y (sign-extended) and the coded step z
-    u = np.uint64(z) + np.uint64(1)
-    return _ordered(_ordered(y, fmag) - (np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1))), fmag)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _plane_step(planes: np.ndarray, npl: int, i: int) -> np.int64:  # pragma: no cover - compiled
-    # planes[j, i]: byte j of (zigzag(step) - 1) of element i; one and two planes (most steps) read directly
-    if npl == 1:
-        return np.int64(planes[0, i])
-    if npl == 2:
-        return np.int64(planes[0, i]) | (np.int64(planes[1, i]) << 8)
-    u = np.uint64(0)
-    for j in range(npl):
-        u |= np.uint64(planes[j, i]) << np.uint64(8 * j)
-    return np.int64(u)
-
-
-@njit(nogil=True, cache=True)
-def _apply_steps(old: np.ndarray, planes: np.ndarray, fmag: np.int64, lo: np.int64, hi: np.int64,
-                 out: np.ndarray) -> int:  # pragma: no cover - compiled
-    # returns the first element whose result leaves the dtype's range, or -1
-    npl = planes.shape[0]
-    for i in range(old.size):
-        o = _applied(_plane_step(planes, npl, i), np.int64(old[i]), fmag)
-        if o < lo or o > hi:
-            return i
-        out[i] = _ordered(o, fmag)  # back to raw bits
-    return -1
 
 
 def _step_range(dtype: np.dtype, is_float: bool) -> tuple[np.int64, np.int64, np.int64]:
@@ -561,156 +219,6 @@ def apply_steps(old: np.ndarray, planes: np.ndarray, is_float: bool) -> tuple[np
 
     found = [b for b in chunked(old.size, run, 1 << 18) if b >= 0]
     return out, int(found[0]) if found else -1
-
-
-_STEP_AHEAD = 32  # items: the cache line of the position this far ahead is fetched for writing
-_RING_MASK = 63  # positions decoded ahead are kept in a ring of this many + 1 (> _STEP_AHEAD)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _leb128(b: np.ndarray, i: int, n: int) -> tuple[np.uint64, int, int]:  # pragma: no cover - compiled
-    # the LEB128 value at b[i]: (value, next index, status 0 / 1 truncated / 2 over 10 bytes)
-    if i < n and b[i] < 0x80:  # a one-byte value (most gaps): no loop
-        return np.uint64(b[i]), i + 1, 0
-    x = np.uint64(0)
-    j = 0
-    while True:
-        if i >= n:
-            return x, i, 1
-        if j >= 10:
-            return x, i, 2
-        byte = np.uint64(b[i])
-        i += 1
-        x |= (byte & np.uint64(0x7F)) << np.uint64(7 * j)
-        j += 1
-        if byte < np.uint64(0x80):
-            return x, i, 0
-
-
-@njit(nogil=True, cache=True)
-def _apply_gaps_at(like, ptr, lens, keys, slot, counts, s0, s1, gaps, i0, e0, planes, fmag, lo, hi, zmask, done,
-                   sums):  # pragma: no cover - compiled
-    # Segments s0..s1 of a LEB128 gap stream, from byte i0 and stream item e0 (a column of planes). Segment s
-    # with t = slot[s] >= 0 is tensor t: lens[t] elements of like's dtype at ptr[t]; each of its items is
-    # read, stepped and written back, the checksum change summed in sums[t]; it is written whole (done[t])
-    # or, at a bad item, put back as it was (each written item stepped back) before returning. A segment
-    # with slot -1 is only read past. Returns (status, segment, byte after the run): 0 ok; 1 truncated
-    # stream; 2 a value over 10 bytes; 3 a position past its tensor; 4 a value out of the dtype's range
-    # (statuses 1 and 2 of skipped segments too).
-    npl = planes.shape[0]
-    width = like.itemsize
-    n = gaps.size
-    i = i0
-    e = e0
-    ring = np.empty(_RING_MASK + 1, np.int64)
-    for s in range(s0, s1):
-        m = counts[s]
-        t = slot[s]
-        if t < 0:
-            for c in range(m):
-                x, i, status = _leb128(gaps, i, n)
-                if status:
-                    return status, s, i
-            e += m
-            continue
-        lim = np.int64(lens[t])
-        a = _at(ptr[t], lens[t], like)
-        key = keys[t]
-        seg_i, seg_e = i, e
-        # positions are decoded _STEP_AHEAD items ahead of their write into a small ring, so that the cache
-        # line of each is fetched while the items before it are stepped
-        q = np.int64(-1)
-        got = 0  # items decoded into the ring
-        status = 0
-        p = np.int64(-1)
-        total = np.uint64(0)
-        c = 0
-        while c < m:
-            while got < m and got <= c + _STEP_AHEAD:
-                x, i, status = _leb128(gaps, i, n)
-                if status:
-                    break
-                if x >= np.uint64(lim):  # checked before the add: no wrap-around
-                    status = 3
-                    break
-                q += np.int64(x) + 1
-                if q >= lim:
-                    status = 3
-                    break
-                ring[got & _RING_MASK] = q
-                _prefetch_for_write(ptr[t] + q * width)
-                got += 1
-            if status:
-                break
-            p = ring[c & _RING_MASK]
-            old = a[p]
-            o = _applied(_plane_step(planes, npl, e), np.int64(old), fmag)
-            if o < lo or o > hi:
-                status = 4
-                break
-            y = _ordered(o, fmag)
-            a[p] = y
-            h = np.uint64(p) * C1
-            total += _fmix((h ^ (np.uint64(y) & zmask)) + key) - _fmix((h ^ (np.uint64(np.int64(old)) & zmask)) + key)
-            e += 1
-            c += 1
-        if status:  # step back the items of this segment written so far (their bytes read again)
-            j, r = seg_i, np.int64(-1)
-            for d in range(c):
-                x, j, st = _leb128(gaps, j, n)
-                r += np.int64(x) + 1
-                a[r] = _unapplied(_plane_step(planes, npl, seg_e + d), np.int64(a[r]), fmag)
-            return status, s, i
-        sums[t] = total
-        done[t] = True
-    return 0, -1, i
-
-
-@njit(nogil=True, cache=True)
-def _restore_gaps_at(like, ptr, lens, slot, counts, s0, s1, gaps, i0, e0, planes, fmag, done):  # pragma: no cover
-    # step back every item of the done tensors of a run of _apply_gaps_at (its stream read again): the old
-    # bits follow from the new ones and the step; a run's tensors after one not done were not reached
-    npl = planes.shape[0]
-    n = gaps.size
-    i = i0
-    e = e0
-    for s in range(s0, s1):
-        t = slot[s]
-        if t >= 0 and not done[t]:
-            return
-        p = np.int64(-1)
-        for c in range(counts[s]):
-            x, i, st = _leb128(gaps, i, n)
-            if t >= 0:
-                p += np.int64(x) + 1
-                a = _at(ptr[t], lens[t], like)
-                a[p] = _unapplied(_plane_step(planes, npl, e), np.int64(a[p]), fmag)
-            e += 1
-
-
-@njit(nogil=True, cache=True)
-def _gap_offsets(gaps, ends):  # pragma: no cover - compiled
-    # the byte index after the first ends[k] values of a LEB128 stream (ends sorted), or -1 past its end:
-    # each value ends at a byte below 0x80, counted 64 bytes at a time while a whole block cannot overshoot
-    out = np.full(ends.size, -1, np.int64)
-    n = gaps.size
-    i = 0
-    seen = 0
-    for k in range(ends.size):
-        want = ends[k]
-        while i + 64 <= n and seen + 64 <= want:
-            c = 0
-            for j in range(i, i + 64):
-                c += gaps[j] < 0x80
-            seen += c
-            i += 64
-        while i < n and seen < want:
-            seen += gaps[i] < 0x80
-            i += 1
-        if seen < want:
-            return out
-        out[k] = i
-    return out
 
 
 class StepsInPlace:

@@ -16,244 +16,20 @@ Two shapes of call:
   tensor alive during the call and checks every count and offset first.
 
 Each call reads its input once and writes its output once (no temporaries).
-The kernels are ``@njit(nogil=True, cache=True)``; callers run them on kernel
-threads (:mod:`deltastore.kernels.parallel`). The kernels check nothing.
+The loops are compiled (``_planes.pyx``, vectorised in ``_simd.h``) and run
+without the GIL; callers run them on kernel threads
+(:mod:`deltastore.kernels.parallel`). The functions here check every argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numba
 import numpy as np
-from numba import types
-from numba.extending import intrinsic
 
-from .jit import njit
+from . import _planes
 
 _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
-
-
-def _pointer_intrinsic(elem: types.Type):
-    """An intrinsic turning a 64-bit integer address into a ``CPointer(elem)`` (for ``numba.carray``)."""
-
-    @intrinsic
-    def ptr(typingctx, addr):  # type: ignore[no-untyped-def]
-        if not isinstance(addr, types.Integer) or addr.bitwidth != 64:
-            return None
-        sig = types.CPointer(elem)(addr)
-
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    return ptr
-
-
-_p8 = _pointer_intrinsic(types.uint8)
-_p16 = _pointer_intrinsic(types.uint16)
-_p32 = _pointer_intrinsic(types.uint32)
-_p64 = _pointer_intrinsic(types.uint64)
-
-
-# --- element loops (inlined into the kernels below) --------------------------------------------------
-
-@njit(nogil=True, cache=True, inline="always")
-def _s1(src, p0):  # type: ignore[no-untyped-def]
-    for i in range(src.size):
-        p0[i] = src[i]
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _s2(src, rotate, p0, p1):  # type: ignore[no-untyped-def]
-    if rotate:
-        for i in range(src.size):
-            v = np.uint32(src[i])
-            r = (v << np.uint32(1)) | (v >> np.uint32(15))
-            p0[i] = np.uint8(r & np.uint32(0xFF))
-            p1[i] = np.uint8((r >> np.uint32(8)) & np.uint32(0xFF))
-    else:
-        for i in range(src.size):
-            v = np.uint32(src[i])
-            p0[i] = np.uint8(v & np.uint32(0xFF))
-            p1[i] = np.uint8(v >> np.uint32(8))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _s4(src, rotate, p0, p1, p2, p3):  # type: ignore[no-untyped-def]
-    for i in range(src.size):
-        v = np.uint64(src[i])
-        if rotate:
-            v = ((v << np.uint64(1)) | (v >> np.uint64(31))) & np.uint64(0xFFFFFFFF)
-        p0[i] = np.uint8(v & np.uint64(0xFF))
-        p1[i] = np.uint8((v >> np.uint64(8)) & np.uint64(0xFF))
-        p2[i] = np.uint8((v >> np.uint64(16)) & np.uint64(0xFF))
-        p3[i] = np.uint8((v >> np.uint64(24)) & np.uint64(0xFF))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _s8(src, rotate, p0, p1, p2, p3, p4, p5, p6, p7):  # type: ignore[no-untyped-def]
-    for i in range(src.size):
-        v = np.uint64(src[i])
-        if rotate:
-            v = (v << np.uint64(1)) | (v >> np.uint64(63))
-        p0[i] = np.uint8(v & np.uint64(0xFF))
-        p1[i] = np.uint8((v >> np.uint64(8)) & np.uint64(0xFF))
-        p2[i] = np.uint8((v >> np.uint64(16)) & np.uint64(0xFF))
-        p3[i] = np.uint8((v >> np.uint64(24)) & np.uint64(0xFF))
-        p4[i] = np.uint8((v >> np.uint64(32)) & np.uint64(0xFF))
-        p5[i] = np.uint8((v >> np.uint64(40)) & np.uint64(0xFF))
-        p6[i] = np.uint8((v >> np.uint64(48)) & np.uint64(0xFF))
-        p7[i] = np.uint8((v >> np.uint64(56)) & np.uint64(0xFF))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _j1(p0, out):  # type: ignore[no-untyped-def]
-    for i in range(out.size):
-        out[i] = p0[i]
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _j2(p0, p1, rotate, out):  # type: ignore[no-untyped-def]
-    if rotate:
-        for i in range(out.size):
-            r = np.uint32(p0[i]) | (np.uint32(p1[i]) << np.uint32(8))
-            out[i] = np.uint16(((r >> np.uint32(1)) | (r << np.uint32(15))) & np.uint32(0xFFFF))
-    else:
-        for i in range(out.size):
-            out[i] = np.uint16(np.uint32(p0[i]) | (np.uint32(p1[i]) << np.uint32(8)))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _j4(p0, p1, p2, p3, rotate, out):  # type: ignore[no-untyped-def]
-    for i in range(out.size):
-        r = (np.uint64(p0[i]) | (np.uint64(p1[i]) << np.uint64(8)) | (np.uint64(p2[i]) << np.uint64(16))
-             | (np.uint64(p3[i]) << np.uint64(24)))
-        if rotate:
-            r = ((r >> np.uint64(1)) | (r << np.uint64(31))) & np.uint64(0xFFFFFFFF)
-        out[i] = np.uint32(r)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _j8(p0, p1, p2, p3, p4, p5, p6, p7, rotate, out):  # type: ignore[no-untyped-def]
-    for i in range(out.size):
-        r = (np.uint64(p0[i]) | (np.uint64(p1[i]) << np.uint64(8)) | (np.uint64(p2[i]) << np.uint64(16))
-             | (np.uint64(p3[i]) << np.uint64(24)) | (np.uint64(p4[i]) << np.uint64(32))
-             | (np.uint64(p5[i]) << np.uint64(40)) | (np.uint64(p6[i]) << np.uint64(48))
-             | (np.uint64(p7[i]) << np.uint64(56)))
-        if rotate:
-            r = (r >> np.uint64(1)) | (r << np.uint64(63))
-        out[i] = r
-
-
-# --- one array ---------------------------------------------------------------------------------------
-
-@njit(nogil=True, cache=True)
-def _split1(src, rotate, p0):  # type: ignore[no-untyped-def]
-    _s1(src, p0)
-
-
-@njit(nogil=True, cache=True)
-def _split2(src, rotate, p0, p1):  # type: ignore[no-untyped-def]
-    _s2(src, rotate, p0, p1)
-
-
-@njit(nogil=True, cache=True)
-def _split4(src, rotate, p0, p1, p2, p3):  # type: ignore[no-untyped-def]
-    _s4(src, rotate, p0, p1, p2, p3)
-
-
-@njit(nogil=True, cache=True)
-def _split8(src, rotate, p0, p1, p2, p3, p4, p5, p6, p7):  # type: ignore[no-untyped-def]
-    _s8(src, rotate, p0, p1, p2, p3, p4, p5, p6, p7)
-
-
-@njit(nogil=True, cache=True)
-def _join1(p0, rotate, out):  # type: ignore[no-untyped-def]
-    _j1(p0, out)
-
-
-@njit(nogil=True, cache=True)
-def _join2(p0, p1, rotate, out):  # type: ignore[no-untyped-def]
-    _j2(p0, p1, rotate, out)
-
-
-@njit(nogil=True, cache=True)
-def _join4(p0, p1, p2, p3, rotate, out):  # type: ignore[no-untyped-def]
-    _j4(p0, p1, p2, p3, rotate, out)
-
-
-@njit(nogil=True, cache=True)
-def _join8(p0, p1, p2, p3, p4, p5, p6, p7, rotate, out):  # type: ignore[no-untyped-def]
-    _j8(p0, p1, p2, p3, p4, p5, p6, p7, rotate, out)
-
-
-# --- many tensors by address -------------------------------------------------------------------------
-# addrs[k]: address of segment k's first element; counts[k]: its elements; starts[k]: where it sits in the planes
-
-@njit(nogil=True, cache=True)
-def _split1_seg(addrs, counts, starts, rotate, p0):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _s1(numba.carray(_p8(addrs[k]), (n,)), p0[s:s + n])
-
-
-@njit(nogil=True, cache=True)
-def _split2_seg(addrs, counts, starts, rotate, p0, p1):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _s2(numba.carray(_p16(addrs[k]), (n,)), rotate, p0[s:s + n], p1[s:s + n])
-
-
-@njit(nogil=True, cache=True)
-def _split4_seg(addrs, counts, starts, rotate, p0, p1, p2, p3):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _s4(numba.carray(_p32(addrs[k]), (n,)), rotate, p0[s:s + n], p1[s:s + n], p2[s:s + n], p3[s:s + n])
-
-
-@njit(nogil=True, cache=True)
-def _split8_seg(addrs, counts, starts, rotate, p0, p1, p2, p3, p4, p5, p6, p7):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _s8(numba.carray(_p64(addrs[k]), (n,)), rotate, p0[s:s + n], p1[s:s + n], p2[s:s + n], p3[s:s + n],
-            p4[s:s + n], p5[s:s + n], p6[s:s + n], p7[s:s + n])
-
-
-@njit(nogil=True, cache=True)
-def _join1_seg(p0, rotate, starts, counts, addrs):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _j1(p0[s:s + n], numba.carray(_p8(addrs[k]), (n,)))
-
-
-@njit(nogil=True, cache=True)
-def _join2_seg(p0, p1, rotate, starts, counts, addrs):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _j2(p0[s:s + n], p1[s:s + n], rotate, numba.carray(_p16(addrs[k]), (n,)))
-
-
-@njit(nogil=True, cache=True)
-def _join4_seg(p0, p1, p2, p3, rotate, starts, counts, addrs):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _j4(p0[s:s + n], p1[s:s + n], p2[s:s + n], p3[s:s + n], rotate, numba.carray(_p32(addrs[k]), (n,)))
-
-
-@njit(nogil=True, cache=True)
-def _join8_seg(p0, p1, p2, p3, p4, p5, p6, p7, rotate, starts, counts, addrs):  # type: ignore[no-untyped-def]
-    for k in range(addrs.size):
-        n, s = counts[k], starts[k]
-        _j8(p0[s:s + n], p1[s:s + n], p2[s:s + n], p3[s:s + n], p4[s:s + n], p5[s:s + n], p6[s:s + n],
-            p7[s:s + n], rotate, numba.carray(_p64(addrs[k]), (n,)))
-
-
-_SPLIT = {1: _split1, 2: _split2, 4: _split4, 8: _split8}
-_JOIN = {1: _join1, 2: _join2, 4: _join4, 8: _join8}
-_SPLIT_SEG = {1: _split1_seg, 2: _split2_seg, 4: _split4_seg, 8: _split8_seg}
-_JOIN_SEG = {1: _join1_seg, 2: _join2_seg, 4: _join4_seg, 8: _join8_seg}
 
 
 def unsigned(a: np.ndarray) -> np.ndarray:
@@ -262,7 +38,7 @@ def unsigned(a: np.ndarray) -> np.ndarray:
 
 
 def _check_planes(planes: Sequence[np.ndarray], width: int, n: int, what: str) -> None:
-    if width not in _SPLIT:
+    if width not in _UNSIGNED:
         raise ValueError(f"{what}: element width {width} is not 1, 2, 4 or 8")
     if len(planes) != width or any(p.dtype != np.uint8 or p.ndim != 1 or p.size < n for p in planes):
         raise ValueError(f"{what}: need {width} 1-D uint8 planes of at least {n} bytes")
@@ -278,7 +54,7 @@ def split(src: np.ndarray, rotate: bool, planes: Sequence[np.ndarray]) -> None:
     u = unsigned(src)
     _check_planes(planes, u.dtype.itemsize, u.size, "split")
     if u.size:
-        _SPLIT[u.dtype.itemsize](u, rotate, *[p[:u.size] for p in planes])
+        _planes.split_array(u, rotate, [p[:u.size] for p in planes])
 
 
 def join(planes: Sequence[np.ndarray], rotate: bool, out: np.ndarray) -> None:
@@ -291,7 +67,7 @@ def join(planes: Sequence[np.ndarray], rotate: bool, out: np.ndarray) -> None:
     u = unsigned(out)
     _check_planes(planes, u.dtype.itemsize, u.size, "join")
     if u.size:
-        _JOIN[u.dtype.itemsize](*[p[:u.size] for p in planes], rotate, u)
+        _planes.join_array([p[:u.size] for p in planes], rotate, u)
 
 
 def _segments(addrs: np.ndarray, counts: np.ndarray, starts: np.ndarray, planes: Sequence[np.ndarray],
@@ -317,7 +93,7 @@ def split_segments(width: int, rotate: bool, addrs: np.ndarray, counts: np.ndarr
     """
     _segments(addrs, counts, starts, planes, width, "split_segments")
     if addrs.size:
-        _SPLIT_SEG[width](addrs, counts, starts, rotate, *planes)
+        _planes.split_at(width, rotate, addrs, counts, starts, list(planes))
 
 
 def join_segments(width: int, rotate: bool, planes: Sequence[np.ndarray], starts: np.ndarray, counts: np.ndarray,
@@ -326,4 +102,4 @@ def join_segments(width: int, rotate: bool, planes: Sequence[np.ndarray], starts
     elements of ``width`` bytes at address ``addrs[k]`` (same contract as :func:`split_segments`)."""
     _segments(addrs, counts, starts, planes, width, "join_segments")
     if addrs.size:
-        _JOIN_SEG[width](*planes, rotate, starts, counts, addrs)
+        _planes.join_at(width, rotate, list(planes), starts, counts, addrs)

@@ -63,6 +63,10 @@ class BackgroundWriter(Generic[Item]):
         """Queue version ``step``; blocks while ``max_pending`` versions already wait."""
         self._queue.put((step, item, future))
 
+    def is_writer_thread(self) -> bool:
+        """Whether the caller runs on this writer's thread (where waiting for the queue would deadlock)."""
+        return threading.current_thread() is self._thread
+
     def join(self) -> None:
         """Wait until every queued version is committed or failed."""
         self._queue.join()

@@ -33,7 +33,7 @@ once the mirror holds it, so nothing of it outlives its commit.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -186,6 +186,10 @@ class Mirror:
                 self._views[name] = views[2 * i]
         self._keys = {w: tensor_keys(names, len(names))
                       for w, names in self._groups.items()}
+        #: name -> (element width, index in its group), and its rank in ``specs``: ``diff(only=...)`` visits
+        #: those names alone (a streamed capture compares a model a few tensors at a time)
+        self._slot = {n: (w, i) for w, names in self._groups.items() for i, n in enumerate(names)}
+        self._order = {n: k for k, n in enumerate(self.specs)}
         self._hint = 1 / 64
 
     # -- building ------------------------------------------------------------------
@@ -290,9 +294,8 @@ class Mirror:
         for w, names in self._groups.items():
             fast_names, olds, news, keys = [], [], [], []
             wkeys = self._keys[w]
-            for i, name in enumerate(names):
-                if only is not None and name not in only:
-                    continue
+            for i in self._indices(w, only):
+                name = names[i]
                 t = tensors[name]
                 spec = self.specs[name]
                 if t.numel() != spec.numel:
@@ -318,13 +321,19 @@ class Mirror:
             changed += ch.count
             total += spec.numel
         # keep the tensor order of the specs (the manifest's order)
-        order = self.specs if only is None else [n for n in self.specs if n in only]
+        order = self.specs if only is None else sorted(only, key=self._order.__getitem__)
         out = Diff({n: sums[n] for n in order}, flat, loose)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
         if overlay:
             _correct(out, overlay, tensors, self)
         return out
+
+    def _indices(self, width: int, only: Collection[str] | None) -> Iterable[int]:
+        """Indices in the ``width`` group of the names to compare: all, or those of ``only``, ascending."""
+        if only is None:
+            return range(len(self._groups[width]))
+        return sorted(i for w, i in map(self._slot.__getitem__, only) if w == width)
 
     # -- moving ----------------------------------------------------------------------
     def advance(self, diff: Diff) -> None:

@@ -38,7 +38,7 @@ ANCHOR_OBJECT_MIN = 16 << 20
 ANCHOR_OBJECT_MAX = 256 << 20
 #: changed elements of a version above which its objects break where the compare's buffers do
 #: (``Diff.part_breaks``): below, one object's copy (12 B a change) costs less than the bytes a
-#: follower downloads for another object (a cold 1 GB step: 1.42 -> 1.55 B a change, ``docs/benchmarks.md``)
+#: follower downloads for another object (a cold 1 GB step: 1.42 -> 1.55 B a change, ``bench/NOTES.md``)
 SPLIT_AT_BUFFERS_ABOVE = 1 << 22
 
 #: tensors set aside to be stored whole, each with the role index (delta, differential) its parts go to

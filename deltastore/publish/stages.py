@@ -28,8 +28,9 @@ from ..codecs import Codec, get_codec
 from ..diff import DEFAULT_CHUNK_ELEMS
 from ..errors import GraceTooShortError
 from ..gc import Retention, check_grace
+from ..signing import load_signing_key
 from ..store import DeltaStore, open_store
-from ..tensors import dtype_name
+from ..tensors import available_device, dtype_name
 from .chain import ChainHead
 from .commit import Retainer
 from .objects import ObjectPlanner
@@ -70,15 +71,19 @@ class PublishStages:
              max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
              dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
              source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
-             mirror_device: str | torch.device | None = None) -> PublishStages:
+             mirror_device: str | torch.device | None = None, signing_key: Any = None) -> PublishStages:
         """Check the configuration, open the store, build the stages.
 
         Raises :class:`~deltastore.errors.UnknownCodecError` for an unknown codec or anchor policy,
         ``TypeError`` for metadata that is not JSON-serialisable, ``ValueError`` for an unsupported dtype,
-        ``FileNotFoundError`` for a ``source_dir`` holding none of :data:`SOURCE_FILES`, and what opening
-        the store raises, :class:`~deltastore.errors.GraceTooShortError` for a ``gc_grace`` not longer than
-        the store's :attr:`~deltastore.store.DeltaStore.min_gc_grace`.
+        ``FileNotFoundError`` for a ``source_dir`` holding none of :data:`SOURCE_FILES`,
+        :class:`~deltastore.errors.DeviceUnavailableError` for a ``mirror_device`` this process does not
+        have, :class:`~deltastore.errors.GraceTooShortError` for a ``gc_grace`` not longer than the store's
+        :attr:`~deltastore.store.DeltaStore.min_gc_grace`, and what opening the store raises; for
+        ``signing_key`` (which then signs every commit, :mod:`deltastore.signing`)
+        :class:`~deltastore.errors.SigningKeyError` and :class:`~deltastore.errors.MissingDependencyError`.
         """
+        signer = load_signing_key(signing_key) if signing_key is not None else None
         planner_codecs = get_codec(codec), get_codec(anchor_codec)
         if anchor is not None:
             policy = get_anchor_policy(anchor)
@@ -90,6 +95,7 @@ class PublishStages:
         json.dumps(metadata, allow_nan=False)  # fail now, not at the first commit
         if dtype is not None:
             dtype_name(dtype)
+        mirror = available_device(mirror_device, "mirror_device") if mirror_device is not None else None
         pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         store = open_store(uri, **(storage_options or {}))
         try:
@@ -98,10 +104,11 @@ class PublishStages:
             if store is not uri:  # opened here
                 store.close()
             raise
+        store.signer = signer
         planner = ObjectPlanner(*planner_codecs, max_object_bytes=max_object_bytes, max_workers=max_workers)
         stages = cls(store, planner, ChainHead(policy), Uploader(store, planner.max_workers),
                      Retainer(store, retention, gc_grace) if retention is not None else None, metadata,
-                     chunk_elems, dtype, torch.device(mirror_device) if mirror_device is not None else None)
+                     chunk_elems, dtype, mirror)
         if source_dir is not None:
             stages.files = source_files(store, source_dir)
         return stages

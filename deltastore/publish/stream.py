@@ -1,32 +1,46 @@
-"""A streamed capture: diff ``(name, tensor)`` pairs against the mirror as they arrive, holding few of them.
+"""A streamed capture: diff ``(name, tensor)`` pairs against the mirror as they arrive, holding none of them.
 
 ``Publisher.publish`` given an iterator (not a mapping or a module) on a chain
-whose layout it knows hands it here: tensors are compared in pieces of about
-:data:`STREAM_PIECE_BYTES` and dropped, so the caller may produce each tensor
+whose layout it knows hands it here, so the caller may produce each tensor
 just in time (a gathered FSDP2 shard, a TRL ``send_weights`` stream) and
-publish memory stays the mirror, one piece and the changes. When the stream
-leaves the known layout (a tensor added, dropped, reshaped, re-typed, out of
-order, or a tied alias that no longer matches its primary), :func:`diff_stream`
-gives the stream back whole, the tensors already compared rebuilt from the
-mirror and their changes, so the ordinary capture (layout change, new chain)
-takes over.
+publish memory stays the mirror, one piece and the changes.
+
+The contract of a streamed item: it is valid until the next item is
+requested. A producer may recycle one buffer for every tensor, write into a
+tensor after yielding it, or yield views of one flat buffer it refills. So
+every item is compared, or copied, before the next is asked for: a tensor of
+:data:`STREAM_COPY_BYTES` or more is compared at once (with the small ones
+copied before it); a smaller one is copied (cast to its published dtype, on
+the mirror's device) and compared with the other copies once
+:data:`STREAM_PIECE_BYTES` of them are held, so small tensors still share
+one fused compare.
+
+When the stream leaves the known layout (a tensor added, dropped, reshaped,
+re-typed, or a tied alias that no longer matches its primary),
+:func:`diff_stream` gives the stream back whole for the ordinary capture
+(layout change, new chain): the tensors already compared rebuilt from the
+mirror and their changes, the rest copied as they arrive
+(:func:`owned_items`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..codecs import TensorSpec
 from ..diff import Change, find_changes
 from ..errors import TargetMismatchError
-from ..tensors import checked_pairs
+from ..tensors import bits_view
 from .mirror import DEFAULT_CHUNK_ELEMS, Diff, Mirror
 
-#: tensors compared per kernel call (a piece): small tensors share one fused compare
+#: copies of small tensors compared per kernel call (a piece): they share one fused compare
 STREAM_PIECE_BYTES = 64 << 20
+#: a tensor this large is compared as it arrives (no copy); a smaller one is copied into the piece
+STREAM_COPY_BYTES = 1 << 20
 
 
 @dataclass
@@ -46,20 +60,23 @@ def diff_stream(items: Iterable[tuple[str, torch.Tensor]], mirror: Mirror, specs
                 chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Streamed:
     """Compare a stream of ``(name, tensor)`` with ``mirror`` (which holds ``specs``; ``aliases``: tied names).
 
-    Returns a :class:`Streamed` whose ``diff`` covers every tensor of ``specs``
-    in their order when the stream matched the layout, or whose ``pairs`` is the
-    whole stream (compared tensors rebuilt) when it did not. Raises
+    Each item is compared or copied before the next is requested (the
+    module's contract). Returns a :class:`Streamed` whose ``diff`` covers every
+    tensor of ``specs`` in their order when the stream matched the layout, or
+    whose ``pairs`` gives the whole stream (compared tensors rebuilt, the
+    rest copied as consumed) when it did not. Raises
     :class:`TargetMismatchError` for a non-string name, a non-tensor or a name given twice.
     """
-    it: Iterator[tuple[str, torch.Tensor]] = checked_pairs(items)
+    it: Iterator[tuple[str, torch.Tensor]] = iter(items)
     order: list[str] = []
-    piece: dict[str, torch.Tensor] = {}
+    piece: dict[str, torch.Tensor] = {}  # copies of small tensors, and at most one live large one
     piece_bytes = 0
     changes: dict[str, Change] = {}
     sums: dict[str, int] = {}
     flat: list = []
+    loose: dict[str, Change] = {}  # the tensors the mirror compared one by one (another dtype or device)
     alias_changes: dict[str, Change] = {}
-    ok = True
+    left: tuple[str, torch.Tensor] | None = None  # the item that left the layout (still valid: not yet past it)
 
     def flush() -> None:
         nonlocal piece_bytes
@@ -68,45 +85,96 @@ def diff_stream(items: Iterable[tuple[str, torch.Tensor]], mirror: Mirror, specs
             changes.update(d.changes)
             sums.update(d.sums)
             flat.extend(d.flat)
+            loose.update(d.loose)
             piece.clear()
             piece_bytes = 0
 
-    for name, t in it:
-        if not isinstance(name, str):
-            raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+    for item in it:
+        name, t = check_item(item)
         if name in changes or name in piece or name in alias_changes:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
         primary = aliases.get(name)
         sp = specs.get(primary if primary is not None else name)
         dt = cast if cast is not None and t.is_floating_point() else t.dtype
         if sp is None or sp.dtype is not dt or tuple(t.shape) != sp.shape or not t.is_contiguous():
-            ok = False  # the layout changed: hand everything to the ordinary capture
-            piece[name] = t
-            order.append(name)
+            left = (name, t)  # the layout changed: hand everything to the ordinary capture
             break
         order.append(name)
         if primary is not None:  # tied: must equal its primary, checked once both are compared
             alias_changes[name] = find_changes(mirror.view(primary), t, chunk_elems=chunk_elems, dtype=sp.dtype)
             continue
-        piece[name] = t
-        piece_bytes += t.numel() * t.element_size()
-        if piece_bytes >= STREAM_PIECE_BYTES:
-            flush()
-    if ok:
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= STREAM_COPY_BYTES:
+            piece[name] = t
+            flush()  # compared now, with the copies before it: it may change once the next item is asked for
+        else:
+            piece[name] = t.detach().to(device=mirror.device, dtype=sp.dtype, copy=True)
+            piece_bytes += nbytes
+            if piece_bytes >= STREAM_PIECE_BYTES:
+                flush()
+    if left is None:
         flush()
-        ok = (set(changes) == set(specs) and set(alias_changes) == set(aliases)
-              and all(_same_change(ch, changes[aliases[a]]) for a, ch in alias_changes.items()))
-    if ok:
-        return Streamed(diff=Diff({n: sums[n] for n in specs}, flat, changes={n: changes[n] for n in specs}))
+        if (set(changes) == set(specs) and set(alias_changes) == set(aliases)
+                and all(_same_change(ch, changes[aliases[a]]) for a, ch in alias_changes.items())):
+            return Streamed(diff=Diff({n: sums[n] for n in specs}, flat, loose,
+                                      changes={n: changes[n] for n in specs}))
     rebuilt = {n: _rebuild(mirror, specs[n], changes[n]) for n in changes}
     for a, ch in alias_changes.items():
         rebuilt[a] = _rebuild(mirror, specs[aliases[a]], ch)
-    rebuilt.update(piece)
+    rebuilt.update(piece)  # copies not compared yet
     pairs = [(n, rebuilt[n]) for n in order]
-    pairs.extend(it)
+    if left is not None:
+        pairs.extend(owned_items(_chain_first(left, it)))
     return Streamed(pairs=pairs)
+
+
+def check_item(item: Any) -> tuple[str, torch.Tensor]:
+    """``item`` as a ``(name, tensor)`` pair; :class:`TargetMismatchError` unless it is one (a string name, a
+    tensor with storage)."""
+    try:
+        name, t = item
+    except (TypeError, ValueError):
+        raise TargetMismatchError(f"a published item must be a (name, tensor) pair, got {_short(item)}") from None
+    if not isinstance(name, str):
+        raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+    if t.is_meta:
+        raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model before publishing")
+    return name, t
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def owned_items(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's items as private contiguous copies, each made before the next item is requested.
+
+    For a capture that needs the whole stream at once (a new chain, a layout
+    change, a quantized or adapter publish). Ties survive: an item at the
+    address, layout and device of an earlier one, with the same bits as that
+    one's copy, yields that same copy (so it is published as an alias); one with
+    other bits is a recycled buffer and gets a copy of its own.
+    """
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+    for item in items:
+        name, t = check_item(item)
+        if t.numel() == 0:
+            yield name, t.detach().clone()
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        copy = seen.get(key)
+        if copy is None or not torch.equal(bits_view(copy), bits_view(t.detach().contiguous())):
+            copy = seen[key] = t.detach().clone(memory_format=torch.contiguous_format)
+        yield name, copy
+
+
+def _chain_first(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    yield first
+    yield from rest
 
 
 def _rebuild(mirror: Mirror, spec: TensorSpec, ch: Change) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import VersionNotFoundError
+from ..errors import UntrustedVersionError, VersionNotFoundError
 from ..manifest import Manifest, VersionRef
 
 ManifestReader = Callable[[int], tuple[Manifest, str]]
@@ -60,12 +60,17 @@ def plan_path(read: ManifestReader, step: int, current: VersionRef | None = None
     differential's anchor manifest is read only when that path could win (a
     follower one step behind reads two manifests). Raises
     :class:`VersionNotFoundError` when no path exists (for example a broken
-    chain with no anchor below the step), naming ``where``.
+    chain with no anchor below the step), naming ``where``. A version below
+    ``step`` that ``read`` refuses as untrusted (a Subscriber with trusted
+    keys) ends the walk like a missing one; when no path is left, that
+    :class:`UntrustedVersionError` is raised.
     """
     offers = _Offers(allow_anchor)
     chain: list[int] = []  # steps above the walk position, newest first
     delta_bytes = 0
     m, digest = read(step)
+    refused: list[UntrustedVersionError] = []
+    read = _untrusted_as_missing(read, refused)
     while True:
         if current is not None and m.step == current.step and digest == current.digest:
             if not offers.any_below(delta_bytes):
@@ -94,8 +99,24 @@ def plan_path(read: ManifestReader, step: int, current: VersionRef | None = None
             break  # the parent step was rewritten by another writer: this chain ends here
     best = offers.best()
     if best is None:
+        if refused:
+            raise refused[0]
         raise VersionNotFoundError(f"no anchor and no delta chain reaches version {step} in {where}")
     return best
+
+
+def _untrusted_as_missing(read: ManifestReader, refused: list[UntrustedVersionError]) -> ManifestReader:
+    """``read``, raising :class:`VersionNotFoundError` for a version it refuses as untrusted (noted in
+    ``refused``): a path never goes through one."""
+
+    def reader(step: int) -> tuple[Manifest, str]:
+        try:
+            return read(step)
+        except UntrustedVersionError as e:
+            refused.append(e)
+            raise VersionNotFoundError(str(e)) from e
+
+    return reader
 
 
 @dataclass

@@ -12,16 +12,26 @@ interpret), a record that does not match the tensors is :class:`ManifestError`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ManifestError, UnsupportedFormatError
-from . import fp8
-from .fp8 import Fp8Block128
+from . import fp8_record
+
+if TYPE_CHECKING:
+    from .fp8 import Fp8Block128
 
 #: scheme name -> validator of its manifest record
-SCHEMES = {fp8.SCHEME: fp8.check_record}
+SCHEMES = {fp8_record.SCHEME: fp8_record.check_record}
 
 __all__ = ["Fp8Block128", "SCHEMES", "check_record", "get_quantizer", "served_config_json"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Fp8Block128":  # the quantizer imports torch; reading a record does not
+        from .fp8 import Fp8Block128
+
+        return Fp8Block128
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_quantizer(spec: Any) -> Fp8Block128 | None:
@@ -29,9 +39,11 @@ def get_quantizer(spec: Any) -> Fp8Block128 | None:
 
     Raises :class:`UnsupportedFormatError` for an unknown scheme name.
     """
+    from .fp8 import Fp8Block128
+
     if spec is None or isinstance(spec, Fp8Block128):
         return spec
-    if spec == fp8.SCHEME:
+    if spec == fp8_record.SCHEME:
         return Fp8Block128()
     if isinstance(spec, str):
         raise UnsupportedFormatError(f"unknown quantization scheme {spec!r}; known: {sorted(SCHEMES)}")
@@ -66,6 +78,6 @@ def served_config_json(data: bytes, record: Mapping[str, Any]) -> bytes:
     config = json.loads(data)
     if not isinstance(config, dict):
         raise ValueError("config.json is not a JSON object")
-    if record.get("scheme") == fp8.SCHEME:
-        config = fp8.served_config(config)
+    if record.get("scheme") == fp8_record.SCHEME:
+        config = fp8_record.served_config(config)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

@@ -19,18 +19,18 @@ scale, and every value served from it, NaN: such a weight is refused
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from ..errors import ManifestError, NonFiniteWeightError, TargetMismatchError
+from ..errors import NonFiniteWeightError, TargetMismatchError
+from .fp8_record import BLOCK, SCALE_SUFFIX, SCHEME, check_record, scale_shape, served_config
 
-SCHEME = "fp8_block128"
-BLOCK = 128
+__all__ = ["BLOCK", "FP8_MAX", "SCALE_SUFFIX", "SCHEME", "Fp8Block128", "check_record", "default_rule",
+           "dequantize_block128", "quantize_block128", "scale_shape", "served_config"]
+
 FP8_MAX = 448.0
-SCALE_SUFFIX = "_scale_inv"
 #: substrings (case-insensitive) that keep a ``.weight`` out of the default rule: not linear layers
 EXCLUDE = ("embed", "lm_head", "norm")
 #: elements quantized at once (whole row-blocks, at least one): the fp32 temporaries (~6 B/element) stay in cache
@@ -126,11 +126,6 @@ def dequantize_block128(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (q.float() * s).to(dtype)
 
 
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Shape of the scale tensor of a weight of ``shape``."""
-    return math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)
-
-
 class Fp8Block128:
     """The ``fp8_block128`` quantizer of :class:`deltastore.Publisher` (``quantize="fp8_block128"``).
 
@@ -194,33 +189,3 @@ class Fp8Block128:
         if not weights:
             return None
         return {"scheme": SCHEME, "block": [BLOCK, BLOCK], "scale_suffix": SCALE_SUFFIX, "weights": weights}
-
-
-def check_record(doc: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:
-    """Validate an ``fp8_block128`` record against the manifest's tensors (``{name: TensorRecord}``).
-
-    Raises :class:`ManifestError` when a listed weight is missing, not a 2-D
-    ``float8_e4m3fn`` tensor, or lacks its fp32 scale of the right shape.
-    """
-    if doc.get("block") != [BLOCK, BLOCK] or doc.get("scale_suffix") != SCALE_SUFFIX:
-        raise ManifestError(f"fp8_block128 record: block must be [128, 128] and scale_suffix {SCALE_SUFFIX!r}")
-    weights = doc.get("weights")
-    if not isinstance(weights, list) or not weights or len(set(map(str, weights))) != len(weights):
-        raise ManifestError("fp8_block128 record: 'weights' must be a non-empty list of distinct names")
-    for name in weights:
-        rec = tensors.get(name) if isinstance(name, str) else None
-        if rec is None or rec.dtype != "float8_e4m3fn" or len(rec.shape) != 2:
-            raise ManifestError(f"fp8_block128 record names {name!r}, which is not a 2-D float8_e4m3fn tensor")
-        srec = tensors.get(name + SCALE_SUFFIX)
-        if srec is None or srec.dtype != "float32" or tuple(srec.shape) != scale_shape(rec.shape):
-            raise ManifestError(f"fp8_block128: {name!r} needs a float32 {name + SCALE_SUFFIX!r} of shape "
-                                f"{list(scale_shape(rec.shape))}")
-
-
-def served_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A model ``config.json`` with the ``quantization_config`` that makes vLLM / transformers load the
-    published tensors as block-FP8 weights (``quant_method: fp8``, ``weight_block_size: [128, 128]``)."""
-    out = dict(config)
-    out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [BLOCK, BLOCK]}
-    return out

@@ -1,4 +1,6 @@
-"""Truncated, garbage, oversized and future-format objects raise typed errors."""
+"""Tampered streams, frames of another dtype, zstd bombs, wrong tensor sets and malformed ``auto`` records raise
+typed errors, each naming the problem. (Truncated, extended, garbage and other hostile objects of every codec,
+and future major versions: the conformance kit, ``test_conformance.py``.)"""
 
 from __future__ import annotations
 
@@ -9,13 +11,9 @@ import pytest
 import torch
 import zstandard
 
-from deltastore.codecs import get_codec
+from deltastore.codecs import TensorSpec, Update, get_codec
 from deltastore.codecs._common import pack_meta, u8, unpack_meta
 from deltastore.errors import CorruptObjectError, UnsupportedFormatError
-
-from .helpers import SPARSE, make_update, roundtrip
-
-CODECS = SPARSE + ["dense-planes"]
 
 
 def _sample():
@@ -24,7 +22,8 @@ def _sample():
     new = old.clone()
     idx = torch.from_numpy(np.sort(rng.choice(5000, 200, replace=False)))
     new[idx] += 1
-    return [make_update("w", torch.bfloat16, (5000,), old, new)]
+    pos = torch.ne(old, new).nonzero().squeeze(1)
+    return [Update(TensorSpec("w", torch.bfloat16, (5000,)), new[pos].clone(), pos, old[pos].clone(), old.clone())]
 
 
 def _codec(cid):
@@ -41,26 +40,8 @@ def _decode(codec, data, ups):
 def _encode(cid, ups):
     codec = _codec(cid)
     if codec.dense:
-        from deltastore.codecs import Update
         ups = [Update(u.spec, u.old_tensor) for u in ups]
     return codec, ups, codec.encode(ups)
-
-
-@pytest.mark.parametrize("cid", CODECS)
-def test_truncated(cid):
-    codec, ups, data = _encode(cid, _sample())
-    for cut in (0, 8, len(data) // 2, len(data) - 1):
-        with pytest.raises(CorruptObjectError):
-            _decode(codec, data[:cut], ups)
-
-
-@pytest.mark.parametrize("cid", CODECS)
-def test_garbage_and_trailing_bytes(cid):
-    codec, ups, data = _encode(cid, _sample())
-    with pytest.raises(CorruptObjectError):
-        _decode(codec, b"\x00" * 64, ups)
-    with pytest.raises(CorruptObjectError):
-        _decode(codec, np.random.default_rng(0).bytes(len(data)), ups)
 
 
 @pytest.mark.parametrize("cid", ["zstd", "ulp", "ctx", "dense-planes"])
@@ -106,20 +87,11 @@ def test_zstd_bomb_is_refused(cid):
         _decode(codec, bad, ups)
 
 
-def test_unknown_major_version_is_refused():
-    for cid in ("raw", "zstd", "ulp", "ctx", "auto", "dense"):
-        with pytest.raises(UnsupportedFormatError):
-            get_codec({"id": cid, "version": "9.0", "config": {}})
-    get_codec({"id": "dense", "version": "1.0", "config": {}})  # the old dense layout stays readable
-    get_codec({"id": "ctx", "version": "1.7", "config": {"buckets": 3}})  # a newer minor is fine
-
-
 def test_wrong_tensor_set_is_refused():
     ups = _sample()
     for cid in ("zstd", "ulp", "ctx"):
         codec = get_codec(cid)
         data = codec.encode(ups)
-        from deltastore.codecs import TensorSpec
         with pytest.raises(CorruptObjectError):
             codec.decode(data, [TensorSpec("other", torch.bfloat16, (5000,))], lambda n, p: ups[0].old_tensor)
 
@@ -130,13 +102,6 @@ def test_ctx_wrong_old_tensor_size():
     data = codec.encode(ups)
     with pytest.raises(CorruptObjectError):
         codec.decode(data, [ups[0].spec], lambda n, p: torch.zeros(10, dtype=torch.int16))
-
-
-def test_roundtrip_still_fine():
-    ups = _sample()
-    for cid in SPARSE:
-        d = roundtrip(get_codec(cid), ups)
-        assert torch.equal(d["w"].bits, ups[0].bits)
 
 
 @pytest.mark.parametrize("choice, match", [

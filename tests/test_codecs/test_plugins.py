@@ -1,4 +1,6 @@
-"""Registering codecs: three lines for a user codec, entry points, clobber, and end-to-end pulls."""
+"""Registering codecs: three lines for a user codec, clobber, lazy paths, and a third-party codec found through
+its entry point passing the conformance kit (which also pulls every built-in codec end to end:
+``test_conformance.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import deltastore.codecs.raw  # noqa: F401  (ds.codecs.raw below)
 from deltastore.codecs import get_codec
 from deltastore.errors import PluginConflictError, UnknownCodecError
 from deltastore.registry import codecs as codec_registry
+from deltastore.testing import CodecConformance
 
 from conftest import bits_equal
 
@@ -91,38 +94,23 @@ def test_lazy_path_and_install_hint():
         get_codec("never-registered")
 
 
-def test_entry_point_discovery(monkeypatch, memory_uri):
-    monkeypatch.syspath_prepend(str(EP_DIR))
-    codec_registry.refresh()
-    try:
-        assert "demo-ep" in codec_registry.names()
-        codec = get_codec("demo-ep")
-        assert type(codec).__name__ == "DemoCodec"
-        _publish_and_pull(memory_uri, "demo-ep")
-    finally:
-        codec_registry.unregister("demo-ep")
+class TestDemoCodecPlugin(CodecConformance):
+    """A third-party codec, installed as a distribution with an entry point (``entrypoint_dist/``), passes the
+    kit: found by name through the entry point, then every check a built-in codec passes."""
+
+    @pytest.fixture
+    def codec(self, monkeypatch):
+        monkeypatch.syspath_prepend(str(EP_DIR))
         codec_registry.refresh()
-        sys.modules.pop("demo_codec_plugin", None)
+        try:
+            codec = get_codec("demo-ep")
+            assert type(codec).__name__ == "DemoCodec"
+            yield codec
+        finally:
+            codec_registry.unregister("demo-ep")
+            codec_registry.refresh()
+            sys.modules.pop("demo_codec_plugin", None)
 
-
-@pytest.mark.parametrize("codec", ["zstd", "ulp"])
-def test_builtin_sparse_codecs_end_to_end(memory_uri, codec):
-    _publish_and_pull(memory_uri, codec)
-
-
-@pytest.mark.parametrize("codec", ["ctx", "auto"])
-def test_old_tensor_codecs_end_to_end(memory_uri, codec):
-    """Codecs that read the receiver's whole old tensors, through Publisher and Subscriber."""
-    _publish_and_pull(memory_uri, codec)
-    m = ds.Subscriber(memory_uri).manifest(1)
-    assert {o.codec["id"] for o in m.objects} == {codec}
-
-
-def test_dense_planes_as_anchor_codec(memory_uri):
-    states = _states(2)
-    anchor = {"id": "dense", "config": {"planes": True}}
-    with ds.Publisher(memory_uri, codec="zstd", anchor_codec=anchor) as pub:
-        pub.publish(states[0], step=0)
-    sub = ds.Subscriber(memory_uri)
-    assert sub.manifest(0).objects[0].codec["version"] == "2.1"
-    assert bits_equal(sub.pull(step=0).state, states[0])
+    @pytest.fixture
+    def entry_point(self):
+        return True

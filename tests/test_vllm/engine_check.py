@@ -82,12 +82,13 @@ def publish(base_dir: str, uri: str, steps: int, seed0: int) -> list[dict]:
     return versions
 
 
-def make_llm(model_dir: str, extension: bool):
+def make_llm(model_dir: str, extension: bool, **extra):
+    """A small CPU engine on ``model_dir``; ``extra`` goes to ``vllm.LLM`` (``tensor_parallel_size``...)."""
     from vllm import LLM
 
     kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
                   enforce_eager=True, max_num_seqs=4, gpu_memory_utilization=0.1, kv_cache_memory_bytes=32 << 20,
-                  seed=0)
+                  seed=0, **extra)
     if extension:
         kwargs["worker_extension_cls"] = "deltastore.integrations.vllm.DeltaStoreWorkerExtension"
         kwargs["weight_transfer_config"] = {"backend": "deltastore"}

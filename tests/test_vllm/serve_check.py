@@ -15,13 +15,15 @@ the pulls really reached the served weights. Then a second server, without
 ``VLLM_SERVER_DEV_MODE`` (its dev routes absent), follows another store by
 itself through ``--middleware ...serve_follower.FollowStore``, verifies what it
 serves after every apply, and serves the completion the first server served for
-the same weights. Writes WORKDIR/result.json; exit 0 when every check passed.
+the same weights, and refuses a corrupt version with a line in the server's log while it keeps serving.
+Writes WORKDIR/result.json; exit 0 when every check passed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -178,6 +180,39 @@ def main(work: str) -> int:
     return 0
 
 
+def publish_corrupt(uri: str, staging: str, state: dict, step: int) -> dict[str, bytes]:
+    """Publish ``state`` as ``step`` with every object of it corrupted, atomically as seen from ``uri``;
+    returns ``{path in uri: intact bytes}`` of those objects."""
+    import deltastore as ds
+    from deltastore.store import object_key
+
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(uri, staging)
+    with ds.Publisher(staging) as pub:
+        pub.publish(state, step=step)
+    intact, new = {}, []
+    for o in ds.Subscriber(staging).manifest(step).objects:
+        rel = object_key(o.digest)
+        data = open(os.path.join(staging, rel), "rb").read()
+        intact[os.path.join(uri, rel)] = data
+        bad = bytearray(data)
+        bad[len(bad) // 2] ^= 0x5A
+        open(os.path.join(staging, rel), "wb").write(bytes(bad))
+    for d, _, files in os.walk(staging):
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), staging)
+            dst = os.path.join(uri, rel)
+            if not os.path.exists(dst) or open(dst, "rb").read() != open(os.path.join(d, f), "rb").read():
+                new.append(rel)
+    objects = {os.path.relpath(p, uri) for p in intact}
+    for rel in sorted(new, key=lambda r: r not in objects):  # the objects first, then what names the version
+        os.makedirs(os.path.dirname(os.path.join(uri, rel)), exist_ok=True)
+        tmp = os.path.join(uri, rel) + ".landing"
+        shutil.copyfile(os.path.join(staging, rel), tmp)
+        os.replace(tmp, os.path.join(uri, rel))
+    return intact
+
+
 def start_server(work: str, base: str, env: dict, extra: list[str], name: str):
     """``vllm serve`` of ``base`` with the worker extension and ``extra`` flags, healthy; (process, log, url)."""
     port = free_port()
@@ -264,6 +299,14 @@ def in_server_follower(work: str, base: str, state_8: dict, completion_8: dict, 
         assert st1["result"]["route"] == "delta" and st1["result"]["verify"]["ok"], st1
         out["completion_equals_first_server_at_8"] = complete_at(url) == completion_8
         assert out["completion_equals_first_server_at_8"], "the in-server follower serves other weights"
+        # a corrupt version: refused, said in the server's log, the server keeps serving step 1
+        publish_corrupt(uri2, os.path.join(work, "staging2"), perturb(state_8, FRACTION, 77), 2)
+        time.sleep(2.0)  # 10 polls
+        out["served_after_corrupt"] = json.load(open(status))["served_step"]
+        out["refusal_logged"] = "CorruptObjectError" in open(os.path.join(work, "server2.log")).read()
+        out["completion_unchanged_after_corrupt"] = complete_at(url) == completion_8
+        assert out["served_after_corrupt"] == 1 and out["completion_unchanged_after_corrupt"], out
+        assert out["refusal_logged"], "a refused version left no line in the server's log"
     finally:
         stop_server(srv, logf)
     return out

@@ -87,6 +87,30 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     print(json.dumps(result["timings"]), file=sys.stderr)
 
 
+@pytest.mark.slow  # not long, but it needs the vLLM venv, which only `make test` builds
+def test_vllm_venv_keeps_vllms_pins():
+    """deltastore was installed beside vLLM without moving a version vLLM pins (numba, torch, ...)."""
+    proc = subprocess.run([vllm_python(), str(HERE / "check_pins.py")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_follows_store_bit_exactly(tmp_path):
+    """TP=2 (one core per rank): followed version by version on both ranks, a corrupt version refused with
+    both ranks' bits unchanged, and the same token ids and logprobs as a fresh TP=2 engine."""
+    result = run_check("tp_check.py", tmp_path)
+    checks = result["checks"]
+    assert checks["ranks"] == 2 and checks["embed_shapes"] == [[256, 128], [256, 128]]
+    assert [f["ranks"] for f in checks["followed"]] == [[s, s] for s in range(1, 7)]
+    assert all(f["verified"] and f["route"] == "delta" for f in checks["followed"])
+    assert checks["outputs_changed_v0_to_v6"]
+    assert checks["corrupt_refused"].startswith("CorruptObjectError")
+    assert checks["ranks_after_refusal"] == [6, 6] and checks["rank_bits_unchanged_after_refusal"] == [True, True]
+    assert checks["verify_after_refusal"] and checks["outputs_unchanged_after_refusal"]
+    assert checks["identical_to_fresh_engine"] and checks["fresh_rank_digests_equal_followed"]
+    print(json.dumps(result["timings"]), file=sys.stderr)
+
+
 @pytest.mark.slow
 def test_vllm_serve_follows_store_over_http(tmp_path):
     result = run_check("serve_check.py", tmp_path)
@@ -105,3 +129,5 @@ def test_vllm_serve_follows_store_over_http(tmp_path):
     assert follow["dev_routes_absent"] and follow["completion_equals_first_server_at_8"]
     assert follow["step0"]["route"] == "anchor" and follow["step1"]["route"] == "delta"
     assert follow["step0"]["verify"]["ok"] and follow["step1"]["verify"]["ok"]
+    assert follow["served_after_corrupt"] == 1 and follow["completion_unchanged_after_corrupt"]
+    assert follow["refusal_logged"]                             # in the server's log, not lost

@@ -18,6 +18,22 @@ def as_int(v: Any) -> int | None:
     return int(v)
 
 
+def as_keys(v: Any) -> list[str] | None:
+    """Trusted keys as sent over an RPC: None/"" -> None; a list; a JSON list string; else ``;``-separated
+    OpenSSH lines or paths."""
+    if v is None or v == "" or v == []:
+        return None
+    if isinstance(v, str):
+        text = v.strip()
+        if text.startswith("["):
+            v = json.loads(text)
+        else:
+            return [p.strip() for p in text.split(";") if p.strip()]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(k, str) for k in v):
+        raise TypeError(f"trusted_keys must be a list of key texts or paths, got {type(v).__name__}")
+    return list(v)
+
+
 def as_bool(v: Any) -> bool:
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes", "on")

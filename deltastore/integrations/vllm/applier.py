@@ -46,6 +46,7 @@ from ...apply import _rollback
 from ...checksum import full_checksum
 from ...errors import ApplyError, ChecksumMismatchError, TargetMismatchError, VersionNotFoundError
 from ...manifest import VersionRef
+from ...signing import keys_from_env
 from ...subscriber import Subscriber
 from ...tensors import bits_view
 from ...undo import UndoJournal
@@ -98,11 +99,14 @@ class VllmApplier:
         self.last_result: dict[str, Any] | None = None
 
     # -- environment ---------------------------------------------------------------------------
-    def _sub(self, uri: str, storage_options: dict[str, Any]) -> Subscriber:
-        key = (uri, json.dumps(storage_options, sort_keys=True, default=str))
+    def _sub(self, uri: str, storage_options: dict[str, Any], trusted_keys: list[str] | None = None) -> Subscriber:
+        """The Subscriber of ``uri``; its trusted keys are the worker's ``DELTASTORE_TRUSTED_KEYS`` when set
+        (a caller cannot loosen what the server pins), else ``trusted_keys``."""
+        keys = keys_from_env() or trusted_keys
+        key = (uri, json.dumps(storage_options, sort_keys=True, default=str), tuple(keys or ()))
         sub = self._subs.get(key)
         if sub is None:
-            sub = self._subs[key] = Subscriber(uri, storage_options=storage_options)
+            sub = self._subs[key] = Subscriber(uri, storage_options=storage_options, trusted_keys=keys)
         return sub
 
     def _device_type(self) -> str:
@@ -199,10 +203,8 @@ class VllmApplier:
 
     # -- pulling -------------------------------------------------------------------------------
     def _prepare(self, sub: Subscriber, step: int | None) -> int:
-        if step is None:
-            step = sub.latest()
-            if step is None:
-                raise VersionNotFoundError(f"{sub.store.uri} holds no versions yet")
+        if step is None:  # with trusted keys: the signed latest, never below the served version
+            step = sub.resolve_latest(self.version)
         m = sub.manifest(step)
         check_served(m, self.model, self.vllm_config)  # FP8 bytes must never be served as bf16, nor back
         if self.specs is None:
@@ -223,14 +225,15 @@ class VllmApplier:
         return staged
 
     def prefetch(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
-                 storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                 storage_options: dict[str, Any] | None = None,
+                 trusted_keys: list[str] | None = None) -> dict[str, Any]:
         """Fetch, verify and decode the way to ``step`` without touching the model.
 
         A following :meth:`pull` of the same step applies it without fetching
         again, so a server is paused only for the writes.
         """
         with self.lock:
-            sub = self._sub(uri, storage_options or {})
+            sub = self._sub(uri, storage_options or {}, trusted_keys)
             step = self._prepare(sub, step)
             staged = self._stage(sub, step, allow_anchor)
             chosen = self.choose_path(path, staged)
@@ -239,8 +242,11 @@ class VllmApplier:
                     "bytes_fetched": staged.bytes_fetched, "elements": staged.elements()}
 
     def pull(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
-             storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+             storage_options: dict[str, Any] | None = None, trusted_keys: list[str] | None = None) -> dict[str, Any]:
         """Bring the served weights to version ``step`` (default: latest). All or nothing.
+
+        ``trusted_keys`` (or the worker's ``DELTASTORE_TRUSTED_KEYS``, which wins): every manifest on the way
+        must be signed by one of them (:class:`~deltastore.Subscriber`), checked before anything is fetched.
 
         Raises the typed errors of :meth:`deltastore.Subscriber.pull`; on any
         error the engine keeps serving its previous version, except an
@@ -249,7 +255,7 @@ class VllmApplier:
         """
         with self.lock:
             t0 = time.perf_counter()
-            sub = self._sub(uri, storage_options or {})
+            sub = self._sub(uri, storage_options or {}, trusted_keys)
             step = self._prepare(sub, step)
             staged = self._stage(sub, step, allow_anchor)
             chosen = self.choose_path(path, staged)
@@ -433,7 +439,7 @@ class VllmApplier:
 
     # -- identity and verification ---------------------------------------------------------------
     def identify(self, uri: str, step: int, *, storage_options: dict[str, Any] | None = None,
-                 checkpoint_dir: str | None = None) -> dict[str, Any]:
+                 checkpoint_dir: str | None = None, trusted_keys: list[str] | None = None) -> dict[str, Any]:
         """Declare that the engine serves version ``step`` (it was started from its checkpoint),
         after checking every tensor's checksum, so the next pull can take deltas.
 
@@ -442,7 +448,7 @@ class VllmApplier:
         the engine's model directory) are read and checked, and become the host mirror.
         """
         with self.lock:
-            sub = self._sub(uri, storage_options or {})
+            sub = self._sub(uri, storage_options or {}, trusted_keys)
             manifest, digest = sub.store.manifest_with_digest(step)
             self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in manifest.tensors}
             path = "sparse" if self.inplace_refusal() is None else "reload"

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 
+from ...signing import keys_from_env
 from ._rpc import as_dict
 from .follower import Follower, HTTPControl
 
@@ -24,12 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--storage-options", default="{}", help="JSON object for the store backend")
     f.add_argument("--status-file", default=None)
     f.add_argument("--once", action="store_true", help="apply the newest version once and exit")
+    f.add_argument("--trusted-key", dest="trusted_keys", action="append", default=None, metavar="KEY",
+                   help="a public key file or OpenSSH line (repeatable; default: $DELTASTORE_TRUSTED_KEYS): apply "
+                        "only versions it signed")
+    f.add_argument("--max-latest-age", type=float, default=None, metavar="SECONDS",
+                   help="with --trusted-key: refuse a signed latest older than this (a frozen store or relay)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     control = HTTPControl(args.server, transport=args.transport)
     fol = Follower(control, args.uri, poll_interval=args.poll_interval, max_lag=args.max_lag,
                    max_wait=args.max_wait, storage_options=as_dict(args.storage_options),
-                   status_file=args.status_file)
+                   status_file=args.status_file, trusted_keys=args.trusted_keys or keys_from_env(),
+                   max_latest_age=args.max_latest_age)
     if args.once:
         res = fol.poll_once()
         print(json.dumps(res if res is not None else fol.status()))

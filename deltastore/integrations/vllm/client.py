@@ -6,14 +6,19 @@ import logging
 from typing import Any
 
 from ...errors import ApplyError, ChecksumMismatchError
+from ...signing import key_texts
 from ._rpc import results as _results
 
 log = logging.getLogger("deltastore.vllm")
 
 
 def pull(llm: Any, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
-         storage_options: dict[str, Any] | None = None, reset_prefix_cache: bool = True) -> dict[str, Any]:
+         storage_options: dict[str, Any] | None = None, reset_prefix_cache: bool = True,
+         trusted_keys: Any = None) -> dict[str, Any]:
     """Apply a version on every worker of ``llm`` (a ``vllm.LLM`` started with the extension).
+
+    ``trusted_keys``: public keys (paths, PEM/OpenSSH text, key objects); only versions they signed are
+    applied (sent to the workers as OpenSSH lines).
 
     Re-raises a worker's error with its deltastore type. After a successful
     apply the prefix cache is reset and the engine's weight version is set to
@@ -21,7 +26,7 @@ def pull(llm: Any, uri: str, step: int | None = None, *, allow_anchor: bool = Tr
     """
     res = _results(llm.collective_rpc("deltastore_pull", kwargs={
         "uri": uri, "step": step, "allow_anchor": allow_anchor, "path": path,
-        "storage_options": storage_options or {}, "raise_errors": False}))
+        "storage_options": storage_options or {}, "raise_errors": False, "trusted_keys": key_texts(trusted_keys)}))
     steps = {r["step"] for r in res}
     if len(steps) != 1:
         raise ApplyError(f"workers disagree on the applied version: {sorted(steps)}")

@@ -13,7 +13,8 @@ pull from a store instead of receiving tensors::
 
 ``update_info`` fields: ``uri`` (default: the one from init), ``step``
 (default: latest), ``allow_anchor`` (default true), ``path``
-(``auto``/``sparse``/``reload``), ``storage_options``.
+(``auto``/``sparse``/``reload``), ``storage_options``, ``trusted_keys`` (OpenSSH lines or paths: only
+versions signed by one of them are applied; the worker's ``DELTASTORE_TRUSTED_KEYS`` wins when set).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
 )
 
 from ...errors import VersionNotFoundError
+from ._rpc import as_keys
 from .applier import applier_for
 from .loaders import vllm_reload_fn
 
@@ -37,6 +39,7 @@ from .loaders import vllm_reload_fn
 class DeltaStoreInitInfo(WeightTransferInitInfo):
     uri: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
+    trusted_keys: list[str] | None = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class DeltaStoreUpdateInfo(WeightTransferUpdateInfo):
     allow_anchor: bool = True
     path: str | None = None
     storage_options: dict[str, Any] | None = None
+    trusted_keys: list[str] | None = None
 
 
 class DeltaStoreWeightTransferEngine(WeightTransferEngine[DeltaStoreInitInfo, DeltaStoreUpdateInfo]):
@@ -59,11 +63,13 @@ class DeltaStoreWeightTransferEngine(WeightTransferEngine[DeltaStoreInitInfo, De
         super().__init__(config, vllm_config, device, model)
         self.uri: str | None = None
         self.storage_options: dict[str, Any] = {}
+        self.trusted_keys: list[str] | None = None
         self.last_result: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: DeltaStoreInitInfo) -> None:
         self.uri = init_info.uri or None
         self.storage_options = dict(init_info.storage_options or {})
+        self.trusted_keys = as_keys(init_info.trusted_keys)
 
     def start_weight_update(self) -> None:
         pass  # nothing to prepare: a pull stages and verifies everything before it writes
@@ -84,7 +90,8 @@ class DeltaStoreWeightTransferEngine(WeightTransferEngine[DeltaStoreInitInfo, De
         applier = applier_for(self.model, self.vllm_config, vllm_reload_fn(self.model, self.vllm_config))
         self.last_result = applier.pull(uri, update_info.step, allow_anchor=update_info.allow_anchor,
                                         path=update_info.path,
-                                        storage_options=update_info.storage_options or self.storage_options)
+                                        storage_options=update_info.storage_options or self.storage_options,
+                                        trusted_keys=as_keys(update_info.trusted_keys) or self.trusted_keys)
 
     def shutdown(self) -> None:
         pass

@@ -10,7 +10,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from ...errors import ApplyError
+from ...errors import ApplyError, DeltaStoreError
+from ...manifest import VersionRef
 from ...subscriber import Subscriber
 from .._polling import PollingLoop
 from ._rpc import error_dict as _error_dict
@@ -33,12 +34,16 @@ class LLMControl:
     def resume(self) -> None:
         pass
 
-    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any]) -> None:
+    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any],
+                 trusted_keys: list[str] | None = None) -> None:
         _results(self.llm.collective_rpc("deltastore_prefetch", kwargs={
-            "uri": uri, "step": step, "storage_options": storage_options, "raise_errors": False}))
+            "uri": uri, "step": step, "storage_options": storage_options, "raise_errors": False,
+            "trusted_keys": trusted_keys}))
 
-    def apply(self, uri: str, step: int, storage_options: dict[str, Any]) -> dict[str, Any]:
-        return pull(self.llm, uri, step, storage_options=storage_options, reset_prefix_cache=False)
+    def apply(self, uri: str, step: int, storage_options: dict[str, Any],
+              trusted_keys: list[str] | None = None) -> dict[str, Any]:
+        return pull(self.llm, uri, step, storage_options=storage_options, reset_prefix_cache=False,
+                    trusted_keys=trusted_keys)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -90,21 +95,25 @@ class HTTPControl:
     def resume(self) -> None:
         self._call("POST", "/resume")
 
-    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any]) -> None:
+    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any],
+                 trusted_keys: list[str] | None = None) -> None:
         if self.transport == "rpc":
             _results(self._rpc("deltastore_prefetch", {"uri": uri, "step": str(step),
-                                                       "storage_options": storage_options, "raise_errors": "false"}))
+                                                       "storage_options": storage_options, "raise_errors": "false",
+                                                       "trusted_keys": trusted_keys or ""}))
 
-    def apply(self, uri: str, step: int, storage_options: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, uri: str, step: int, storage_options: dict[str, Any],
+              trusted_keys: list[str] | None = None) -> dict[str, Any]:
         if self.transport == "rpc":
             res = _results(self._rpc("deltastore_pull", {"uri": uri, "step": str(step),
                                                          "storage_options": storage_options,
-                                                         "raise_errors": "false"}))
+                                                         "raise_errors": "false", "trusted_keys": trusted_keys or ""}))
             return res[0]
         self._call("POST", "/start_weight_update")
         try:
             self._call("POST", "/update_weights", {"update_info": {"uri": uri, "step": step,
-                                                                   "storage_options": storage_options}})
+                                                                   "storage_options": storage_options,
+                                                                   "trusted_keys": trusted_keys}})
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")[:2000]
             try:  # vLLM already ended the session on the failure; make sure it is closed
@@ -153,6 +162,11 @@ class Follower(PollingLoop):
             third one, fewer pauses at the cost of staleness).
         max_wait: seconds a newer version may wait under ``max_lag`` before it is applied anyway.
         status_file: if set, the served version is written there as JSON after every apply.
+        trusted_keys: public keys (paths, PEM/OpenSSH text); only versions they signed are applied (the
+            engine's workers check them too), the latest is the signed ``refs/latest`` and the follower never
+            moves backward (``docs/security.md``).
+        max_latest_age: with ``trusted_keys``, refuse (and report in :meth:`status`) a signed latest older
+            than this many seconds: a frozen store or relay.
     """
 
     _thread_name = "deltastore-follower"
@@ -161,7 +175,7 @@ class Follower(PollingLoop):
 
     def __init__(self, control: Any, uri: str, *, poll_interval: float = 5.0, max_lag: int = 0,
                  max_wait: float | None = None, storage_options: dict[str, Any] | None = None,
-                 status_file: str | None = None):
+                 status_file: str | None = None, trusted_keys: Any = None, max_latest_age: float | None = None):
         if poll_interval <= 0:
             raise ValueError("poll_interval must be positive")
         if max_lag < 0:
@@ -173,7 +187,11 @@ class Follower(PollingLoop):
         self.max_wait = max_wait
         self.storage_options = dict(storage_options or {})
         self.status_file = status_file
-        self.sub = Subscriber(uri, storage_options=self.storage_options)
+        self.sub = Subscriber(uri, storage_options=self.storage_options, trusted_keys=trusted_keys,
+                              max_latest_age=max_latest_age)
+        trust = self.sub.store.trust
+        #: the keys passed on to the engine's workers (OpenSSH lines); None without trusted keys
+        self.trusted_keys = trust.texts() if trust is not None else None
         self.served_step: int | None = None
         self.last_pause_s: float | None = None
         self.last_error: dict[str, str] | None = None
@@ -188,10 +206,13 @@ class Follower(PollingLoop):
             log.debug("could not read the served version", exc_info=True)
 
     def status(self) -> dict[str, Any]:
-        latest = self.sub.latest()
+        try:
+            latest = self.sub.latest()
+        except DeltaStoreError as e:  # a refused latest (unsigned, rolled back, frozen): reported, not raised
+            latest, self.last_error = None, _error_dict(e)
         return {"uri": self.uri, "served_step": self.served_step, "latest_step": latest,
                 "lag": self._lag(latest), "applied": self.applied, "last_pause_s": self.last_pause_s,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "latest_age": self.sub.latest_check.age}
 
     def _lag(self, latest: int | None) -> int:
         if latest is None:
@@ -202,9 +223,18 @@ class Follower(PollingLoop):
     def poll_once(self) -> dict[str, Any] | None:
         """Apply the newest version if the lag rules say so; returns the apply result or None."""
         steps = self.sub.versions()
-        if not steps:
+        if self.trusted_keys is not None:  # the signed latest: no rollback, no freeze past max_latest_age
+            try:
+                latest = self.sub.latest_check.resolve(self.sub.store, steps, self._served_ref())
+            except Exception as e:
+                self.last_error = _error_dict(e)
+                raise
+            if latest is None:
+                return None
+        elif not steps:
             return None
-        latest = steps[-1]
+        else:
+            latest = steps[-1]
         if self.served_step is not None and latest <= self.served_step:
             return None
         lag = sum(1 for s in steps if self.served_step is None or s > self.served_step)
@@ -215,17 +245,24 @@ class Follower(PollingLoop):
             return None
         return self.apply(latest)
 
+    def _served_ref(self) -> VersionRef | None:
+        return None if self.served_step is None else VersionRef(self.served_step, "")
+
+    def _keys(self) -> dict[str, Any]:
+        """The control's ``trusted_keys`` argument (none without keys: a control may not take it)."""
+        return {} if self.trusted_keys is None else {"trusted_keys": self.trusted_keys}
+
     def apply(self, step: int) -> dict[str, Any]:
         """Prefetch (engine running), then pause in keep mode, apply, reset the prefix cache, resume."""
         try:
-            self.control.prefetch(self.uri, step, self.storage_options)
+            self.control.prefetch(self.uri, step, self.storage_options, **self._keys())
         except Exception as e:  # a bad version: keep serving, report
             self.last_error = _error_dict(e)
             raise
         t0 = time.perf_counter()
         self.control.pause()
         try:
-            result = self.control.apply(self.uri, step, self.storage_options)
+            result = self.control.apply(self.uri, step, self.storage_options, **self._keys())
             self.control.reset_prefix_cache()
         except Exception as e:
             self.last_error = _error_dict(e)

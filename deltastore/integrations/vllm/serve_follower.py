@@ -27,7 +27,10 @@ added or needed. Configuration (environment): ``DELTASTORE_FOLLOW_URI``
 ``DELTASTORE_FOLLOW_STORAGE_OPTIONS`` (JSON), ``DELTASTORE_FOLLOW_STATUS_FILE``,
 ``DELTASTORE_FOLLOW_VERIFY=1`` (after every apply, check the served weights'
 checksums against the manifest and record the verdict in the apply result and
-the status file: the only way to see them without the dev-mode routes).
+the status file: the only way to see them without the dev-mode routes),
+``DELTASTORE_TRUSTED_KEYS`` (public keys: only versions they signed are applied,
+by the follower and by every worker; ``docs/security.md``) with
+``DELTASTORE_FOLLOW_MAX_LATEST_AGE`` (seconds: refuse a signed latest older than that).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import threading
 from typing import Any
 
 from ._rpc import as_bool, as_dict, results
+from ...signing import keys_from_env
 from .client import combine_verify
 from .follower import Follower
 
@@ -64,11 +68,15 @@ class EngineClientControl:
     def resume(self) -> None:
         self._run(self.ec.resume_generation())
 
-    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any]) -> None:
-        self._rpc("deltastore_prefetch", uri=uri, step=step, storage_options=storage_options)
+    def prefetch(self, uri: str, step: int, storage_options: dict[str, Any],
+                 trusted_keys: list[str] | None = None) -> None:
+        self._rpc("deltastore_prefetch", uri=uri, step=step, storage_options=storage_options,
+                  trusted_keys=trusted_keys)
 
-    def apply(self, uri: str, step: int, storage_options: dict[str, Any]) -> dict[str, Any]:
-        out = self._rpc("deltastore_pull", uri=uri, step=step, storage_options=storage_options)[0]
+    def apply(self, uri: str, step: int, storage_options: dict[str, Any],
+              trusted_keys: list[str] | None = None) -> dict[str, Any]:
+        out = self._rpc("deltastore_pull", uri=uri, step=step, storage_options=storage_options,
+                        trusted_keys=trusted_keys)[0]
         if self.verify:
             report = combine_verify(self._rpc("deltastore_verify"))
             out["verify"] = {"ok": report["ok"], "step": report.get("step"), "bad": report.get("bad", [])[:5],
@@ -121,12 +129,15 @@ class FollowStore:
                     max_lag=int(os.environ.get("DELTASTORE_FOLLOW_MAX_LAG", "0")),
                     max_wait=float(max_wait) if max_wait else None,
                     storage_options=as_dict(os.environ.get("DELTASTORE_FOLLOW_STORAGE_OPTIONS")),
-                    status_file=os.environ.get("DELTASTORE_FOLLOW_STATUS_FILE") or None)
+                    status_file=os.environ.get("DELTASTORE_FOLLOW_STATUS_FILE") or None,
+                    trusted_keys=keys_from_env(),
+                    max_latest_age=float(age) if (age := os.environ.get("DELTASTORE_FOLLOW_MAX_LATEST_AGE")) else None)
         control = EngineClientControl(engine_client, loop,
                                       verify=as_bool(os.environ.get("DELTASTORE_FOLLOW_VERIFY", "0")))
 
         def run() -> None:  # off the event loop: the control blocks on coroutines it submits to it
             self.follower = Follower(control, uri, **opts)
+            self.follower._poll_log = log  # a refused version must reach the server's log: vLLM's logger tree
             log.info("deltastore: following %s (poll %.1fs, max_lag %d)", uri, opts["poll_interval"],
                      opts["max_lag"])
             if not self._stop.is_set():

@@ -20,6 +20,7 @@ import torch
 from ._rpc import as_bool as _as_bool
 from ._rpc import as_dict as _as_dict
 from ._rpc import as_int as _as_int
+from ._rpc import as_keys as _as_keys
 from ._rpc import error_dict as _error_dict
 from .applier import VllmApplier, applier_for
 from .loaders import post_reload_resets
@@ -56,8 +57,12 @@ class DeltaStoreWorkerExtension:
 
     def deltastore_pull(self, uri: str, step: int | str | None = None, allow_anchor: bool | str = True,
                         path: str | None = None, storage_options: dict[str, Any] | str | None = None,
-                        raise_errors: bool | str = True) -> dict[str, Any]:
+                        raise_errors: bool | str = True, trusted_keys: list[str] | str | None = None
+                        ) -> dict[str, Any]:
         """Apply version ``step`` (default: latest) of the store at ``uri``; returns what was done.
+
+        ``trusted_keys`` (OpenSSH lines or paths; the worker's ``DELTASTORE_TRUSTED_KEYS`` wins when set):
+        only versions signed by one of them are applied (``docs/security.md``).
 
         With ``raise_errors=False`` an error comes back as ``{"error": {"type",
         "message"}}`` (exception types do not survive vLLM's RPC); the engine
@@ -65,7 +70,8 @@ class DeltaStoreWorkerExtension:
         """
         try:
             out = self._deltastore_applier().pull(uri, _as_int(step), allow_anchor=_as_bool(allow_anchor),
-                                                  path=path or None, storage_options=_as_dict(storage_options))
+                                                  path=path or None, storage_options=_as_dict(storage_options),
+                                                  trusted_keys=_as_keys(trusted_keys))
             _wlog().info("deltastore: serving step %d (%s path, %s route, %d elements written, apply %.3fs)",
                      out["step"], out["path"], out["route"], out["elements_written"], out["apply_s"])
             return out
@@ -78,22 +84,26 @@ class DeltaStoreWorkerExtension:
 
     def deltastore_prefetch(self, uri: str, step: int | str | None = None, allow_anchor: bool | str = True,
                             path: str | None = None, storage_options: dict[str, Any] | str | None = None,
-                            raise_errors: bool | str = True) -> dict[str, Any]:
+                            raise_errors: bool | str = True, trusted_keys: list[str] | str | None = None
+                            ) -> dict[str, Any]:
         """Fetch and verify the way to ``step`` without touching the weights (no pause needed)."""
         try:
             return self._deltastore_applier().prefetch(uri, _as_int(step), allow_anchor=_as_bool(allow_anchor),
-                                                       path=path or None, storage_options=_as_dict(storage_options))
+                                                       path=path or None, storage_options=_as_dict(storage_options),
+                                                       trusted_keys=_as_keys(trusted_keys))
         except Exception as e:
             if _as_bool(raise_errors):
                 raise
             return {"error": _error_dict(e)}
 
     def deltastore_identify(self, uri: str, step: int | str, storage_options: dict[str, Any] | str | None = None,
-                            checkpoint_dir: str | None = None, raise_errors: bool | str = True) -> dict[str, Any]:
+                            checkpoint_dir: str | None = None, raise_errors: bool | str = True,
+                            trusted_keys: list[str] | str | None = None) -> dict[str, Any]:
         """Declare (after checking checksums) that the engine was started from version ``step``."""
         try:
             return self._deltastore_applier().identify(uri, int(step), storage_options=_as_dict(storage_options),
-                                                       checkpoint_dir=checkpoint_dir or None)
+                                                       checkpoint_dir=checkpoint_dir or None,
+                                                       trusted_keys=_as_keys(trusted_keys))
         except Exception as e:
             if _as_bool(raise_errors):
                 raise

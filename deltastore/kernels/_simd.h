@@ -1,0 +1,326 @@
+/* The kernels' loops that gain from wide vectors, in C so that each can carry run-time CPU dispatch.
+
+   A wheel is compiled for its platform's baseline (x86-64: SSE2). On x86-64 Linux with GCC 11 or newer these
+   functions are compiled three times (baseline, x86-64-v3 = AVX2, x86-64-v4 = AVX-512) by GCC's
+   ``target_clones``, and the dynamic loader picks the best one for the CPU once, when the module loads (an
+   ifunc: no per-call cost). Elsewhere (other compilers or platforms, or -DDELTASTORE_NO_CLONES) they are
+   compiled once, for the baseline.
+
+   Every function is a plain loop over memory the caller has checked; none allocates, none touches Python
+   objects (they run without the GIL). Semantics are stated at each function; the Cython modules that call
+   them (``_checksum.pyx``, ``_diff.pyx``, ``_planes.pyx``, ``_ranks.pyx``, ``_bitstream.pyx``) give the
+   contract. */
+
+#ifndef DELTASTORE_SIMD_H
+#define DELTASTORE_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && !defined(DELTASTORE_NO_CLONES) \
+    && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define DS_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define DS_CLONES
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define DS_UNUSED __attribute__((unused)) /* each module includes every loop and uses a few */
+#else
+#define DS_UNUSED
+#endif
+#define DS_FN DS_CLONES DS_UNUSED static
+
+DS_UNUSED static inline uint64_t ds_fmix(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* --- the checksum's sums: sum(fmix((p * C1 ^ zero_extend(bits)) + key)) mod 2**64 ------------------------ */
+
+#define DS_MIX(T, W)                                                                                          \
+    DS_FN uint64_t ds_mix_dense_##W(const T *b, int64_t start, int64_t stop, uint64_t key) {       \
+        uint64_t total = 0;                                                                                   \
+        for (int64_t i = start; i < stop; i++)                                                                \
+            total += ds_fmix((((uint64_t)i * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)b[i]) + key);                \
+        return total;                                                                                         \
+    }                                                                                                         \
+    DS_FN uint64_t ds_mix_sparse_##W(const int64_t *p, const T *b, int64_t start, int64_t stop,    \
+                                                uint64_t key) {                                               \
+        uint64_t total = 0;                                                                                   \
+        for (int64_t i = start; i < stop; i++)                                                                \
+            total += ds_fmix((((uint64_t)p[i] * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)b[i]) + key);             \
+        return total;                                                                                         \
+    }
+
+DS_MIX(uint8_t, 1)
+DS_MIX(uint16_t, 2)
+DS_MIX(uint32_t, 4)
+DS_MIX(uint64_t, 8)
+
+/* --- byte planes (kernels/planes.py): plane j = byte j of the value, floats rotated left by one first ---- */
+
+DS_FN void ds_split_1(const uint8_t *src, int64_t n, uint8_t *p0) {
+    memcpy(p0, src, (size_t)n);
+}
+
+DS_FN void ds_split_2(const uint16_t *src, int64_t n, int rotate, uint8_t *p0, uint8_t *p1) {
+    if (rotate) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v = src[i];
+            uint32_t r = (v << 1) | (v >> 15);
+            p0[i] = (uint8_t)(r & 0xFF);
+            p1[i] = (uint8_t)((r >> 8) & 0xFF);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v = src[i];
+            p0[i] = (uint8_t)(v & 0xFF);
+            p1[i] = (uint8_t)(v >> 8);
+        }
+    }
+}
+
+DS_FN void ds_split_4(const uint32_t *src, int64_t n, int rotate, uint8_t *p0, uint8_t *p1,
+                                 uint8_t *p2, uint8_t *p3) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t v = src[i];
+        if (rotate) v = (v << 1) | (v >> 31);
+        p0[i] = (uint8_t)v;
+        p1[i] = (uint8_t)(v >> 8);
+        p2[i] = (uint8_t)(v >> 16);
+        p3[i] = (uint8_t)(v >> 24);
+    }
+}
+
+DS_FN void ds_split_8(const uint64_t *src, int64_t n, int rotate, uint8_t *const *p) {
+    uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5], *p6 = p[6], *p7 = p[7];
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t v = src[i];
+        if (rotate) v = (v << 1) | (v >> 63);
+        p0[i] = (uint8_t)v;
+        p1[i] = (uint8_t)(v >> 8);
+        p2[i] = (uint8_t)(v >> 16);
+        p3[i] = (uint8_t)(v >> 24);
+        p4[i] = (uint8_t)(v >> 32);
+        p5[i] = (uint8_t)(v >> 40);
+        p6[i] = (uint8_t)(v >> 48);
+        p7[i] = (uint8_t)(v >> 56);
+    }
+}
+
+DS_FN void ds_join_1(const uint8_t *p0, int64_t n, uint8_t *out) {
+    memcpy(out, p0, (size_t)n);
+}
+
+DS_FN void ds_join_2(const uint8_t *p0, const uint8_t *p1, int64_t n, int rotate, uint16_t *out) {
+    if (rotate) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t r = (uint32_t)p0[i] | ((uint32_t)p1[i] << 8);
+            out[i] = (uint16_t)(((r >> 1) | (r << 15)) & 0xFFFF);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (uint16_t)((uint32_t)p0[i] | ((uint32_t)p1[i] << 8));
+    }
+}
+
+DS_FN void ds_join_4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3,
+                                int64_t n, int rotate, uint32_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t r = (uint32_t)p0[i] | ((uint32_t)p1[i] << 8) | ((uint32_t)p2[i] << 16) | ((uint32_t)p3[i] << 24);
+        if (rotate) r = (r >> 1) | (r << 31);
+        out[i] = r;
+    }
+}
+
+DS_FN void ds_join_8(const uint8_t *const *p, int64_t n, int rotate, uint64_t *out) {
+    const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3], *p4 = p[4], *p5 = p[5], *p6 = p[6],
+                  *p7 = p[7];
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t r = (uint64_t)p0[i] | ((uint64_t)p1[i] << 8) | ((uint64_t)p2[i] << 16) | ((uint64_t)p3[i] << 24)
+                     | ((uint64_t)p4[i] << 32) | ((uint64_t)p5[i] << 40) | ((uint64_t)p6[i] << 48)
+                     | ((uint64_t)p7[i] << 56);
+        if (rotate) r = (r >> 1) | (r << 63);
+        out[i] = r;
+    }
+}
+
+/* --- ranks (kernels/ranks.py) ----------------------------------------------------------------------------
+   A magnitude is bits & mask. Lanes are int32 for 8- and 16-bit elements (mask and thresholds then fit in 31
+   bits), else int64. Masks are below 2**width, so zero- and sign-extension of an element give the same
+   magnitude. count3: elements of b[0:n] whose magnitude is >= t1, t2, t3 (32-bit sums per block of 2**20).
+   ranks3 / select3: the kernels of ranks.py's four-bucket path, with count3 inlined (short spans between
+   positions). g_k: elements before the scan point whose magnitude is >= t_k, so bucket b holds G_b - G_(b+1)
+   of them, with G_0 = the scan point and G_4 = 0. */
+
+DS_UNUSED static inline int64_t ds_rank3(int64_t b, int64_t p, int64_t g1, int64_t g2, int64_t g3) {
+    return b == 0 ? p - g1 : b == 1 ? g1 - g2 : b == 2 ? g2 - g3 : g3;
+}
+
+#define DS_RANKS(T, W, L)                                                                                     \
+    static inline void ds_count3_in_##W(const T *b, int64_t n, L mask, L t1, L t2, L t3, int64_t *a) {        \
+        int64_t a1 = 0, a2 = 0, a3 = 0;                                                                       \
+        for (int64_t i = 0; i < n;) {                                                                         \
+            int64_t end = n - i > (1 << 20) ? i + (1 << 20) : n;                                              \
+            int32_t s1 = 0, s2 = 0, s3 = 0;                                                                   \
+            for (int64_t j = i; j < end; j++) {                                                               \
+                L m = (L)b[j] & mask;                                                                         \
+                s1 += (int32_t)(m >= t1);                                                                     \
+                s2 += (int32_t)(m >= t2);                                                                     \
+                s3 += (int32_t)(m >= t3);                                                                     \
+            }                                                                                                 \
+            a1 += s1;                                                                                         \
+            a2 += s2;                                                                                         \
+            a3 += s3;                                                                                         \
+            i = end;                                                                                          \
+        }                                                                                                     \
+        a[0] = a1;                                                                                            \
+        a[1] = a2;                                                                                            \
+        a[2] = a3;                                                                                            \
+    }                                                                                                         \
+    DS_FN void ds_count3_##W(const T *b, int64_t n, L mask, L t1, L t2, L t3, int64_t *out) {                 \
+        ds_count3_in_##W(b, n, mask, t1, t2, t3, out);                                                        \
+    }                                                                                                         \
+    DS_FN void ds_ranks3_##W(const T *bits, L mask, L t1, L t2, L t3, const int64_t *pos, int64_t i0,        \
+                             int64_t i1, int64_t start, int64_t g1, int64_t g2, int64_t g3, int64_t *rank,    \
+                             int64_t *bucket) {                                                               \
+        int64_t cur = start, a[3];                                                                            \
+        for (int64_t j = i0; j < i1; j++) {                                                                   \
+            int64_t p = pos[j];                                                                               \
+            ds_count3_in_##W(bits + cur, p - cur, mask, t1, t2, t3, a);                                       \
+            g1 += a[0];                                                                                       \
+            g2 += a[1];                                                                                       \
+            g3 += a[2];                                                                                       \
+            L m = (L)bits[p] & mask;                                                                          \
+            int64_t e1 = m >= t1, e2 = m >= t2, e3 = m >= t3, b = e1 + e2 + e3;                               \
+            rank[j] = ds_rank3(b, p, g1, g2, g3);                                                             \
+            bucket[j] = b;                                                                                    \
+            g1 += e1;                                                                                         \
+            g2 += e2;                                                                                         \
+            g3 += e3;                                                                                         \
+            cur = p + 1;                                                                                      \
+        }                                                                                                     \
+    }                                                                                                         \
+    /* positions of the wanted ranks (ranks[off[b] + lo[b] .. off[b] + hi[b]), per bucket b < 4) in [start,  \
+       stop), written from outpos[base], with their index into ranks in src; returns the ranks not found.     \
+       Blocks of 32 are counted first; a block that holds none of the wanted ranks is skipped. */             \
+    DS_FN int64_t ds_select3_##W(const T *bits, L mask, L t1, L t2, L t3, int64_t start, int64_t stop,       \
+                                 const int64_t *ranks, const int64_t *off, const int64_t *lo,                 \
+                                 const int64_t *hi, int64_t g1, int64_t g2, int64_t g3, int64_t base,         \
+                                 int64_t *outpos, int64_t *src) {                                             \
+        int64_t ptr[4], want[4], a[3], remaining = 0, o = base, idx = start;                                  \
+        for (int b = 0; b < 4; b++) {                                                                         \
+            ptr[b] = lo[b];                                                                                   \
+            want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1; /* next wanted rank (-1: none left) */    \
+            remaining += hi[b] - ptr[b];                                                                      \
+        }                                                                                                     \
+        while (remaining > 0 && idx < stop) {                                                                 \
+            int64_t end = idx + 32 < stop ? idx + 32 : stop;                                                  \
+            ds_count3_in_##W(bits + idx, end - idx, mask, t1, t2, t3, a);                                     \
+            if ((want[0] < 0 || end - g1 - a[0] <= want[0]) && (want[1] < 0 || g1 + a[0] - g2 - a[1] <= want[1]) \
+                && (want[2] < 0 || g2 + a[1] - g3 - a[2] <= want[2]) && (want[3] < 0 || g3 + a[2] <= want[3])) { \
+                g1 += a[0];                                                                                   \
+                g2 += a[1];                                                                                   \
+                g3 += a[2];                                                                                   \
+                idx = end;                                                                                    \
+                continue;                                                                                     \
+            }                                                                                                 \
+            for (int64_t i = idx; i < end; i++) {                                                             \
+                L m = (L)bits[i] & mask;                                                                      \
+                int64_t e1 = m >= t1, e2 = m >= t2, e3 = m >= t3, b = e1 + e2 + e3;                           \
+                if (ds_rank3(b, i, g1, g2, g3) == want[b]) {                                                  \
+                    outpos[o] = i;                                                                            \
+                    src[o] = off[b] + ptr[b];                                                                 \
+                    o++;                                                                                      \
+                    ptr[b]++;                                                                                 \
+                    remaining--;                                                                              \
+                    want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                   \
+                }                                                                                             \
+                g1 += e1;                                                                                     \
+                g2 += e2;                                                                                     \
+                g3 += e3;                                                                                     \
+            }                                                                                                 \
+            idx = end;                                                                                        \
+        }                                                                                                     \
+        return remaining;                                                                                     \
+    }
+
+DS_RANKS(uint8_t, 1, int32_t)
+DS_RANKS(uint16_t, 2, int32_t)
+DS_RANKS(uint32_t, 4, int64_t)
+DS_RANKS(uint64_t, 8, int64_t)
+
+/* --- ulp steps (kernels/bitstream.py): zigzag(ordered(new) - ordered(old)) - 1, elements sign-extended by
+   their dtype; ordered(x) = x ^ ((x >> 63) & fmag). max_step: the largest; step_planes: byte j of each step
+   into out[j * row_stride + i] for j < npl. */
+
+DS_UNUSED static inline int64_t ds_ordered(int64_t x, int64_t fmag) {
+    return x ^ ((x >> 63) & fmag);
+}
+
+DS_UNUSED static inline uint64_t ds_step(int64_t a, int64_t b, int64_t fmag) {
+    int64_t d = (int64_t)((uint64_t)ds_ordered(a, fmag) - (uint64_t)ds_ordered(b, fmag));
+    return (((uint64_t)d << 1) ^ (uint64_t)(d >> 63)) - 1;
+}
+
+#define DS_STEPS(T, N)                                                                                        \
+    DS_FN uint64_t ds_max_step_##N(const T *new_, const T *old, int64_t n, int64_t fmag) {                    \
+        uint64_t m = 0;                                                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
+            uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                    \
+            m = x > m ? x : m;                                                                                \
+        }                                                                                                     \
+        return m;                                                                                             \
+    }                                                                                                         \
+    DS_FN void ds_step_planes_##N(const T *new_, const T *old, int64_t n, int64_t fmag, uint8_t *out,         \
+                                  int64_t row_stride, int64_t npl) {                                          \
+        if (npl == 1) {                                                                                       \
+            for (int64_t i = 0; i < n; i++)                                                                   \
+                out[i] = (uint8_t)ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                           \
+        } else if (npl == 2) {                                                                                \
+            uint8_t *out1 = out + row_stride;                                                                 \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                \
+                out[i] = (uint8_t)x;                                                                          \
+                out1[i] = (uint8_t)(x >> 8);                                                                  \
+            }                                                                                                 \
+        } else {                                                                                              \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                uint64_t x = ds_step((int64_t)new_[i], (int64_t)old[i], fmag);                                \
+                for (int64_t j = 0; j < npl; j++, x >>= 8)                                                    \
+                    out[j * row_stride + i] = (uint8_t)x;                                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+DS_STEPS(uint8_t, u8)
+DS_STEPS(int8_t, i8)
+DS_STEPS(int16_t, i16)
+DS_STEPS(uint16_t, u16)
+DS_STEPS(int32_t, i32)
+DS_STEPS(uint32_t, u32)
+DS_STEPS(int64_t, i64)
+DS_STEPS(uint64_t, u64)
+
+/* --- whether n 8-byte words are all zero (an OR over blocks, checked every 4096 words) --------------------- */
+
+DS_FN int ds_words_zero(const unsigned char *p, int64_t nw) {
+    uint64_t acc = 0;
+    for (int64_t i = 0; i < nw;) {
+        int64_t end = nw - i > 4096 ? i + 4096 : nw;
+        for (int64_t j = i; j < end; j++) {
+            uint64_t v;
+            memcpy(&v, p + 8 * j, 8);
+            acc |= v;
+        }
+        if (acc != 0) return 0;
+        i = end;
+    }
+    return 1;
+}
+
+#endif
