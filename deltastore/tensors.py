@@ -114,7 +114,7 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             return plain
         items = state.items()
     else:
-        items = state
+        items = map(check_item, state)
     out: dict[str, torch.Tensor] = {}
     # by address first (one call a tensor); layouts are compared only at an address two tensors share
     first: dict[int, tuple[str, torch.Tensor | None]] = {}
@@ -150,6 +150,27 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             continue
         keyed[alias] = name
     return out
+
+
+def check_item(item: Any) -> tuple[str, torch.Tensor]:
+    """``item`` as a ``(name, tensor)`` pair; :class:`TargetMismatchError` unless it is one (a string name, a
+    tensor with storage)."""
+    try:
+        name, t = item
+    except (TypeError, ValueError):
+        raise TargetMismatchError(f"a published item must be a (name, tensor) pair, got {_short(item)}") from None
+    if not isinstance(name, str):
+        raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+    if t.is_meta:
+        raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model before publishing")
+    return name, t
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | None:
