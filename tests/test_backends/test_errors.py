@@ -101,7 +101,7 @@ def test_a_botocore_retry_setting_is_merged_and_the_deadline_holds(retries, capl
             "config_kwargs": {"retries": dict(retries)}}
     with caplog.at_level(logging.WARNING, logger="deltastore.backends"):
         start = time.monotonic()
-        with pytest.raises(BackendUnavailableError, match=r"store unreachable after \d+ tries .*deadline 1.0 s"):
+        with pytest.raises(BackendUnavailableError, match=r"store unreachable: connection refused"):
             ds.Subscriber("s3://bucket-x/run", storage_options=opts)
         assert time.monotonic() - start < DEADLINE + 5
     ignored = [r.getMessage() for r in caplog.records if "config_kwargs retries" in r.getMessage()]
