@@ -4,6 +4,8 @@
     .venv/bin/python bench/faults.py --quick         # fewer trials (~1 min)
     .venv/bin/python bench/faults.py --only-store    # GC races, store bombs, disk errors, unreachable endpoints
     .venv/bin/python bench/faults.py --only-target --no-s3   # layout changes, aliasing, interrupts, post-commit
+    .venv/bin/python bench/faults.py --only-edges    # issue 48: false claims, GC grace, S3 retry settings,
+                                                     # typed edges, the LoRA follower over HTTP
 
 Prints one row per scenario and backend: trials, faults injected, wrong versions
 applied, versions lost, untyped exceptions (the last three must be 0) and the
@@ -27,6 +29,7 @@ from test_reliability import hostile  # noqa: E402
 from test_reliability import scenarios as S  # noqa: E402
 from test_reliability import scenarios_store as SS  # noqa: E402
 from test_reliability import scenarios_target as ST  # noqa: E402
+from test_reliability import scenarios_edges as SE  # noqa: E402
 
 
 def main() -> int:
@@ -38,14 +41,19 @@ def main() -> int:
                     help="only the store/backend families (GC races, bombs, disk errors, unreachable endpoints)")
     ap.add_argument("--only-target", action="store_true",
                     help="only the target/publisher families (layout changes, aliasing, interrupts, post-commit)")
+    ap.add_argument("--only-edges", action="store_true",
+                    help="only issue 48's families (false claims, GC grace, S3 retry settings, typed edges, LoRA)")
     args = ap.parse_args()
-    general = not (args.only_store or args.only_target)
-    store, target = not args.only_target, not args.only_store
+    general = not (args.only_store or args.only_target or args.only_edges)
+    store = not (args.only_target or args.only_edges)
+    target = not (args.only_store or args.only_edges)
+    edges = not (args.only_store or args.only_target)
     q = args.quick
     n = {"crash": 10 if q else 50, "corrupt": 20 if q else 60, "transient": 15 if q else 50,
          "races": 5 if q else 20, "apply": 50 if q else 200, "fuzz": (150, 100, 150) if q else (500, 300, 400),
          "gc": 6 if q else 15, "unreachable": 6 if q else 12, "disk": 6 if q else 15,
-         "layout": 5 if q else 20, "alias": 20 if q else 100, "interrupt": 20 if q else 100, "post": 5 if q else 20}
+         "layout": 5 if q else 20, "alias": 20 if q else 100, "interrupt": 20 if q else 100, "post": 5 if q else 20,
+         "claims": 2 if q else 6, "claims_target": 5 if q else 20, "user_retries": 4 if q else 12}
     server = None
     wheres = [S.local_where()]
     if not args.no_s3:
@@ -64,6 +72,9 @@ def main() -> int:
             if store:
                 rows.append(SS.run_gc_reuse(w, n["gc"], seed=args.seed))
                 rows.append(SS.run_store_bombs(w))
+            if edges:
+                rows.append(SE.run_claims_store(w, n["claims"], seed=args.seed))
+                rows.append(SE.run_gc_grace(w))
         if store:
             rows.append(SS.run_disk_errors(wheres[0], n["disk"], seed=args.seed))
             rows.append(SS.run_unreachable(n["unreachable"]))
@@ -74,6 +85,11 @@ def main() -> int:
             rows.append(ST.run_aliasing(n["alias"], seed=args.seed))
             rows.append(ST.run_interrupts(n["interrupt"], seed=args.seed))
             rows.append(ST.run_post_commit(n["post"], seed=args.seed))
+        if edges:
+            rows.append(SE.run_claims_target(n["claims_target"], seed=args.seed))
+            rows.append(SE.run_user_retries(n["user_retries"]))
+            rows.append(SE.run_typed_edges())
+            rows.append(SE.run_lora_http())
         if general:
             rows.append(run_hostile(*n["fuzz"]))
     finally:

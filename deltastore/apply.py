@@ -32,6 +32,7 @@ from . import segments
 from .checksum import full_checksum, tensor_keys, updated_checksum
 from .codecs import InPlace, OldBits, TensorSpec, Update, WrittenBatch, read_old_bits
 from .pull.decoded import DecodedUpdates
+from .pull.writable import in_read_only_memory
 from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
 from .layout import describe, layout_diff
@@ -214,6 +215,12 @@ def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copi
     addressing; tensors without storage, address 0, are skipped): one
     ``data_ptr``/``nbytes`` per tensor and a numpy sort, no pass over the
     data. Raises :class:`TargetMismatchError` naming both.
+
+    Also refuses (:class:`TargetMismatchError` naming it) a CPU tensor that
+    lies in read-only memory (a read-only memory mapping: ``numpy.memmap``
+    opened ``"r"`` and wrapped by ``torch.from_numpy``, ...), where a write by
+    address would kill the process with SIGSEGV: the same ranges against the
+    process's read-only mappings (:mod:`deltastore.pull.writable`).
     """
     names = [r.name for r in manifest.tensors]
     if copies:
@@ -222,6 +229,14 @@ def check_overlaps(tensors: Mapping[str, torch.Tensor], manifest: Manifest, copi
     starts = np.fromiter((t.data_ptr() if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
     sizes = np.fromiter((t.nbytes if t is not None else 0 for t in ts), dtype=np.uint64, count=len(ts))
     keep = np.flatnonzero((starts != 0) & (sizes != 0))
+    for i in keep[in_read_only_memory(starts[keep], sizes[keep])]:
+        t = ts[i]
+        assert t is not None
+        if t.device.type == "cpu":  # (an accelerator's addresses may share the range space)
+            raise TargetMismatchError(
+                f"target tensor {names[i]!r} lies in read-only memory (a read-only memory mapping, such as "
+                "numpy.memmap(mode='r') or an mmap without PROT_WRITE): writing version "
+                f"{manifest.step} into it would crash the process; pull into a writable copy (t.clone())")
     if keep.size < 2:
         return
     order = keep[np.argsort(starts[keep], kind="stable")]

@@ -273,3 +273,34 @@ class MirrorConflictError(DeltaStoreError, FileExistsError):
     """The mirror's destination already holds a version under a step the source has too, with other
     manifest bytes: the destination is another store's, or another writer published into it. Nothing of
     that step is overwritten."""
+
+
+# -- added for issue 48 --------------------------------------------------------------------------
+class EngineUnavailableError(ApplyError, ConnectionError):
+    """The inference engine (a vLLM server's LoRA routes) refused the connection, dropped it or did not
+    answer within its timeout. The call that failed changed nothing the caller can see."""
+
+
+class GraceTooShortError(DeltaStoreError, ValueError):
+    """A GC grace period is shorter than the store's minimum (its refresh window plus its timestamp
+    resolution): a concurrent publish that reuses an object could lose a committed version."""
+
+
+class NonFiniteWeightError(DeltaStoreError, ValueError):
+    """A tensor to be quantized holds NaN or infinity: its block's scale would turn every served value of
+    the block into NaN. The message names the tensor and the block."""
+
+
+class OutputWriteError(DeltaStoreError, OSError):
+    """Writing a version's files to a local folder failed (no space left, a read-only or refused folder);
+    ``errno`` is the system's. What the folder held before is kept."""
+
+
+class VersionDroppedError(DeltaStoreError, RuntimeError):
+    """A background version was not written because an earlier background publish failed; ``__cause__``
+    is that failure. Publishing again starts a new chain with an anchor."""
+
+
+class UnclosedPublisherWarning(UserWarning):
+    """A background Publisher was still open at interpreter exit: its queued versions were committed then
+    (call ``close()`` or use it as a context manager to commit them where the program expects)."""

@@ -9,7 +9,8 @@ version:
 
 1. manifests first (oldest first): a reader can no longer plan through them;
 2. wait ``grace`` seconds, so readers that already hold those manifests can
-   finish downloading;
+   finish downloading (longer than the store's refresh window plus its
+   timestamp resolution, :func:`check_grace`: else it is refused);
 3. read the store's clock, list the manifests again, and delete only
    candidate objects that no manifest references now *and* that were last
    modified more than ``grace`` seconds before that clock reading. A publish
@@ -30,11 +31,12 @@ Publisher is writing to the store.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import DeltaStoreError, VersionNotFoundError
+from .errors import DeltaStoreError, GraceTooShortError, VersionNotFoundError
 from .manifest import Manifest
 from .store import DeltaStore
 
@@ -61,6 +63,21 @@ class GCPlan:
     delete_versions: list[int] = field(default_factory=list)
     delete_objects: list[str] = field(default_factory=list)
     reclaimed_bytes: int = 0
+
+
+def check_grace(store: DeltaStore, grace: float, what: str = "grace") -> None:
+    """Refuse a GC grace the GC-safety guarantee does not hold for: not a finite number, or not longer than
+    :attr:`DeltaStore.min_gc_grace` (0 is accepted only where that is 0). Raises :class:`GraceTooShortError`
+    naming the grace, the minimum and what it is made of."""
+    floor = store.min_gc_grace
+    if isinstance(grace, (int, float)) and not isinstance(grace, bool) and math.isfinite(grace) and (
+            grace > floor or grace == floor == 0):
+        return
+    raise GraceTooShortError(
+        f"{what}={grace!r} s is too short for {store.uri}: it must be longer than {floor:g} s (the refresh "
+        f"window, {store.refresh_window:g} s, plus the store's timestamp resolution, "
+        f"{store.backend.capabilities.mtime_resolution:g} s); with less, a publish that reuses an object while "
+        "GC runs can lose a committed version (docs/format.md, \"Garbage collection and concurrent publishers\")")
 
 
 def plan_gc(store: DeltaStore, retention: Retention) -> GCPlan:
@@ -116,10 +133,11 @@ def delete_unreferenced(store: DeltaStore, digests: list[str], *, grace: float =
     """Delete the ``digests`` that no manifest in the store references now and that were last modified
     more than ``grace`` seconds before this call read the store's clock (phase 3); returns those deleted.
 
-    ``grace`` must exceed the publishers' refresh window
-    (:data:`deltastore.store.REFRESH_WINDOW`) for the GC-safety guarantee;
-    0 spares only objects refreshed after the clock reading.
+    ``grace`` must exceed :attr:`DeltaStore.min_gc_grace` (the publishers'
+    refresh window plus the timestamp resolution) for the GC-safety
+    guarantee: a shorter one raises :class:`GraceTooShortError` (see :func:`check_grace`).
     """
+    check_grace(store, grace)
     before = store.clock() - grace  # read before the listing: a commit after it names fresh objects only
     referenced: set[str] = set()
     for s in store.versions():
@@ -138,8 +156,11 @@ def collect_garbage(store: DeltaStore, retention: Retention, *, dry_run: bool = 
 
     With ``orphans=True`` objects that no manifest references are deleted too
     (only safe while no Publisher writes). Returns the :class:`GCPlan`; with
-    ``dry_run`` nothing is deleted.
+    ``dry_run`` nothing is deleted. Raises :class:`GraceTooShortError`, before
+    anything is read or deleted, for a ``grace`` not longer than
+    :attr:`DeltaStore.min_gc_grace` (10 s on local disk, 11 s on S3).
     """
+    check_grace(store, grace)
     with store.manifest_cache.holding():  # every manifest is read in each pass: once, not once per pass
         return _collect(store, retention, dry_run, grace, orphans, sleep)
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import shutil
+import tempfile
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .progress import ProgressArg
 from .adapters import is_adapter, write_adapter_folder
+from .errors import OutputWriteError
+from .manifest import Manifest
+from .progress import ProgressArg
 from .quantize import served_config_json
 from .store import DeltaStore
 from .subscriber import Subscriber
@@ -32,11 +39,32 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     published with ``adapter_only=True`` is written as a PEFT adapter folder
     (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written; each
     has the mode any new file gets (0666 less the umask). ``progress`` is passed to
-    :meth:`Subscriber.pull`. Raises what :meth:`Subscriber.pull` raises.
+    :meth:`Subscriber.pull`.
+
+    Every file is written into a hidden folder inside ``out_dir`` first and
+    moved into place (a rename each) only once all are written, so a failure
+    leaves the files ``out_dir`` held before as they were. Raises what
+    :meth:`Subscriber.pull` raises, and :class:`OutputWriteError` (an
+    ``OSError`` with the system's ``errno``) when writing fails (a full disk,
+    a read-only or refused folder).
     """
-    names = _materialize(store, step, out_dir, shard_bytes, progress)
-    _follow_umask(out_dir, names)
-    return names
+    state = Subscriber(store).pull(step=step, progress=progress).state
+    manifest = store.manifest(step)
+    extra = {fname: store.get_object(rec["digest"], rec["size"]) for fname, rec in manifest.files.items()}
+    stage = None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=".deltastore-partial-", dir=out_dir)
+        written = _write_version(state, manifest, extra, stage, step, shard_bytes)
+        _follow_umask(stage, written)  # before the files appear in out_dir
+        for fname in written:
+            os.replace(os.path.join(stage, fname), os.path.join(out_dir, fname))
+    except (OSError, SafetensorError) as e:
+        raise _write_error(e, step, out_dir) from e
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+    return written
 
 
 def _follow_umask(out_dir: str | os.PathLike[str], names: list[str]) -> None:
@@ -62,21 +90,27 @@ def current_umask() -> int:
     return mask
 
 
-def _materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], shard_bytes: int,
-                 progress: ProgressArg) -> list[str]:
-    state = Subscriber(store).pull(step=step, progress=progress).state
-    os.makedirs(out_dir, exist_ok=True)
-    extra = []
-    manifest = store.manifest(step)
-    for fname, rec in manifest.files.items():
-        data = store.get_object(rec["digest"], rec["size"])
+def _write_error(e: OSError | SafetensorError, step: int, out_dir: str | os.PathLike[str]) -> OutputWriteError:
+    """``e`` (raised writing files; safetensors reports its I/O errors as text) as :class:`OutputWriteError`."""
+    if isinstance(e, OSError):
+        code, what, path = e.errno or errno.EIO, e.strerror or str(e), e.filename
+    else:
+        found = re.search(r"os error (\d+)", str(e))
+        code, what, path = int(found.group(1)) if found else errno.EIO, str(e), None
+    return OutputWriteError(code, f"writing version {step} to {os.fspath(out_dir)} failed: {what}; the folder keeps "
+                                  "the files it held", path)
+
+
+def _write_version(state: dict[str, torch.Tensor], manifest: Manifest, extra: dict[str, bytes], out_dir: str,
+                   step: int, shard_bytes: int) -> list[str]:
+    """Write the version's files into ``out_dir``; their names, recorded files last."""
+    for fname, data in extra.items():
         if fname == "config.json" and manifest.quantization is not None:  # load as the quantized model it is
             data = served_config_json(data, manifest.quantization)
         with open(os.path.join(out_dir, fname), "wb") as f:
             f.write(data)
-        extra.append(fname)
     if is_adapter(manifest.files):  # a PEFT adapter folder: adapter_model.safetensors + adapter_config.json
-        return write_adapter_folder(state, out_dir, step) + extra
+        return write_adapter_folder(state, out_dir, step) + list(extra)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

@@ -86,11 +86,12 @@ class DeltaStore:
     (:attr:`manifest_cache`, :mod:`deltastore.manifest_cache`).
     """
 
-    def __init__(self, backend: Backend, uri: str = "", *, refresh_window: float = REFRESH_WINDOW,
+    def __init__(self, backend: Backend, uri: str = "", *, refresh_window: float | None = None,
                  delete_window: float = DELETE_WINDOW):
         self.backend = backend
         self.uri = uri or repr(backend)
-        self.refresh_window = refresh_window
+        #: seconds (default :data:`REFRESH_WINDOW`); a GC grace on this store must exceed it (:attr:`min_gc_grace`)
+        self.refresh_window = REFRESH_WINDOW if refresh_window is None else refresh_window
         self.delete_window = delete_window
         #: parsed manifests and their digests by step (bounds adjustable: ``max_entries``, ``max_bytes``)
         self.manifest_cache: ManifestCache[tuple[Manifest, str]] = ManifestCache()
@@ -112,6 +113,15 @@ class DeltaStore:
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
+
+    @property
+    def min_gc_grace(self) -> float:
+        """Seconds a GC grace on this store must exceed for the GC-safety guarantee: the refresh window of
+        publishers using it plus the backend's timestamp resolution (10 s on local disk, 11 s on S3 by
+        default). Where both are 0 (a store built with ``refresh_window=0`` on a backend with exact times,
+        whose publishers refresh every reused object right before each commit: tests), a grace of 0 is
+        accepted."""
+        return self.refresh_window + self.backend.capabilities.mtime_resolution
 
     def close(self) -> None:
         self.forget_prefetched()

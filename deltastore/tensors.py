@@ -114,7 +114,7 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
             return plain
         items = state.items()
     else:
-        items = state
+        items = map(check_item, state)
     out: dict[str, torch.Tensor] = {}
     # by address first (one call a tensor); layouts are compared only at an address two tensors share
     first: dict[int, tuple[str, torch.Tensor | None]] = {}
@@ -127,9 +127,11 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
         if name in out:
             raise TargetMismatchError(f"duplicate tensor name {name!r}")
         out[name] = t
+        ptr = t.data_ptr()
+        if ptr == 0 and t.is_meta:  # (only tensors without storage have address 0)
+            raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model first")
         if t.numel() == 0:  # no elements: never an alias
             continue
-        ptr = t.data_ptr()
         got = first.get(ptr)
         if got is None:
             first[ptr] = (name, t)
@@ -150,14 +152,37 @@ def named_tensors(state: StateLike, aliases: dict[str, str] | None = None) -> di
     return out
 
 
+def check_item(item: Any) -> tuple[str, torch.Tensor]:
+    """``item`` as a ``(name, tensor)`` pair; :class:`TargetMismatchError` unless it is one (a string name, a
+    tensor with storage)."""
+    try:
+        name, t = item
+    except (TypeError, ValueError):
+        raise TargetMismatchError(f"a published item must be a (name, tensor) pair, got {_short(item)}") from None
+    if not isinstance(name, str):
+        raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
+    if t.is_meta:
+        raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model before publishing")
+    return name, t
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | None:
-    """``state`` as a dict when every key is a string and every value a tensor at an address of its own
-    (then none can alias another), by a few C-level passes instead of a loop over the tensors; else None,
+    """``state`` as a dict when every key is a string and every value a tensor with data at an address of its
+    own (then none can alias another), by a few C-level passes instead of a loop over the tensors; else None,
     and :func:`named_tensors` looks at each entry."""
     out = dict(state)
     values = list(out.values())
-    if (set(map(type, out)) - {str} or not all(issubclass(c, torch.Tensor) for c in set(map(type, values)))
-            or len(set(map(torch.Tensor.data_ptr, values))) != len(values)):
+    if set(map(type, out)) - {str} or not all(issubclass(c, torch.Tensor) for c in set(map(type, values))):
+        return None
+    ptrs = set(map(torch.Tensor.data_ptr, values))
+    if len(ptrs) != len(values) or 0 in ptrs:  # 0: no storage (empty, or meta: refused by the checks)
         return None
     return out
 

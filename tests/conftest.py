@@ -99,6 +99,27 @@ def bits_equal(a: dict, b: dict) -> bool:
     return True
 
 
+def step_bits(bits: torch.Tensor, where: torch.Tensor, g: torch.Generator) -> None:
+    """Change integer view ``bits`` (of a float tensor) at ``where`` (a mask or distinct indices), in place, in
+    every way a trained weight's bits change, not only +1 ulp: one ulp down, several ulps up or down
+    (2-999), across the sign (the sign bit flipped: same magnitude, other sign, crossing zero), and to -0.0
+    (from -0.0: to +0.0). Every element at ``where`` changes."""
+    old = bits[where]
+    n = old.numel()
+    sign = -(1 << (bits.element_size() * 8 - 1))  # the sign bit as a signed integer (0x8000 for 16 bits)
+    kind = torch.randint(0, 6, (n,), generator=g)
+    ulps = torch.randint(2, 1000, (n,), generator=g).to(bits.dtype)
+    new = old.clone()
+    new[kind == 0] += 1
+    new[kind == 1] -= 1
+    new[kind == 2] += ulps[kind == 2]
+    new[kind == 3] -= ulps[kind == 3]
+    new[kind == 4] ^= sign
+    new[kind == 5] = torch.where(old[kind == 5] == sign, torch.zeros_like(old[kind == 5]),
+                                 torch.full_like(old[kind == 5], sign))
+    bits[where] = new
+
+
 def edit_tensor_columns(uri: str, doc: dict, edit) -> None:
     """What a hostile writer of the local store ``uri`` can do to the tensor columns of manifest document
     ``doc``: ``edit(columns)`` changes ``{field: column}`` (every field of a tensor record). From format 1.3
@@ -132,6 +153,16 @@ def publish_all(uri: str, states: list, **publisher_args) -> None:
     with ds.Publisher(uri, **publisher_args) as pub:
         for step, state in enumerate(states):
             pub.publish(state, step=step)
+
+
+def quick_gc_store(uri: str):
+    """A store on ``uri`` whose publishers refresh every reused object right before each commit
+    (``refresh_window=0``): on local disk and memory (exact timestamps) it accepts a GC grace of 0
+    (``DeltaStore.min_gc_grace``), for tests that collect at once."""
+    from deltastore.backends import open_backend
+    from deltastore.store import DeltaStore
+
+    return DeltaStore(open_backend(uri), uri, refresh_window=0.0)
 
 
 def follower_at(uri: str, step: int):

@@ -48,6 +48,7 @@ class Mutant:
 
 
 REL = "tests/test_reliability/test_reliability.py::"
+FALSE = "tests/test_reliability/test_false_claims.py::"
 MUTANTS = [
     Mutant("sha256-on-read", "objects are not checked against their sha256 digest when read (nor when prefetched)",
            [("deltastore/store.py", "if sha256_digest(data) != digest:", "if False:"),
@@ -358,6 +359,29 @@ MUTANTS = [
            [("deltastore/store_mirror.py", "            body = self.src.get_object(digest, size)",
              "            body = self.src.backend.get(object_key(digest))")],
            ["tests/test_mirror.py::test_tampered_source_copies_nothing_of_that_version"]),
+    # issue 48: four plausible bugs the rest of the suite let through (tests/test_reliability/test_false_claims.py)
+    Mutant("differential-base-by-step", "the planner takes a differential from the target when the target holds "
+           "its base's step, whatever that version's digest (a joiner of a rewritten store)",
+           [("deltastore/pull/planner.py", "    if current is not None and current == base:",
+             "    if current is not None and current.step == base.step:")],
+           [FALSE + "test_a_differential_on_another_version_of_the_held_step_is_not_planned",
+            FALSE + "test_a_joiner_holding_a_rewritten_step_gets_the_new_anchor_not_a_differential_on_its_own"]),
+    Mutant("layout-backup-aliases-target", "a layout change's backup of a target tensor it copies a new tensor "
+           "into is the tensor itself on the host (a failure later restores nothing)",
+           [("deltastore/apply.py", '        if fits(t, spec):\n            flat = bits_view(t)\n'
+                                    '            backup = flat.to("cpu", copy=True)\n',
+             '        if fits(t, spec):\n            flat = bits_view(t)\n            backup = flat.to("cpu")\n')],
+           [FALSE + "test_a_failed_layout_change_restores_a_tensor_it_had_copied_whole"]),
+    Mutant("anchor-failure-keeps-version", "a failed anchor pull whose restore was refused leaves the target "
+           "claiming the version it held before",
+           [("deltastore/subscriber.py", "tracking.set_version(target, current if restored else None)",
+             "tracking.set_version(target, current)")],
+           [FALSE + "test_a_refused_restore_after_an_anchor_failure_leaves_a_tracked_target_unknown"]),
+    Mutant("retried-create-trusts-presence", "a create-only put retried after a transient error takes a key it "
+           "finds present as its own earlier try (a rival's commit becomes ours)",
+           [("deltastore/backends/retry.py", "if self.inner.get(key) == bytes(data):",
+             "if self.inner.exists(key):")],
+           [FALSE + "test_a_rivals_create_is_not_taken_as_our_commit_on_retry"]),
 ]
 
 

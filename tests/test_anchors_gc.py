@@ -11,7 +11,7 @@ import torch
 
 import deltastore as ds
 import deltastore.publish.chain as chain_mod
-from conftest import bits_equal
+from conftest import bits_equal, quick_gc_store
 from deltastore.anchors import Adaptive, ChainState, Every, get_anchor_policy
 from deltastore.chains import extend_trace, trace_steps
 from deltastore.cli import main
@@ -188,7 +188,8 @@ def test_large_anchors_are_sharded(chain64, memory_uri):
 
 def test_retention_bounds_the_store_and_keeps_it_valid(chain64, tmp_path):
     uri = str(tmp_path / "s")
-    with ds.Publisher(uri, anchor_every=5, retention=Retention(keep_last=4, keep_anchors=1), gc_grace=0) as pub:
+    with ds.Publisher(quick_gc_store(uri), anchor_every=5, retention=Retention(keep_last=4, keep_anchors=1),
+                      gc_grace=0) as pub:
         for i, s in enumerate(chain64[:23]):
             pub.publish(s, step=i)
     sub = ds.Subscriber(uri)
@@ -299,7 +300,7 @@ def test_gc_while_subscribers_pull_never_gives_wrong_weights(chain64, tmp_path):
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    store = ds.open_store(uri)
+    store = quick_gc_store(uri)
     races = 0
     deleted = 0
     try:
@@ -343,7 +344,7 @@ def test_pull_replans_when_gc_removes_its_path(chain64, tmp_path):
         def _prefetch(self, plan, **kw):
             if self.armed:
                 self.armed = False
-                collect_garbage(ds.open_store(uri), Retention(keep_last=2, keep_anchors=1), grace=0)
+                collect_garbage(quick_gc_store(uri), Retention(keep_last=2, keep_anchors=1), grace=0)
             super()._prefetch(plan, **kw)
 
     sub = RacingSubscriber(uri)
@@ -374,7 +375,7 @@ def test_lag_max_lag_and_sync(chain64, memory_uri):
     assert res.created == sub.manifest(5).created and 0 <= res.age < 60
 
 
-def test_cli_gc_dry_run_then_real(chain64, tmp_path, capsys):
+def test_cli_gc_dry_run_then_real(chain64, tmp_path, capsys, monkeypatch):
     uri = str(tmp_path / "s")
     with ds.Publisher(uri, anchor_every=3) as pub:
         for i, s in enumerate(chain64[:9]):
@@ -382,6 +383,12 @@ def test_cli_gc_dry_run_then_real(chain64, tmp_path, capsys):
     assert main(["gc", uri, "--keep-last", "2", "--keep-anchors", "1", "--dry-run"]) == 0
     assert "would delete 6 versions" in capsys.readouterr().out
     assert ds.Subscriber(uri).versions() == list(range(9))
+    assert main(["gc", uri, "--keep-last", "2", "--keep-anchors", "1", "--grace", "0"]) == 1  # too short: refused
+    assert "GraceTooShortError: grace=0.0 s is too short" in capsys.readouterr().err
+    assert ds.Subscriber(uri).versions() == list(range(9))
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # publishers refreshing before every commit
     assert main(["gc", uri, "--keep-last", "2", "--keep-anchors", "1", "--grace", "0"]) == 0
     assert ds.Subscriber(uri).versions() == [6, 7, 8]
     assert main(["verify", uri]) == 0

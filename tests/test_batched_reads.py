@@ -17,7 +17,7 @@ from deltastore.kernels import bitstream
 from deltastore.codecs import read_old_bits
 from deltastore.registry import codecs as codec_registry
 
-from conftest import bits_equal
+from conftest import bits_equal, step_bits
 
 
 def _states(n=3, seed=0):
@@ -29,7 +29,7 @@ def _states(n=3, seed=0):
         state = {k: v.clone() for k, v in state.items()}
         for v in state.values():
             bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32).view(-1)
-            bits[torch.randperm(bits.numel(), generator=g)[: bits.numel() // 20]] += 1
+            step_bits(bits, torch.randperm(bits.numel(), generator=g)[: bits.numel() // 20], g)
         out.append(state)
     return out
 
@@ -351,7 +351,7 @@ def _overlapping_states(n=5, seed=1):
         for k, v in state.items():
             bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32).view(-1)
             again = hot[k][torch.rand(hot[k].numel(), generator=g) < 0.6]
-            bits[torch.cat([again, torch.randperm(bits.numel(), generator=g)[:20]]).unique()] += 1
+            step_bits(bits, torch.cat([again, torch.randperm(bits.numel(), generator=g)[:20]]).unique(), g)
         out.append(state)
     return out
 

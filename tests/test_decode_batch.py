@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import deltastore as ds
+from conftest import step_bits
 from deltastore import segments
 from deltastore.apply import _Pending, _PendingMap
 from deltastore.codecs import TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec, register_codec
@@ -160,7 +161,7 @@ def _state(n: int = 50, seed: int = 7) -> dict[str, torch.Tensor]:
 def _step(state: dict[str, torch.Tensor], g: torch.Generator, share: float = 0.05) -> None:
     for v in state.values():
         hit = torch.rand(v.shape, generator=g) < share
-        v.view(torch.int16)[hit] += 1
+        step_bits(v.view(torch.int16), hit, g)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 import deltastore as ds
 import deltastore.manifest as M
-from conftest import bits_equal, follower_at, publish_all
+from conftest import bits_equal, follower_at, publish_all, quick_gc_store
 from deltastore.errors import (CorruptObjectError, DeltaStoreError, ManifestError, ObjectNotFoundError,
                                UnsupportedFormatError)
 from deltastore.gc import Retention
@@ -121,7 +121,7 @@ def test_a_follower_reads_the_layout_object_once_and_a_publisher_writes_it_once(
 def test_a_layout_change_writes_a_new_layout_object_and_gc_deletes_the_old_one(store_uri, fresh_reader):
     states = _states(4)
     grown = [dict(s, head=torch.full((4,), float(i), dtype=torch.bfloat16)) for i, s in enumerate(_states(4, seed=1))]
-    with ds.Publisher(store_uri, anchor_every=2, retention=Retention(keep_last=2, keep_anchors=1),
+    with ds.Publisher(quick_gc_store(store_uri), anchor_every=2, retention=Retention(keep_last=2, keep_anchors=1),
                       gc_grace=0) as pub:
         for i, s in enumerate(states + grown):
             pub.publish(s, step=i)

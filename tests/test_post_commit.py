@@ -86,8 +86,8 @@ def test_marker_failure_after_commit_is_a_warning(make_faulty, background):
 def test_retention_failure_after_commit_is_a_warning(make_faulty, background):
     inner, faulty = make_faulty(Fault("permanent", ops="delete"))
     states = _states(6)
-    pub = ds.Publisher(DeltaStore(faulty), anchor_every=2, retention=Retention(keep_last=2, keep_anchors=1),
-                       gc_grace=0, background=background)
+    pub = ds.Publisher(DeltaStore(faulty, refresh_window=0.0), anchor_every=2,
+                       retention=Retention(keep_last=2, keep_anchors=1), gc_grace=1.5, background=background)
     with pytest.warns(PostCommitWarning, match="retention"):
         infos = [pub.publish(s, step=i) for i, s in enumerate(states)]
         infos = [i.result() for i in infos]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import deltastore as ds
+from conftest import step_bits
 from deltastore import manifest as manifest_mod
 from deltastore.apply import SparseOverlay, TargetAddresses, mapping_reader
 from deltastore.checksum import tensor_keys
@@ -41,7 +42,7 @@ def _step(state: dict[str, torch.Tensor], g: torch.Generator, step: int) -> None
         if (i + step) % 7 == 0:
             continue
         hit = torch.rand(v.shape, generator=g) < 0.05
-        v.view(torch.int16)[hit] += 1
+        step_bits(v.view(torch.int16), hit, g)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

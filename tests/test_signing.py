@@ -151,10 +151,13 @@ def test_moved_signature_is_refused():
         Trust([key.public]).check(forged, json.loads(forged), "version 1", 1)
 
 
-def test_gc_ls_and_retention_work_on_a_signed_store(tmp_path, capsys):
+def test_gc_ls_and_retention_work_on_a_signed_store(tmp_path, capsys, monkeypatch):
     key = SigningKey.generate()
     uri = str(tmp_path / "s")
     vs = _states(8)
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # so that a grace of 0 is allowed
     with ds.Publisher(uri, signing_key=key, anchor_every=3, retention=ds.gc.Retention(keep_last=3),
                       gc_grace=0) as pub:
         for i, st in enumerate(vs):

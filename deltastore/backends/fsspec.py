@@ -21,7 +21,9 @@ this module consumes itself:
 (``retry`` and ``deadline`` are consumed by :func:`~deltastore.backends.open_backend`: the
 retry layer wraps this backend.) The clients' own retries are off (botocore
 ``total_max_attempts=1``, s3fs ``retries=1``, gcsfs's request retry loop
-bypassed) so that the one retry layer's deadline is the total time. The
+bypassed) so that the one retry layer's deadline is the total time; a
+botocore ``retries`` setting in ``config_kwargs`` is merged with that (its
+``mode`` kept, its attempt counts replaced by one try, with a warning). The
 S3 region comes from the usual places (``client_kwargs``, ``AWS_REGION``,
 the AWS config) and is ``us-east-1`` when none names one; nothing is written
 to ``os.environ``. GCS uses gcsfs's core filesystem (not the experimental
@@ -55,12 +57,13 @@ exactly its bytes counts as its own.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import (AccessDeniedError, BackendError, BackendUnavailableError, BucketNotFoundError, KeyExistsError,
-                      KeyNotFoundError, MissingDependencyError, ValueTooLargeError)
+                      KeyNotFoundError, MissingDependencyError, UnknownOptionError, ValueTooLargeError)
 from .base import Backend, Capabilities, KeyInfo, PutMode
 from .cache_policy import cache_control, content_type
 from .credentials import credentials_error, missing_credentials
@@ -72,6 +75,7 @@ _GCS = {"gs", "gcs"}
 _INSTALL_HINTS = {"s3": "pip install 'deltastore[s3]'", "s3a": "pip install 'deltastore[s3]'",
                   "gs": "pip install 'deltastore[gcs]'", "gcs": "pip install 'deltastore[gcs]'"}
 _S3 = {"s3", "s3a"}
+_log = logging.getLogger("deltastore.backends.fsspec")
 _PUT_ID = "deltastore-put-id"  # object metadata: the id of the create-only put that wrote it
 _TRANSPORT_OPTIONS = ("max_workers", "progress", "check_bucket", "atomic_create")
 CONNECT_TIMEOUT = 5.0
@@ -115,13 +119,32 @@ def _s3_filesystem(options: dict[str, Any], connect: float, read: float) -> Any:
     config = dict(options.pop("config_kwargs", None) or {})
     config.setdefault("connect_timeout", connect)
     config.setdefault("read_timeout", read)
-    config.setdefault("retries", {"total_max_attempts": 1})  # the retry layer retries, not botocore
+    config["retries"] = _one_botocore_try(config.get("retries"))
     client = dict(options.pop("client_kwargs", None) or {})
     if _s3_region({"client_kwargs": client}) is None:
         client["region_name"] = "us-east-1"
     fs = s3fs.S3FileSystem(config_kwargs=config, client_kwargs=client, **options)
     fs.retries = 1  # s3fs's own retry loop (an attribute): one try
     return fs
+
+
+def _one_botocore_try(retries: Any) -> dict[str, Any]:
+    """A user's botocore ``retries`` setting merged with ours: one try per call (``total_max_attempts=1``
+    wins over ``total_max_attempts``/``max_attempts``), so the retry layer's deadline holds; ``mode`` and
+    the rest are kept. A retry count given is logged as ignored (storage option ``retry`` sets ours)."""
+    if retries is None:
+        return {"total_max_attempts": 1}
+    if not isinstance(retries, Mapping):
+        raise UnknownOptionError(f"config_kwargs['retries'] must be a dict of botocore retry settings, "
+                                 f"got {retries!r}")
+    counts = {k: v for k, v in retries.items() if k in ("total_max_attempts", "max_attempts") and v != 1}
+    if counts:
+        _log.warning("deltastore: config_kwargs retries %s ignored: botocore makes one try per call so that the "
+                     "deadline holds; deltastore's retry layer retries (storage options 'retry', 'deadline')",
+                     counts)
+    merged = {k: v for k, v in retries.items() if k != "max_attempts"}
+    merged["total_max_attempts"] = 1
+    return merged
 
 
 def _gcs_filesystem(options: dict[str, Any], connect: float, read: float) -> Any:

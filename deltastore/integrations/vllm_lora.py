@@ -26,6 +26,7 @@ No vLLM import at module level.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import logging
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters import is_adapter
-from ..errors import ApplyError, TargetMismatchError
+from ..errors import ApplyError, EngineUnavailableError, TargetMismatchError
 from ..materialize import materialize
 from ..store import open_store
 from ._polling import PollingLoop
@@ -79,46 +80,113 @@ class HTTPLoraControl:
     """Adapters of an OpenAI-compatible vLLM server (``vllm serve --enable-lora``,
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) through ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
 
-    ``alias``: also (re)load the stable name itself on each version (unload,
-    then load with the new path). Requests naming it then reach the newest
-    version without knowing its step, but a request still running on the
-    previous version shares its name with new ones, which vLLM's batching
-    treats as one adapter: use it only where overlapping versions are
-    acceptable; requests that must finish on their version name ``<name>@<step>``.
+    ``alias``: also re-point the stable name itself at each version. Requests
+    naming it then reach the newest version without knowing its step, but a
+    request still running on the previous version shares its name with new
+    ones, which vLLM's batching treats as one adapter: use it only where
+    overlapping versions are acceptable; requests that must finish on their
+    version name ``<name>@<step>``. The alias is re-loaded in place
+    (``load_inplace``; on a vLLM without in-place loads it is unloaded, then
+    loaded). When that fails, it is pointed back at the folder it had, so the
+    server serves what it served before; a :meth:`load` that fails also
+    unloads the ``<name>@<step>`` it loaded, then raises.
+
+    Errors: :class:`ApplyError` when the server refuses (its status and
+    answer in the message), :class:`EngineUnavailableError` (also a
+    ``ConnectionError``) when it cannot be reached or does not answer within
+    ``timeout`` seconds.
     """
+
+    _LOAD, _UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
     def __init__(self, base_url: str, *, alias: bool = False, timeout: float = 120.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.alias = alias
         self.timeout = timeout
         self.api_key = api_key
+        self._alias_path: str | None = None  # the folder the stable name was last pointed at
+        self._stale: set[str] = set()  # names a failed load may have left loaded, unloaded at the next load
 
-    def _post(self, route: str, body: dict[str, Any], ok_missing: bool = False) -> None:
+    def _post(self, route: str, body: dict[str, Any]) -> tuple[int, str]:
+        """POST ``body`` to ``route``: the answer's status and (the start of) its text. Raises
+        :class:`EngineUnavailableError` when no answer comes."""
         req = urllib.request.Request(self.base_url + route, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json",
                                               **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                r.read()
+                return r.status, r.read(500).decode(errors="replace")
         except urllib.error.HTTPError as e:
-            if ok_missing and e.code == 404:
-                return
-            detail = e.read().decode(errors="replace")[:500]
-            if e.code == 404 and route == "/v1/load_lora_adapter":
-                raise ApplyError(f"{self.base_url}{route}: 404 (start the server with --enable-lora and "
-                                 f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): {detail}") from None
-            raise ApplyError(f"{self.base_url}{route} answered {e.code}: {detail}") from None
+            return e.code, e.read(500).decode(errors="replace")
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out (URLError is an OSError)
+            reason = getattr(e, "reason", e)
+            raise EngineUnavailableError(f"{self.base_url}{route}: no answer from the vLLM server "
+                                         f"({type(reason).__name__}: {reason}; timeout {self.timeout} s)") from e
+
+    def _require(self, route: str, answer: tuple[int, str], *, ok_missing: bool = False) -> None:
+        status, detail = answer
+        if 200 <= status < 300 or (ok_missing and status == 404):
+            return
+        if status == 404 and '"error"' not in detail:  # no such route (vLLM's own errors are {"error": ...})
+            raise ApplyError(f"{self.base_url}{route}: 404, no such route (start the server with --enable-lora and "
+                             f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): {detail}")
+        raise ApplyError(f"{self.base_url}{route} answered {status}: {detail}")
 
     def load(self, name: str, path: str) -> str:
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        if self.alias:
-            stable = name.rsplit("@", 1)[0]
-            self._post("/v1/unload_lora_adapter", {"lora_name": stable}, ok_missing=True)
-            self._post("/v1/load_lora_adapter", {"lora_name": stable, "lora_path": path})
+        """Load folder ``path`` as adapter ``name`` (and, with ``alias``, point the stable name at it).
+        Returns ``name``; on a failure nothing this call loaded stays loaded (when the server cannot be
+        reached to unload it, the next call unloads it first)."""
+        for stale in sorted(self._stale):
+            self._unload_quietly(stale)
+        answer: tuple[int, str] | None = None
+        try:
+            answer = self._post(self._LOAD, {"lora_name": name, "lora_path": path})
+            self._require(self._LOAD, answer)
+            if self.alias:
+                self._point_alias(name.rsplit("@", 1)[0], path)
+        except BaseException:
+            if answer is None or not 400 <= answer[0] < 500:  # it may be loaded (or is): take it back
+                self._unload_quietly(name)
+            raise
         return name
 
+    def _point_alias(self, stable: str, path: str) -> None:
+        """Point the stable name at ``path``; on a failure point it back at the folder it had (when this
+        control knows one) and raise."""
+        previous = self._alias_path
+        try:
+            self._repoint(stable, path)
+        except BaseException as e:
+            if previous is not None:  # a refused in-place load keeps it, but a late one may have landed
+                try:
+                    self._repoint(stable, previous)
+                except Exception as again:
+                    raise ApplyError(f"re-pointing adapter {stable!r} at {path} failed ({e}) and pointing it back "
+                                     f"at {previous} failed too ({again}): {stable!r} may not be served") from e
+            raise
+        self._alias_path = path
+
+    def _repoint(self, stable: str, path: str) -> None:
+        answer = self._post(self._LOAD, {"lora_name": stable, "lora_path": path, "load_inplace": True})
+        if answer[0] == 400 and "already been loaded" in answer[1]:  # a vLLM without in-place loads
+            self._require(self._UNLOAD, self._post(self._UNLOAD, {"lora_name": stable}), ok_missing=True)
+            answer = self._post(self._LOAD, {"lora_name": stable, "lora_path": path})
+        self._require(self._LOAD, answer)
+
+    def _unload_quietly(self, name: str) -> None:
+        try:
+            status, _ = self._post(self._UNLOAD, {"lora_name": name})
+        except EngineUnavailableError as e:
+            status = 0
+            log.warning("deltastore: could not unload adapter %r after a failed load (tried again at the next "
+                        "load): %s", name, e)
+        if status in (200, 404):
+            self._stale.discard(name)
+        else:
+            self._stale.add(name)
+
     def unload(self, handle: Any) -> None:
-        self._post("/v1/unload_lora_adapter", {"lora_name": handle}, ok_missing=True)
+        self._require(self._UNLOAD, self._post(self._UNLOAD, {"lora_name": handle}), ok_missing=True)
 
 
 @dataclass

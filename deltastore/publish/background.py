@@ -10,22 +10,31 @@ Lifecycle (what :class:`~deltastore.Publisher` does with ``background=True``):
    needed), the heap is trimmed, then the future gets the result. Failure:
    the future gets the exception, the writer keeps it as :attr:`error`, and
    every version queued behind it fails without being written (its future
-   says why) until the owner calls :meth:`take_error`.
+   gets :class:`~deltastore.errors.VersionDroppedError`, whose ``__cause__``
+   is that failure) until the owner calls :meth:`take_error`.
 3. :meth:`join` waits until everything queued is handled; :meth:`close`
    drains the queue, stops the thread and returns the error nobody took.
+4. At interpreter exit, a writer its owner did not close is drained (what
+   it holds is committed) with an :class:`~deltastore.errors.UnclosedPublisherWarning`,
+   before ``concurrent.futures`` shuts its pools down (a ``threading``
+   exit hook, the kind those pools use, registered after theirs so it runs first).
 
 Nothing of a written version is kept after its future is set.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 from .._memory import release_memory
+from ..errors import UnclosedPublisherWarning, VersionDroppedError
 from .info import VersionInfo
 
 Item = TypeVar("Item")
@@ -48,6 +57,7 @@ class BackgroundWriter(Generic[Item]):
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="deltastore-writer", daemon=True)
         self._thread.start()
+        _drained_at_exit(self)
 
     def submit(self, step: int, item: Item, future: Future[VersionInfo]) -> None:
         """Queue version ``step``; blocks while ``max_pending`` versions already wait."""
@@ -70,11 +80,23 @@ class BackgroundWriter(Generic[Item]):
 
     def close(self) -> BaseException | None:
         """Drain the queue, stop the thread; the failure not yet taken, if any."""
+        _open.discard(self)
         self._queue.join()
         self._queue.put(None)
         self._thread.join()
         error, self.error = self.error, None
         return error
+
+    def _close_at_exit(self) -> None:
+        queued = self._queue.unfinished_tasks
+        if queued:
+            warnings.warn(UnclosedPublisherWarning(
+                f"deltastore: a background Publisher was not closed: committing its {queued} queued version(s) "
+                "at interpreter exit (call close(), or use it in a with block)"), stacklevel=1)
+        error = self.close()
+        if error is not None:
+            _log.error("deltastore: a background publish failed at interpreter exit: %s: %s",
+                       type(error).__name__, error)
 
     def _run(self) -> None:
         while True:
@@ -85,8 +107,10 @@ class BackgroundWriter(Generic[Item]):
                     return
                 step, item, future = entry
                 if self.error is not None:
-                    future.set_exception(RuntimeError(
-                        f"version {step} was dropped: an earlier background publish failed"))
+                    dropped = VersionDroppedError(f"version {step} was dropped: an earlier background publish "
+                                                  f"failed ({type(self.error).__name__}: {self.error})")
+                    dropped.__cause__ = self.error
+                    future.set_exception(dropped)
                     continue
                 try:
                     info = self._write(item)
@@ -103,6 +127,36 @@ class BackgroundWriter(Generic[Item]):
                     committed[0].set_result(committed[1])
                     committed = None
                 self._queue.task_done()
+
+
+_log = logging.getLogger("deltastore.publisher")
+_open: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()  # writers not closed yet
+_hooked = False
+_hook_lock = threading.Lock()
+
+
+def _drained_at_exit(writer: BackgroundWriter) -> None:
+    """Have ``writer`` drained at interpreter exit unless it is closed before."""
+    global _hooked
+    with _hook_lock:
+        _open.add(writer)
+        if _hooked:
+            return
+        register = getattr(threading, "_register_atexit", None)  # run before concurrent.futures' own hook
+        try:
+            if register is None:
+                raise RuntimeError("no threading exit hook")
+            register(_drain_all)
+        except RuntimeError:  # interpreter already shutting down, or an interpreter without the hook
+            import atexit
+
+            atexit.register(_drain_all)
+        _hooked = True
+
+
+def _drain_all() -> None:
+    for writer in list(_open):
+        writer._close_at_exit()
 
 
 __all__ = ["BackgroundWriter"]

@@ -26,7 +26,8 @@ from .._memory import pin_allocator
 from ..anchors import AnchorPolicy, Every, get_anchor_policy
 from ..codecs import Codec, get_codec
 from ..diff import DEFAULT_CHUNK_ELEMS
-from ..gc import Retention
+from ..errors import GraceTooShortError
+from ..gc import Retention, check_grace
 from ..signing import load_signing_key
 from ..store import DeltaStore, open_store
 from ..tensors import available_device, dtype_name
@@ -77,9 +78,10 @@ class PublishStages:
         ``TypeError`` for metadata that is not JSON-serialisable, ``ValueError`` for an unsupported dtype,
         ``FileNotFoundError`` for a ``source_dir`` holding none of :data:`SOURCE_FILES`,
         :class:`~deltastore.errors.DeviceUnavailableError` for a ``mirror_device`` this process does not
-        have, and what opening the store raises; for ``signing_key`` (which then signs every commit,
-        :mod:`deltastore.signing`) :class:`~deltastore.errors.SigningKeyError` and
-        :class:`~deltastore.errors.MissingDependencyError`.
+        have, :class:`~deltastore.errors.GraceTooShortError` for a ``gc_grace`` not longer than the store's
+        :attr:`~deltastore.store.DeltaStore.min_gc_grace`, and what opening the store raises; for
+        ``signing_key`` (which then signs every commit, :mod:`deltastore.signing`)
+        :class:`~deltastore.errors.SigningKeyError` and :class:`~deltastore.errors.MissingDependencyError`.
         """
         signer = load_signing_key(signing_key) if signing_key is not None else None
         planner_codecs = get_codec(codec), get_codec(anchor_codec)
@@ -96,6 +98,12 @@ class PublishStages:
         mirror = available_device(mirror_device, "mirror_device") if mirror_device is not None else None
         pin_allocator()  # freed temporaries go back to the OS (deltastore._memory)
         store = open_store(uri, **(storage_options or {}))
+        try:
+            check_grace(store, gc_grace, "gc_grace")
+        except GraceTooShortError:
+            if store is not uri:  # opened here
+                store.close()
+            raise
         store.signer = signer
         planner = ObjectPlanner(*planner_codecs, max_object_bytes=max_object_bytes, max_workers=max_workers)
         stages = cls(store, planner, ChainHead(policy), Uploader(store, planner.max_workers),

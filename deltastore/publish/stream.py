@@ -34,7 +34,7 @@ import torch
 from ..codecs import TensorSpec
 from ..diff import Change, find_changes
 from ..errors import TargetMismatchError
-from ..tensors import bits_view
+from ..tensors import bits_view, check_item
 from .mirror import DEFAULT_CHUNK_ELEMS, Diff, Mirror
 
 #: copies of small tensors compared per kernel call (a piece): they share one fused compare
@@ -126,27 +126,6 @@ def diff_stream(items: Iterable[tuple[str, torch.Tensor]], mirror: Mirror, specs
     if left is not None:
         pairs.extend(owned_items(_chain_first(left, it)))
     return Streamed(pairs=pairs)
-
-
-def check_item(item: Any) -> tuple[str, torch.Tensor]:
-    """``item`` as a ``(name, tensor)`` pair; :class:`TargetMismatchError` unless it is one (a string name, a
-    tensor with storage)."""
-    try:
-        name, t = item
-    except (TypeError, ValueError):
-        raise TargetMismatchError(f"a published item must be a (name, tensor) pair, got {_short(item)}") from None
-    if not isinstance(name, str):
-        raise TargetMismatchError(f"tensor names must be strings, got {name!r}")
-    if not isinstance(t, torch.Tensor):
-        raise TargetMismatchError(f"{name!r} is a {type(t).__name__}, not a tensor")
-    if t.is_meta:
-        raise TargetMismatchError(f"{name!r} is a meta tensor (no data): materialize the model before publishing")
-    return name, t
-
-
-def _short(x: Any) -> str:
-    r = repr(x)
-    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def owned_items(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,9 @@ computed in fp32:
 The published tensors are ``<name>`` (e4m3, the weight's shape) and
 ``<name>_scale_inv`` (fp32, ``[ceil(rows/128), ceil(cols/128)]``, holding
 ``scale``: the factor that turns ``q`` back into ``w``, the name vLLM and
-DeepSeek-V3 checkpoints use).
+DeepSeek-V3 checkpoints use). A NaN or infinity in a block would make its
+scale, and every value served from it, NaN: such a weight is refused
+(:class:`~deltastore.errors.NonFiniteWeightError` naming the tensor and the block).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TargetMismatchError
+from ..errors import NonFiniteWeightError, TargetMismatchError
 from .fp8_record import BLOCK, SCALE_SUFFIX, SCHEME, check_record, scale_shape, served_config
 
 __all__ = ["BLOCK", "FP8_MAX", "SCALE_SUFFIX", "SCHEME", "Fp8Block128", "check_record", "default_rule",
@@ -43,7 +45,7 @@ def default_rule(name: str, t: torch.Tensor) -> bool:
     return name.endswith(".weight") and not any(s in low for s in EXCLUDE)
 
 
-def quantize_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block128(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of a 2-D floating tensor by the formula above, on ``w``'s device.
 
     Vectorised over a few row-blocks at a time (about ``_CHUNK_ELEMS``
@@ -52,11 +54,15 @@ def quantize_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     column blocks as ``[rows, blocks, 128]``, the edge block apart). Operations
     stay on plain 2-D/3-D layouts (torch is 10-100x slower on the strided 4-D
     block view). ``torch.div`` promotes ``w`` to fp32 exactly, as
-    ``w.float() / scale`` does. Raises ``ValueError`` for a tensor that is not
-    2-D floating point.
+    ``w.float() / scale`` does. Raises :class:`TargetMismatchError` (a
+    ``ValueError``) for a tensor that is not 2-D floating point and
+    :class:`NonFiniteWeightError` (a ``ValueError``) naming ``name`` and the
+    first block for a NaN or infinity, which would make the block's scale,
+    and so every value served from it, NaN.
     """
     if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"fp8_block128 quantizes 2-D floating tensors, got {w.dtype}{tuple(w.shape)}")
+        raise TargetMismatchError(f"fp8_block128 quantizes 2-D floating tensors, {name!r} is "
+                                  f"{w.dtype}{tuple(w.shape)}")
     w = w.contiguous()
     rows, cols = w.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
@@ -75,7 +81,22 @@ def quantize_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 torch.div(wc[:, :full_c].unflatten(1, (nfc, BLOCK)), srow[:, :nfc, None]))
         if full_c < cols:
             q[r0:r1, full_c:] = torch.div(wc[:, full_c:], srow[:, -1:])
+    bad = ~torch.isfinite(scale)  # a block's scale is finite exactly when all its values are
+    if bool(bad.any()):  # (one device sync per tensor)
+        raise _non_finite(w, bad, name)
     return q, scale
+
+
+def _non_finite(w: torch.Tensor, bad: torch.Tensor, name: str) -> NonFiniteWeightError:
+    i, j = (int(x) for x in bad.nonzero()[0])
+    rows, cols = w.shape
+    r1, c1 = min(rows, (i + 1) * BLOCK), min(cols, (j + 1) * BLOCK)
+    block = w[i * BLOCK:r1, j * BLOCK:c1]
+    return NonFiniteWeightError(
+        f"{name!r} holds non-finite values: block ({i}, {j}) (rows {i * BLOCK}-{r1 - 1}, columns {j * BLOCK}-"
+        f"{c1 - 1}) has {int(block.isnan().sum())} NaN and {int(block.isinf().sum())} infinite value(s) "
+        f"({int(bad.sum())} of {bad.numel()} blocks are affected); fp8_block128 would serve all "
+        f"{block.numel()} values of such a block as NaN, so nothing is published")
 
 
 def _block_scales(w: torch.Tensor) -> torch.Tensor:
@@ -135,6 +156,7 @@ class Fp8Block128:
         Returns the new state (``<name>`` replaced by its e4m3 tensor,
         ``<name>_scale_inv`` inserted after it, other tensors unchanged) and
         the set of names it produced (which a dtype cast must leave alone).
+        Raises :class:`NonFiniteWeightError` for a tensor to quantize that holds NaN or infinity.
         ``cast``: quantize ``w.to(cast)`` (a Publisher's ``dtype``: the bits the
         trainer would publish unquantized). ``aliases`` (dropped -> kept) gains
         the scale of a quantized tensor's aliases. Raises
@@ -148,7 +170,7 @@ class Fp8Block128:
                 if sname in tensors:
                     raise TargetMismatchError(f"cannot quantize {name!r}: the state already has {sname!r}")
                 w = t.detach()
-                q, s = quantize_block128(w.to(cast) if cast is not None else w)
+                q, s = quantize_block128(w.to(cast) if cast is not None else w, name)
                 out[name], out[sname] = q, s
                 produced.update((name, sname))
             else:

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -83,6 +84,61 @@ def test_server_down_mid_run_fails_typed_then_the_same_step_publishes(seaweed_se
         pub.publish(_state(2), step=2)
         assert sub.pull(held).step == 2 and bits_equal(held, _state(2))
         assert ds.Subscriber(target.uri, storage_options=target.options).versions() == [0, 1, 2]
+    finally:
+        proxy.close()
+
+
+_USER_RETRIES = [{"max_attempts": 10, "mode": "standard"}, {"total_max_attempts": 20, "mode": "adaptive"},
+                 {"max_attempts": 8, "mode": "legacy"}]
+
+
+@pytest.mark.parametrize("retries", _USER_RETRIES, ids=["standard-10", "adaptive-20", "legacy-8"])
+def test_a_botocore_retry_setting_is_merged_and_the_deadline_holds(retries, caplog):
+    """s3fs users pass ``config_kwargs={"retries": {...}}``: botocore would retry inside every try of the
+    retry layer (55 s against a 3 s deadline). Merged instead: one botocore try, their mode kept, a warning."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    opts = {"endpoint_url": endpoint, "key": "k", "secret": "s", "deadline": DEADLINE,
+            "config_kwargs": {"retries": dict(retries)}}
+    with caplog.at_level(logging.WARNING, logger="deltastore.backends"):
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match=r"store unreachable: connection refused"):
+            ds.Subscriber("s3://bucket-x/run", storage_options=opts)
+        assert time.monotonic() - start < DEADLINE + 5
+    ignored = [r.getMessage() for r in caplog.records if "config_kwargs retries" in r.getMessage()]
+    assert ignored and all("ignored" in m for m in ignored), ignored
+    backend = open_backend("s3://bucket-x/run", **{**opts, "check_bucket": False})
+    got = dict(backend.inner.fs.config_kwargs["retries"])
+    assert got == {**{k: v for k, v in retries.items() if k != "max_attempts"}, "total_max_attempts": 1}, got
+
+
+def test_a_botocore_retry_setting_makes_one_request_per_try_on_seaweedfs(seaweed_server, request, tmp_path):
+    """The same on the real S3 server gone down behind a proxy: the HTTP requests the client sends are the
+    retry layer's tries (none of botocore's own), and the typed error comes within the deadline."""
+    target = target_for("s3-seaweedfs", request, tmp_path)
+    proxy = FaultProxy(seaweed_server.port)
+    opts = {**target.options, "endpoint_url": proxy.endpoint, "deadline": DEADLINE, "skip_instance_cache": True,
+            "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}}}
+    try:
+        pub = ds.Publisher(target.uri, storage_options=opts)
+        pub.publish(_state(0), step=0)
+        sub = ds.Subscriber(target.uri, storage_options=opts)
+        held = sub.pull().state
+        before = {k: v.clone() for k, v in held.items()}
+        pub.publish(_state(1), step=1)
+        proxy.add("", "refuse", count=-1)
+        proxy.fired.clear()
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match=r"store unreachable after (\d+) tries") as e:
+            sub.pull(held)
+        assert time.monotonic() - start < DEADLINE + 5
+        tries = int(re.search(r"after (\d+) tries", str(e.value)).group(1))
+        # botocore retried nothing itself: at most the one resend of a request whose pooled connection was
+        # closed (aiohttp's, also without the setting), not 10 tries per try
+        assert tries <= len(proxy.fired) <= 2 * tries, (proxy.fired, str(e.value))
+        assert bits_equal(held, before)
+        proxy.clear()
+        assert sub.pull(held).step == 1 and bits_equal(held, _state(1))
+        assert ds.Subscriber(target.uri, storage_options=target.options).versions() == [0, 1]
     finally:
         proxy.close()
 

@@ -137,11 +137,16 @@ def test_pull_refuses_to_replace_a_folder_that_is_not_a_checkpoint(store, tmp_pa
     assert (precious / "notes.txt").read_text() == "keep me"
 
 
-def test_gc_dry_run_then_collect(store, cli):
+def test_gc_dry_run_then_collect(store, cli, monkeypatch):
     uri, _ = store
     doc = json.loads(cli("gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--dry-run", "--json").out)
     assert doc["dry_run"] and doc["keep"] == [3, 4, 5] and doc["delete_versions"] == [0, 1, 2]
     assert ds.Subscriber(uri).versions() == list(range(6))
+    cli("gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--grace", "0").one_line_error(1, "too short")
+    assert ds.Subscriber(uri).versions() == list(range(6))
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # publishers refreshing before every commit
     r = cli("gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--grace", "0")
     assert r.rc == 0 and "deleted 3 versions" in r.out
     assert ds.Subscriber(uri).versions() == [3, 4, 5]

@@ -48,7 +48,7 @@ def long_store(tmp_path_factory):
     return uri
 
 
-def test_gc_without_a_policy_deletes_nothing_and_says_which_flags_would(long_store, tmp_path, cli):
+def test_gc_without_a_policy_deletes_nothing_and_says_which_flags_would(long_store, tmp_path, cli, monkeypatch):
     uri = str(tmp_path / "copy")
     import shutil
 
@@ -70,6 +70,9 @@ def test_gc_without_a_policy_deletes_nothing_and_says_which_flags_would(long_sto
     assert r.rc == 0 and "would delete 24 versions: 0-19, 21-24; " in r.out  # anchors 20, 25 kept (2)
     assert "nothing deleted (--dry-run)" in r.out and _files(uri) == before
 
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # so that a grace of 0 is allowed
     r = cli("gc", uri, "--keep-last", "3", "--grace", "0")  # a policy: applied (keep-anchors defaults to 2)
     assert r.rc == 0 and r.out.splitlines()[0] == "kept 6 versions: 20, 25-29"
     assert r.out.splitlines()[1].startswith("deleted 24 versions: 0-19, 21-24; ")
@@ -507,6 +510,9 @@ def test_pull_bar_is_closed_before_the_result_line(store, tmp_path, monkeypatch)
 def test_bar_rates_read_in_their_units(store, monkeypatch):
     uri, _ = store
     monkeypatch.delenv("DELTASTORE_NO_PROGRESS", raising=False)
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # so that a grace of 1.5 s is allowed
     rc, term = _on_a_pty(["gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--grace", "1.5"], monkeypatch)
     assert rc == 0 and "gc grace period" in term
     assert "s/ s" not in term and "s/s" not in term and re.search(r"\| \d+/2 s", term), term

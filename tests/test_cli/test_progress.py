@@ -44,6 +44,9 @@ BAR = "%|"  # tqdm's "42%|████      |"
 def test_bars_on_a_terminal_for_verify_pull_ls_and_the_gc_wait(store, tmp_path, monkeypatch, capsys):
     uri, _ = store
     monkeypatch.delenv("DELTASTORE_NO_PROGRESS", raising=False)
+    import deltastore.store
+
+    monkeypatch.setattr(deltastore.store, "REFRESH_WINDOW", 0.0)  # so that a grace of 0.3 s is allowed
     for argv, label in [(["verify", uri], "verify"), (["pull", uri, tmp_path / "o"], "pull 5"),
                         (["ls", uri], "manifests"), (["stats", uri], "manifests"),
                         (["gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--grace", "0.3"], "gc grace")]:

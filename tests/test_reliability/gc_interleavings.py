@@ -24,7 +24,7 @@ import deltastore as ds
 from deltastore.errors import ObjectNotFoundError
 from deltastore.gc import delete_unreferenced
 from deltastore.manifest import Manifest
-from deltastore.store import DeltaStore
+from deltastore.store import DeltaStore, object_key
 from deltastore.testing.faults import Fault, FaultyBackend
 
 from .scenarios import bits_equal
@@ -32,6 +32,15 @@ from .scenarios import bits_equal
 GRACE = {"local": 1.0, "s3": 4.0}
 """GC's grace per backend: on S3 (whole-second mtimes) it leaves room for a slow machine between a refresh
 and GC's clock reading."""
+WINDOW = {"local": 0.5, "s3": 2.0}
+"""The refresh window of the publishers and GC of these cases: the grace exceeds it plus the timestamp
+resolution (``DeltaStore.min_gc_grace``), as the protocol requires."""
+
+
+def store_of(case: Any, rules=()) -> DeltaStore:
+    """A store on the case's URI with the cases' refresh window (and ``rules`` injected)."""
+    return DeltaStore(FaultyBackend(case.where.backend(case.uri), rules=list(rules)), case.uri,
+                      refresh_window=WINDOW[case.where.kind])
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -71,12 +80,21 @@ def age(where, cases: list[Case]) -> None:
             for root, _, files in os.walk(os.path.join(case.uri, "objects")):
                 for f in files:
                     os.utime(os.path.join(root, f), (old, old))
-    else:  # S3 LastModified cannot be set: let them age (this is not synchronisation)
-        time.sleep(GRACE[where.kind] + 2.5)
+        return
+    # S3 LastModified cannot be set: wait until the store's own clock says they are old enough (a condition
+    # read from the server, not a guess at how long that takes)
+    for case in cases:
+        store = store_of(case)
+        newest = max(store.backend.stat(object_key(d)).mtime for d in case.blobs)
+        limit = newest + GRACE[where.kind] + store.backend.capabilities.mtime_resolution
+        deadline = time.monotonic() + 60
+        while store.clock() <= limit:
+            assert time.monotonic() < deadline, "the store's clock did not advance past the grace"
+            time.sleep(0.2)
 
 
 def _publisher(case: Case, rules=()) -> DeltaStore:
-    store = DeltaStore(FaultyBackend(case.where.backend(case.uri), rules=list(rules)), case.uri)
+    store = store_of(case, rules)
     store.delete_window = 0.0  # the cases order GC's deletes themselves (join it) before the commit's check
     return store
 
@@ -92,7 +110,7 @@ def _republish(store: DeltaStore, case: Case) -> None:
 
 
 def gc(case: Case, rules=(), store: DeltaStore | None = None) -> list[str]:
-    g = store or DeltaStore(FaultyBackend(case.where.backend(case.uri), rules=list(rules)), case.uri)
+    g = store or store_of(case, rules)
     g.delete_version(0)
     return delete_unreferenced(g, case.candidates, grace=GRACE[case.where.kind])
 
@@ -159,13 +177,12 @@ def run_touch_gc_commit(case: Case, skews: tuple[float, ...] = ()) -> list[str]:
     t, out = _in_thread(lambda: _republish(pub, case))
     assert at_commit.wait(60)
     if skews:
-        case.where.store(case.uri).delete_version(0)
+        store_of(case).delete_version(0)
         real = time.time
         for skew in skews:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(time, "time", lambda: real() + skew)
-                spared = delete_unreferenced(case.where.store(case.uri), case.candidates,
-                                             grace=GRACE[case.where.kind])
+                spared = delete_unreferenced(store_of(case), case.candidates, grace=GRACE[case.where.kind])
             assert spared == [], f"GC with its clock {skew:+.0f} s off deleted {spared}"
     deleted = gc(case)
     assert deleted == [], deleted

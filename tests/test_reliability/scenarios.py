@@ -178,14 +178,19 @@ def _check_pull(stats: Stats, trial: Any, sub: ds.Subscriber, states: States, st
 
 # -- 1. crash: SIGKILL at random points of publish() ---------------------------------------------
 def _crash_child(kind: str, uri: str, options: dict, seed: int, first: int, count: int, mode: str, k: int,
-                 when: str, delay: float, log_path: str) -> None:
+                 when: str, log_path: str) -> None:
     """Child process: resume on ``uri`` and publish ``count`` versions from ``first``; die by SIGKILL
-    on backend call ``k`` (mode "call") or after ``delay`` seconds (mode "timer"). Logs committed steps."""
+    on backend call ``k`` (mode "call": in that call, before it or after it landed) or from another thread
+    the moment call ``k`` starts (mode "async": the kill lands wherever the publishing thread then is, in
+    the call, encoding, between files). Logs committed steps, and ``calls N`` when it was not killed."""
     torch.set_num_threads(1)
     states = States(seed)
-    if mode == "timer":
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    rules = [Fault("kill", skip=k, limit=1, when=when)] if mode == "call" else []
+    reached = threading.Event()
+    if mode == "async":  # an event, not a timer: the kill point is a call, whatever the machine's speed
+        threading.Thread(target=lambda: (reached.wait(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+        rules = [Fault("pause", skip=k, limit=1, hook=lambda op, key: reached.set())]
+    else:
+        rules = [Fault("kill", skip=k, limit=1, when=when)]
     backend = FaultyBackend(open_backend(uri, **options), seed=seed, rules=rules)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     pub = ds.Publisher(DeltaStore(backend, uri), anchor_every=3, resume=True)
@@ -193,6 +198,7 @@ def _crash_child(kind: str, uri: str, options: dict, seed: int, first: int, coun
         pub.publish(states.get(step), step=step)
         os.write(fd, f"{step}\n".encode())
     pub.close()
+    os.write(fd, f"calls {sum(backend.calls.values())}\n".encode())
     os._exit(0)
 
 
@@ -207,23 +213,20 @@ def run_crash(where: Where, trials: int, seed: int = 0, steps_per_child: int = 3
         uri = where.fresh(f"crash-{seed}-{trial}")
         try:
             counter = FaultyBackend(where.backend(uri))
-            t_setup = time.monotonic()
             with ds.Publisher(DeltaStore(counter, uri), anchor_every=3) as pub:
                 pub.publish(states.get(0), step=0)
                 pub.publish(states.get(1), step=1)
-            t_setup = time.monotonic() - t_setup
             follower = ds.Subscriber(where.store(uri)).pull(step=1).state
             if calls_per_run is None:  # backend calls of a resume + the child's publishes, about
                 calls_per_run = sum(counter.calls.values()) * (steps_per_child + 1) // 2
         except Exception as e:
             stats.untyped_error(trial, e)
             continue
-        mode = "call" if trial % 2 == 0 else "timer"
+        mode = "call" if trial % 2 == 0 else "async"
         k = rng.randrange(calls_per_run)
         when = rng.choice(["before", "after"])
-        delay = rng.uniform(0.0, t_setup * (steps_per_child + 1) / 2)
         log_path = os.path.join(tempfile.gettempdir(), f"ds-crash-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        args = [where.kind, uri, where.options, seed, 2, steps_per_child, mode, k, when, delay, log_path]
+        args = [where.kind, uri, where.options, seed, 2, steps_per_child, mode, k, when, log_path]
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(args)],
                                 stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
@@ -240,10 +243,18 @@ def run_crash(where: Where, trials: int, seed: int = 0, steps_per_child: int = 3
         elif proc.returncode != 0:
             stats.problem(trial, f"child exited with status {proc.returncode}: {err.decode()[-800:]}")
         try:
-            logged = [int(x) for x in open(log_path).read().split()] if os.path.exists(log_path) else []
+            lines = open(log_path).read().splitlines() if os.path.exists(log_path) else []
         finally:
             if os.path.exists(log_path):
                 os.unlink(log_path)
+        logged = [int(x) for x in lines if not x.startswith("calls ")]
+        calls = [int(x.split()[1]) for x in lines if x.startswith("calls ")]
+        if proc.returncode == 0 and calls and calls[0] > k:
+            if mode == "call":  # the kill is in the call itself: it cannot be outrun
+                stats.problem(trial, f"child made {calls[0]} backend calls, past its kill point {k}, and lived")
+            stats.note("finished with its kill on the way")
+        elif proc.returncode == 0:
+            stats.note("finished before its kill point")
         try:
             store = where.store(uri)
             present = store.versions()
