@@ -91,7 +91,9 @@ class Publisher:
             ``torch.bfloat16`` for an fp32 master); cast chunk by chunk.
         retention: keep the store bounded (see :class:`deltastore.gc.Retention`);
             applied after every commit.
-        gc_grace: seconds between deleting a manifest and deleting its objects.
+        gc_grace: seconds between deleting a manifest and deleting its objects; it must exceed the
+            store's refresh window plus its timestamp resolution (10 s on local disk, 11 s on S3), else
+            :class:`GraceTooShortError` (a concurrent publish reusing an object could lose a version).
         source_dir: a model folder whose ``config.json`` and tokenizer files are
             recorded, so ``deltastore materialize`` writes a loadable model.
         max_workers: parallel encode/upload workers.

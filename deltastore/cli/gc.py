@@ -32,7 +32,8 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     s.add_argument("--keep-anchors", type=positive_int,
                    help=f"most recent anchors to keep (default {DEFAULT_KEEP_ANCHORS} when --keep-last is given)")
     s.add_argument("--grace", type=non_negative_float, default=30.0,
-                   help="seconds between deleting manifests and objects (shown as a bar on a terminal)")
+                   help="seconds between deleting manifests and objects (shown as a bar on a terminal); more than "
+                        "the store's refresh window plus its timestamp resolution (10 s on local disk, 11 s on S3)")
     s.add_argument("--orphans", action="store_true",
                    help="also delete objects no manifest references (only while no publisher writes)")
     s.add_argument("--dry-run", action="store_true", help="print what the policy would delete; delete nothing")
