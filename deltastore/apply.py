@@ -33,9 +33,9 @@ from .checksum import full_checksum, tensor_keys, updated_checksum
 from .codecs import InPlace, OldBits, TensorSpec, Update, WrittenBatch, read_old_bits
 from .pull.decoded import DecodedUpdates
 from .pull.writable import in_read_only_memory
-from .errors import ApplyError, ChecksumMismatchError, CorruptObjectError, TargetMismatchError
+from .errors import ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from .kernels.gather import gather
-from .layout import describe, layout_diff
+from .layout import describe, layout_diff, layout_of, same_spec
 from .manifest import Manifest, TensorRecord
 from .tensors import bits_dtype, bits_view
 
@@ -129,6 +129,31 @@ def _check_tensor(t: torch.Tensor | None, rec: TensorRecord, name: str, step: in
         raise TargetMismatchError(f"target tensor {name!r} is not contiguous")
 
 
+def check_checksums(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+    """Every tensor of ``manifest`` (and each alias ``tensors`` holds apart) must hold the bits of its full
+    checksum: :class:`ChecksumMismatchError` naming the ones that differ, :class:`TargetMismatchError` for
+    a layout that is off (:func:`check_layout`). Plain CPU tensors in one kernel pass per element width."""
+    copies = check_layout(tensors, manifest)
+    pairs = [(r, dest) for r in manifest.tensors for dest in [r.name, *copies.get(r.name, [])]]
+    sums = _full_checksums([(r.name, bits_view(tensors[dest])) for r, dest in pairs])
+    bad = [dest for (r, dest), cs in zip(pairs, sums) if cs != int(r.checksum, 16)]
+    if bad:
+        raise ChecksumMismatchError(f"{len(bad)} tensor(s) differ from version {manifest.step}: {bad[:5]}")
+
+
+def _full_checksums(items: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """Whole checksums of ``(name, flat bits)`` pairs; plain CPU tensors in one kernel pass per element width."""
+    out: list[int | None] = [None] * len(items)
+    groups, others = plain_cpu_groups([t for _, t in items])
+    for i in others:
+        out[i] = full_checksum(*items[i])
+    for idx in groups.values():
+        keys = tensor_keys([items[i][0] for i in idx], len(idx))
+        for i, v in zip(idx, segments.full_sums([items[i][1] for i in idx], keys).tolist()):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
 def can_relayout(target: object) -> bool:
     """Whether a pull may add, replace and delete entries of ``target`` (a mapping; a Module may not)."""
     return isinstance(target, MutableMapping)
@@ -183,6 +208,27 @@ def check_target(target: object, tensors: Mapping[str, torch.Tensor], manifest: 
         raise TargetMismatchError(f"version {manifest.step} drops tensor {drop[0]!r}, which the target holds; a "
                                   f"{type(target).__name__} cannot drop tensors")
     return copies, drop
+
+
+def holds_layout(tensors: Mapping[str, torch.Tensor], held: Manifest | None, wanted: Manifest) -> bool:
+    """False when ``tensors`` are laid out otherwise than version ``held`` (None: not known, True) where
+    ``wanted``'s layout differs from it.
+
+    (A model resized by its owner after its last pull: it no longer holds
+    that version, and a delta from it would be read against the wrong
+    layout.) Where both versions agree, a mismatch is left to the layout
+    check, which names it.
+    """
+    if held is None or held.layout_key == wanted.layout_key:
+        return True
+    final = layout_of(wanted)
+    for rec in held.tensors:
+        if same_spec(final.get(rec.name), rec.spec):
+            continue
+        t = tensors.get(rec.name)
+        if t is None or t.dtype != rec.spec.dtype or tuple(t.shape) != tuple(rec.shape):
+            return False
+    return True
 
 
 def fits(t: torch.Tensor | None, spec: TensorSpec) -> bool:
@@ -981,28 +1027,10 @@ class SparseOverlay:
         self.pending[name] = _Pending(union, merged, original)
 
 
-def write_full(target: Mapping[str, torch.Tensor], state: FullState,
-               copies: Mapping[str, list[str]] | None = None) -> None:
-    """Copy whole tensors into ``target`` in place; restore everything on failure (see :func:`_rollback`).
-
-    ``copies`` names further target tensors that receive the same content (aliases).
-    """
-    undo: list[Callable[[], object]] = []
-    try:
-        with torch.no_grad():
-            for name, bits, dest in _destinations(state.bits, copies):
-                flat = bits_view(target[dest])
-                backup = flat.to("cpu", copy=True)
-                undo.append(lambda flat=flat, backup=backup: flat.copy_(backup.to(flat.device)))
-                flat.copy_(bits.to(flat.device))
-    except BaseException as e:
-        _rollback(undo, e)
-
-
-def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
+def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay, undo: list[Callable[[], object]],
                  copies: Mapping[str, list[str]] | None = None, owner: Any = None,
-                 drop: list[str] | None = None, undo_out: list[Callable[[], object]] | None = None) -> None:
-    """Write the overlay's net changes into ``target``; restore the touched elements on failure.
+                 drop: list[str] | None = None) -> None:
+    """Write the overlay's net changes into ``target``, each write's undo step appended to ``undo`` first.
 
     Plain CPU tensors are written by one kernel scatter per element width
     (first touches staged as a batch are scattered straight from it);
@@ -1011,11 +1039,10 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
     tensor is copied into the target's tensor when that one has its dtype and
     shape, else set as a new tensor in ``owner`` (the caller's mapping;
     :func:`check_target` made sure it is one); the ``drop`` names are deleted
-    from ``owner``. All of it is undone on failure. ``undo_out``: after a write that succeeded, gets the
-    steps that put back what it wrote (run newest first; the caller's, for a write it may still have to
-    take back, as a later delta of the same pull failing).
+    from ``owner``. Nothing is undone here: whatever raises, the caller runs ``undo`` newest first (the
+    tensor whose write failed is in it too: a write may land in part), as
+    :class:`deltastore.pull.transaction.UndoLog` does.
     """
-    undo: list[Callable[[], object]] = []
     direct: list[tuple[list[torch.Tensor], torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]] = []
     done: set[str] = set()
     fast = overlay._fast
@@ -1027,41 +1054,36 @@ def write_sparse(target: Mapping[str, torch.Tensor], overlay: SparseOverlay,
                                               fast[n].data_ptr() == target[n].data_ptr() for n in names):
             direct.append(([fast[n] for n in names], pos, bounds, bits, orig))
             done.update(names)
-    try:
-        with torch.no_grad():
-            batch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
-            for name, dest in _pending_destinations(overlay.pending, copies, done):
-                p = overlay.pending[name]
-                if not p.positions.numel():
-                    continue
-                t = target[dest]
-                flat = bits_view(t)
-                if plain_cpu(t):
-                    tl, pl, bl, ol = batch.setdefault(flat.element_size(), ([], [], [], []))
-                    tl.append(flat)
-                    pl.append(p.positions)
-                    bl.append(p.bits)
-                    ol.append(p.original if dest == name else flat[p.positions])
-                    continue
-                pos = p.positions.to(flat.device)
-                orig = p.original if dest == name else flat[pos].cpu()
-                undo.append(lambda flat=flat, pos=pos, orig=orig: flat.index_put_((pos,), orig.to(flat.device)))
-                flat[pos] = p.bits.to(flat.device)
-            for tl, pl, bl, ol in batch.values():
-                direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
-                               segments.cat(ol)))
-            for tl, pos, bounds, bits, orig in direct:
-                undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
-                segments.scatter(tl, pos, bounds, bits)
-                torch.autograd.graph.increment_version(tl)
-            for tl in overlay.tensors_written_in_place():  # in the target already (the caller undoes them)
-                torch.autograd.graph.increment_version(tl)
-            if overlay.whole or drop:
-                _write_layout(target, overlay, copies, owner, drop or [], undo)
-    except BaseException as e:
-        _rollback(undo, e)
-    if undo_out is not None:
-        undo_out += undo
+    with torch.no_grad():
+        batch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        for name, dest in _pending_destinations(overlay.pending, copies, done):
+            p = overlay.pending[name]
+            if not p.positions.numel():
+                continue
+            t = target[dest]
+            flat = bits_view(t)
+            if plain_cpu(t):
+                tl, pl, bl, ol = batch.setdefault(flat.element_size(), ([], [], [], []))
+                tl.append(flat)
+                pl.append(p.positions)
+                bl.append(p.bits)
+                ol.append(p.original if dest == name else flat[p.positions])
+                continue
+            pos = p.positions.to(flat.device)
+            orig = p.original if dest == name else flat[pos].cpu()
+            undo.append(lambda flat=flat, pos=pos, orig=orig: flat.index_put_((pos,), orig.to(flat.device)))
+            flat[pos] = p.bits.to(flat.device)
+        for tl, pl, bl, ol in batch.values():
+            direct.append((tl, segments.cat(pl), segments.bounds_of([q.numel() for q in pl]), segments.cat(bl),
+                           segments.cat(ol)))
+        for tl, pos, bounds, bits, orig in direct:
+            undo.append(lambda tl=tl, pos=pos, bounds=bounds, orig=orig: segments.scatter(tl, pos, bounds, orig))
+            segments.scatter(tl, pos, bounds, bits)
+            torch.autograd.graph.increment_version(tl)
+        for tl in overlay.tensors_written_in_place():  # in the target already (the caller undoes them)
+            torch.autograd.graph.increment_version(tl)
+        if overlay.whole or drop:
+            _write_layout(target, overlay, copies, owner, drop or [], undo)
 
 
 _ABSENT = object()
@@ -1123,48 +1145,3 @@ def _pending_destinations(pending: Mapping[str, _Pending], copies: Mapping[str, 
             yield name, name
         for alias in (copies or {}).get(name, ()):
             yield name, alias
-
-
-def restored_after(error: BaseException) -> bool:
-    """Whether a failed write left the target at its previous version (see :func:`_rollback`)."""
-    if isinstance(error, ApplyError):
-        return error.restored
-    return getattr(error, "deltastore_restored", True)
-
-
-def put_back(undo: list[Callable[[], object]]) -> int:
-    """Run the undo steps of writes (newest first); returns how many refused (raised), each still tried."""
-    failed = 0
-    with torch.no_grad():
-        for step in reversed(undo):
-            try:
-                step()
-            except Exception:  # noqa: BLE001 - counted; the caller reports the target as unknown
-                failed += 1
-    return failed
-
-
-def _rollback(undo: list[Callable[[], object]], cause: BaseException) -> None:
-    """Undo the writes made so far (newest first) and raise :class:`ApplyError`.
-
-    The tensor whose write failed is restored too (the write may have been
-    partial). If a restore itself fails, the error says so and carries
-    ``restored = False``: the target's version is then unknown. An interrupt
-    (``KeyboardInterrupt``, ``SystemExit``: any ``BaseException`` that is not an
-    ``Exception``) is re-raised as itself once the writes are undone, with
-    ``deltastore_restored`` set (:func:`restored_after`).
-    """
-    failed = put_back(undo)
-    if not isinstance(cause, Exception):
-        try:
-            cause.deltastore_restored = failed == 0  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-        raise cause
-    if failed:
-        err = ApplyError(f"writing into the target failed ({cause!r}) and {failed} tensor(s) refused the "
-                         "restore; the target's version is unknown: pull again (from an anchor) to repair it")
-        err.restored = False
-    else:
-        err = ApplyError(f"writing into the target failed ({cause!r}); the target was restored")
-    raise err from cause

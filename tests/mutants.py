@@ -62,7 +62,7 @@ MUTANTS = [
              "except RecursionError as e:")],
            ["tests/test_core_units.py", "tests/test_bad_inputs.py", REL + "test_hostile_input_typed_errors_only"]),
     Mutant("no-rollback", "a failed write into the target is not undone (ApplyError still says restored)",
-           [("deltastore/apply.py", "        for step in reversed(undo):\n", "        for step in []:\n")],
+           [("deltastore/pull/transaction.py", "        for step in reversed(undo):\n", "        for step in []:\n")],
            ["tests/test_bad_inputs.py", REL + "test_apply_interrupted_restores_the_target"]),
     Mutant("no-zstd-bound", "zstd frames are decompressed without checking their declared size first",
            [("deltastore/codecs/_common.py", "if params.content_size != expected:", "if False:")],
@@ -101,8 +101,8 @@ MUTANTS = [
            ["tests/test_decode_batch.py"]),
     Mutant("earlier-deltas-not-undone", "a pull several deltas behind that fails in its last delta puts back only "
            "that one, not the deltas it wrote before it",
-           [("deltastore/subscriber.py", "            for overlay, undo in reversed(done):\n",
-             "            for overlay, undo in reversed(done[-1:]):\n")],
+           [("deltastore/pull/transaction.py", "        for restore in reversed(self._entries):\n",
+             "        for restore in reversed(self._entries[-2:]):\n")],
            ["tests/test_bad_inputs.py", "tests/test_batched_reads.py"]),
     Mutant("in-place-not-undone", "a failed pull leaves what decoders wrote in place in the target",
            [("deltastore/apply.py", "                    target.undo()\n", "                    pass\n")],
@@ -225,7 +225,8 @@ MUTANTS = [
             ("deltastore/kernels/_simd.h", "    return x ^ ((x >> 63) & fmag);", "    return x;")],
            ["tests/test_kernels.py"]),
     Mutant("fresh-dict-untracked", "the dict a pull returns is not tracked (its next pull takes an anchor)",
-           [("deltastore/subscriber.py", "            tracking.set_version(result, ref)  # tracked weakly", "            pass  # tracked weakly")],
+           [("deltastore/pull/transaction.py", "            self._track(out.ref, out.state)  # tracked weakly",
+             "            pass  # tracked weakly")],
            ["tests/test_follower_loop.py"]),
     Mutant("pending-kept-after-write", "a background publisher keeps a written version's changes until the next publish",
            [("deltastore/publisher.py", "        self._pending.prune(captured.step)", "        pass")],
@@ -319,7 +320,7 @@ MUTANTS = [
              "if False:")],
            ["tests/test_backends/test_signed.py::test_replayed_latest_refused"]),
     Mutant("path-manifests-unchecked", "only the wanted version's manifest is checked, not the others on the path",
-           [("deltastore/subscriber.py", "        return plan_path(self.store.manifest_with_digest, step, current,",
+           [("deltastore/pull/reader.py", "        return plan_path(self.store.manifest_with_digest, step, current,",
              "        def unchecked(s, store=self.store):\n"
              "            if s == step:\n"
              "                return store.manifest_with_digest(s)\n"
@@ -374,8 +375,8 @@ MUTANTS = [
            [FALSE + "test_a_failed_layout_change_restores_a_tensor_it_had_copied_whole"]),
     Mutant("anchor-failure-keeps-version", "a failed anchor pull whose restore was refused leaves the target "
            "claiming the version it held before",
-           [("deltastore/subscriber.py", "tracking.set_version(target, current if restored else None)",
-             "tracking.set_version(target, current)")],
+           [("deltastore/pull/transaction.py", "self._track(self.current if restored_by(e, refused) else None)",
+             "self._track(self.current)")],
            [FALSE + "test_a_refused_restore_after_an_anchor_failure_leaves_a_tracked_target_unknown"]),
     Mutant("retried-create-trusts-presence", "a create-only put retried after a transient error takes a key it "
            "finds present as its own earlier try (a rival's commit becomes ours)",

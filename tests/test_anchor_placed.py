@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore import tracking
 from deltastore.codecs import TensorSpec, Update, get_codec
 from deltastore.codecs import dense as dense_mod

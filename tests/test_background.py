@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.backends.memory import MemoryBackend
 from deltastore.publish.mirror import Diff
 from deltastore.store import DeltaStore

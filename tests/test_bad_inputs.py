@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal, edit_tensor_columns, follower_at, publish_all
+from conftest import edit_tensor_columns, follower_at, publish_all
+from deltastore.testing import bits_equal
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
                                InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                                UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
@@ -325,12 +326,13 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     the target is put back bit for bit, with every delta the pull wrote before it, and keeps its version."""
     from deltastore import apply as apply_mod
     from deltastore.kernels import bitstream
+    from deltastore.pull.reader import VersionReader
 
     uri, states, sub, target = published
     start = 4 - behind
     if start != 3:
         sub.pull(target, step=start, allow_anchor=True)
-    real, real_advance = bitstream.StepsInPlace.run, ds.Subscriber.advance
+    real, real_advance = bitstream.StepsInPlace.run, VersionReader.advance
     real_sums = apply_mod._expect_sums
     at, landed = [], []
 
@@ -343,7 +345,7 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
             raise KeyboardInterrupt
         return got
 
-    monkeypatch.setattr(ds.Subscriber, "advance", lambda self, state, m, role="delta":
+    monkeypatch.setattr(VersionReader, "advance", lambda self, state, m, role="delta":
                         (at.append(m.step), real_advance(self, state, m, role))[1])
     monkeypatch.setattr(bitstream.StepsInPlace, "run", write_then_fail)
     if failure == "checksum":

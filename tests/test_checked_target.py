@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import deltastore as ds
-import deltastore.subscriber as subscriber_module
-from conftest import bits_equal
+import deltastore.pull.transaction as transaction_module
+from deltastore.testing import bits_equal
 from deltastore import segments
 from deltastore.apply import SparseOverlay, TargetAddresses
 from deltastore.checksum import tensor_keys
@@ -60,13 +60,13 @@ def _following(uri, states):
 def counted_checks(monkeypatch):
     """How many times a pull checked its target's layout."""
     calls = []
-    real = subscriber_module.check_target
+    real = transaction_module.check_target
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(subscriber_module, "check_target", counting)
+    monkeypatch.setattr(transaction_module, "check_target", counting)
     return calls
 
 
@@ -80,7 +80,7 @@ def overlays(monkeypatch):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
+    monkeypatch.setattr(transaction_module, "SparseOverlay", Seen)
     return made
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.distributed import ShardedPublisher
 from deltastore.errors import TargetMismatchError
 from deltastore.publish.collective import LOCAL, CollectiveError

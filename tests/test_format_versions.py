@@ -10,7 +10,7 @@ import os
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.publish import commit as commit_module
 from deltastore.manifest import COLUMNS_FORMAT_VERSION, FORMAT_VERSION, LAYOUT_OBJECT_FORMAT_VERSION
 from deltastore.store import version_key

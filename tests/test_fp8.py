@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.materialize import materialize
 from deltastore.errors import ManifestError, TargetMismatchError, UnsupportedFormatError
 from deltastore.quantize.fp8 import Fp8Block128, dequantize_block128, quantize_block128

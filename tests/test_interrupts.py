@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 _WRITES = ("copy_", "__setitem__", "index_put_")
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal, edit_tensor_columns
+from conftest import edit_tensor_columns
+from deltastore.testing import bits_equal
 from deltastore.errors import ManifestError, TargetMismatchError
 from deltastore.materialize import materialize
 from deltastore.store import version_key

@@ -15,7 +15,8 @@ import torch
 
 import deltastore as ds
 import deltastore.manifest as M
-from conftest import bits_equal, follower_at, publish_all, quick_gc_store
+from conftest import follower_at, publish_all, quick_gc_store
+from deltastore.testing import bits_equal
 from deltastore.errors import (CorruptObjectError, DeltaStoreError, ManifestError, ObjectNotFoundError,
                                UnsupportedFormatError)
 from deltastore.gc import Retention

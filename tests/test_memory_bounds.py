@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import deltastore as ds
 import deltastore.publish.objects as objects_mod
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore import tracking
 from deltastore.backends.memory import MemoryBackend
 from deltastore.codecs import register_codec

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.backends import open_backend
 from deltastore.backends.memory import MemoryBackend
 from deltastore.errors import PostCommitWarning

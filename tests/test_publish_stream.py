@@ -11,7 +11,7 @@ import torch
 import deltastore as ds
 from deltastore.errors import TargetMismatchError
 from deltastore.publish import stream
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 
 def _states(n=5, seed=0):

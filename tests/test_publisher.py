@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import StepOrderError, TargetMismatchError, VersionExistsError
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore import segments, tracking
 from deltastore.apply import SparseOverlay, mapping_reader
 from deltastore.backends.memory import MemoryBackend

@@ -7,7 +7,7 @@ import torch
 
 import deltastore as ds
 from deltastore import tracking
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import TargetMismatchError
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import NonFiniteWeightError, TargetMismatchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,6 +21,7 @@ from ..codecs import TensorSpec
 from ..diff import Change, find_changes
 from ..drift import DriftTracker
 from ..pull.anchor import stream_anchor
+from ..pull.reader import VersionReader
 from ..store import DeltaStore
 from .chain import ChainHead
 from .mirror import Mirror
@@ -41,12 +42,10 @@ def resume_chain(store: DeltaStore, head: ChainHead, latest: int, *, mirror_devi
     """Rebuild the chain ending at version ``latest``: returns its mirror and layout, and sets ``head`` (parent,
     anchor, checksums, drift, chain state) as if this publisher had written it. Raises what a pull raises
     (a missing or corrupt version or object, :class:`~deltastore.errors.ChecksumMismatchError`)."""
-    from ..subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
-
     manifest = store.manifest(latest)
     specs = {t.name: t.spec for t in manifest.tensors}
     mirror = Mirror(specs, mirror_device)
-    Subscriber(store).fill({n: mirror.view(n) for n in specs}, step=latest)
+    VersionReader(store).fill({n: mirror.view(n) for n in specs}, step=latest)  # the pull's own path: bit-exact
     mirror.version = latest
     resumed = ResumedChain(mirror, specs, dict(manifest.aliases), dict(manifest.files))
     head.checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}

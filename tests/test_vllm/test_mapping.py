@@ -13,8 +13,8 @@ import deltastore as ds
 from deltastore.checksum import full_checksum
 from deltastore.errors import ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from deltastore.integrations.vllm import VllmApplier, combine_verify
-from deltastore.integrations.vllm_mapping import Block, probe, reload_groups
-from deltastore.integrations.vllm_stage import stage
+from deltastore.integrations.vllm.mapping import Block, probe, reload_groups
+from deltastore.integrations.vllm.stage import stage
 
 from .fake_vllm_model import FakeVllmModel, checkpoint_specs, loaded_model, perturb, random_checkpoint
 
@@ -167,34 +167,29 @@ def _versions(n, frac=0.01):
     return vs
 
 
-class _NoNativeStage:
-    """A Subscriber without ``stage()``: exercises the module's own staging fallback."""
-
-    def __init__(self, sub):
-        self._sub = sub
-
-    def __getattr__(self, name):
-        if name == "stage":
-            raise AttributeError(name)
-        return getattr(self._sub, name)
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_stage_gives_the_net_change_without_writing(tmp_path, native):
+def test_stage_gives_each_deltas_change_without_writing(tmp_path):
+    """Three deltas behind, the adapter stages one delta at a time against the bits the server holds: each
+    piece is that delta's change (positions, new bits, the bits there before it), staged without writing,
+    and the next is read only once the caller wrote this one."""
     uri = str(tmp_path / "store")
     vs = _versions(4)
     _publish(uri, vs, anchor_every=100)
-    sub = ds.Subscriber(uri) if native else _NoNativeStage(ds.Subscriber(uri))
+    sub = ds.Subscriber(uri)
     host = {n: bits(t).clone() for n, t in vs[0].items()}
-    before = {n: b.clone() for n, b in host.items()}
-    st = stage(sub, sub.store.ref(0), lambda n, p: host[n].clone() if p is None else host[n][p], 3)
-    assert st.route == "delta" and st.versions_applied == [1, 2, 3]
-    assert all(torch.equal(host[n], before[n]) for n in host)
-    for name, (pos, new, orig) in st.pending.items():
-        assert torch.equal(new, bits(vs[3][name])[pos])
-        assert torch.equal(orig, before[name][pos])
-    changed = {n for n in vs[0] if not torch.equal(bits(vs[0][n]), bits(vs[3][n]))}
-    assert {n for n, p in st.pending.items() if not torch.equal(p[1], p[2])} == changed
+    pieces = stage(sub.reader, sub.store.ref(0), lambda n, p: host[n].clone() if p is None else host[n][p], 3)
+    k = 0
+    for k, st in enumerate(pieces, 1):
+        assert st.path == "delta" and st.versions_applied == [k] and st.ref == sub.store.ref(k)
+        assert all(torch.equal(host[n], bits(vs[k - 1][n])) for n in host)  # staging wrote nothing
+        changes = st.changes()
+        for name, (pos, new, orig) in changes.items():
+            assert torch.equal(new, bits(vs[k][name])[pos])
+            assert torch.equal(orig, bits(vs[k - 1][name])[pos])
+        changed = {n for n in vs[0] if not torch.equal(bits(vs[k - 1][n]), bits(vs[k][n]))}
+        assert {n for n, p in changes.items() if not torch.equal(p[1], p[2])} == changed
+        for name, (pos, new, _orig) in changes.items():  # the caller writes this one before asking for more
+            host[name][pos] = new
+    assert k == 3 and all(torch.equal(host[n], bits(vs[3][n])) for n in host)
 
 
 def _applier(model):
