@@ -30,7 +30,7 @@ import torch
 from ._gc import paused
 from .checksum import full_checksum, sparse_sum, tensor_key
 from .codecs import TensorSpec
-from .diff import Change
+from .segments import Change
 from .drift import DriftTracker
 from .errors import TargetMismatchError
 from .manifest import ObjectRecord, Part, VersionRef, check_tensor_name

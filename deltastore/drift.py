@@ -41,11 +41,10 @@ import numpy as np
 import torch
 
 from . import segments
-from .diff import Change
 from ._memory import discard
 from .kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs
 from .kernels.parallel import each, threads
-from .segments import FlatChanges
+from .segments import Change, FlatChanges
 
 if TYPE_CHECKING:
     from .publish.mirror import Diff

@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 
 from ._gc import collector_paused
 from .adapters import is_adapter, write_adapter_folder
-from .apply import FullState
 from .errors import OutputWriteError
 from .manifest import Manifest
 from .progress import ProgressArg, reporting
-from .quantize import served_config_json
+from .quantization import served_config_json
 from .pull.reader import VersionReader, log_pulled
+from .pull.staging import FullState
 from .store import DeltaStore
 
 DEFAULT_SHARD_BYTES = 5 << 30

@@ -19,11 +19,11 @@ import torch
 from . import progress as _progress, tracking
 from ._gc import paused
 from ._memory import pin_allocator
-from .apply import check_checksums
 from .codecs import OldBits
 from .errors import StaleVersionError, VersionNotFoundError
 from .manifest import Manifest, VersionRef
 from .pull.checked_target import CheckedTarget
+from .pull.checks import check_checksums
 from .pull.latest import LatestCheck
 from .pull.planner import Plan
 from .pull.reader import Staged, VersionReader, check_step_arg, log_pulled

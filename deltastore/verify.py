@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .apply import FullState
 from .errors import DeltaStoreError, VersionNotFoundError
 from .layout import check_step
 from .manifest import Manifest
 from .pull.reader import VersionReader
+from .pull.staging import FullState
 from .store import DeltaStore
 
 

@@ -55,7 +55,7 @@ MUTANTS = [
             ("deltastore/store.py", "len(data) == size and sha256_digest(data) == d", "len(data) == size")],
            ["tests/test_bad_inputs.py", REL + "test_corruption_is_detected_never_applied"]),
     Mutant("checksum-before-apply", "tensor checksums are not checked before a decoded version is applied",
-           [("deltastore/apply.py", "    if actual != int(rec.checksum, 16):\n", "    if False:\n")],
+           [("deltastore/pull/staging.py", "    if actual != int(rec.checksum, 16):\n", "    if False:\n")],
            ["tests/test_bad_inputs.py", "tests/test_vllm/test_mapping.py"]),
     Mutant("raw-decode-error", "the manifest parser lets a raw JSONDecodeError/UnicodeDecodeError escape",
            [("deltastore/manifest.py", "except (ValueError, UnicodeDecodeError, RecursionError) as e:",
@@ -89,7 +89,7 @@ MUTANTS = [
            ["tests/test_decode_batch.py"]),
     Mutant("in-place-unchecked", "changes a decoder wrote into the target in place are not checked against the "
            "manifest's checksums",
-           [("deltastore/apply.py", """        written_sums = [_expect_sums(manifest, names, self.checksums, b.target.sums, "applying the delta to the target")
+           [("deltastore/pull/staging.py", """        written_sums = [_expect_sums(manifest, names, self.checksums, b.target.sums, "applying the delta to the target")
                         for names, b in written]""",
              """        written_sums = [[int(manifest.checksum_values[n]) for n in names] for names, b in written]""")],
            ["tests/test_bad_inputs.py"]),
@@ -105,7 +105,7 @@ MUTANTS = [
              "        for restore in reversed(self._entries[-2:]):\n")],
            ["tests/test_bad_inputs.py", "tests/test_batched_reads.py"]),
     Mutant("in-place-not-undone", "a failed pull leaves what decoders wrote in place in the target",
-           [("deltastore/apply.py", "                    target.undo()\n", "                    pass\n")],
+           [("deltastore/pull/staging.py", "                    target.undo()\n", "                    pass\n")],
            ["tests/test_bad_inputs.py"]),
     Mutant("in-place-segment-not-stepped-back", "a tensor the in-place kernel meets a bad item in keeps the items "
            "written before it",
@@ -151,7 +151,7 @@ MUTANTS = [
              "and True)")],
            ["tests/test_anchor_placed.py"]),
     Mutant("pending-lazy-slice", "a staged batch's per-tensor entry is cut one element too long",
-           [("deltastore/apply.py", "        lo, hi = int(bounds[i]), int(bounds[i + 1])\n",
+           [("deltastore/pull/staging.py", "        lo, hi = int(bounds[i]), int(bounds[i + 1])\n",
              "        lo, hi = int(bounds[i]), int(bounds[i + 1]) + 1\n")],
            ["tests/test_decode_batch.py"]),
     Mutant("manifest-newline-name",
@@ -165,12 +165,12 @@ MUTANTS = [
              "")],
            ["tests/test_manifest_parse.py"]),
     Mutant("full-state-batch-unchecked", "host-side staging writes a decoded batch without checking its checksums",
-           [("deltastore/apply.py", """                sums = _checked_sums(manifest, names, self.checksums, b.positions, old, b.bits, b.bounds,
+           [("deltastore/pull/staging.py", """                sums = _checked_sums(manifest, names, self.checksums, b.positions, old, b.bits, b.bounds,
                                      "applying the delta")""",
              """                sums = [int(manifest.checksum_values[n]) for n in names]""")],
            ["tests/test_batched_reads.py"]),
     Mutant("full-state-per-tensor", "host-side staging applies a decoded batch tensor by tensor",
-           [("deltastore/apply.py", "                if not names or old is None:\n                    loose.update",
+           [("deltastore/pull/staging.py", "                if not names or old is None:\n                    loose.update",
              "                if True:\n                    loose.update")],
            ["tests/test_batched_reads.py"]),
     Mutant("merged-batch-stale-bits", "a batch merged with staged changes keeps the earlier delta's bits",
@@ -182,16 +182,16 @@ MUTANTS = [
              "            uorig[k] = bf if c < a else (so if c == a else sb)\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("staged-overlay-no-fallback", "old bits read out of order over staged deltas skip the staged bits",
-           [("deltastore/apply.py", "        if segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old):\n"
+           [("deltastore/pull/staging.py", "        if segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old):\n"
                                     "            return old\n",
              "        segments.overlay_staged((spos, sbits, sbounds), positions, bounds, old)\n            return old\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("layout-holds-no-shape", "the one-pass target layout check ignores shapes",
-           [("deltastore/apply.py", "list(map(_DTYPE, ts)) == dtypes and list(map(_SHAPE, ts)) == shapes",
+           [("deltastore/pull/checks.py", "list(map(_DTYPE, ts)) == dtypes and list(map(_SHAPE, ts)) == shapes",
              "list(map(_DTYPE, ts)) == dtypes")],
            ["tests/test_bad_inputs.py"]),
     Mutant("layout-holds-no-contiguity", "the one-pass target layout check ignores contiguity",
-           [("deltastore/apply.py", "\n                and all(map(torch.Tensor.is_contiguous, ts)))", ")")],
+           [("deltastore/pull/checks.py", "\n                and all(map(torch.Tensor.is_contiguous, ts)))", ")")],
            ["tests/test_bad_inputs.py"]),
     Mutant("tensor-columns-any-length", "tensor columns of unequal lengths are zipped (the shortest wins)",
            [("deltastore/manifest.py", "        if len(c) != len(columns[0]):", "        if False:")],
@@ -201,10 +201,10 @@ MUTANTS = [
              "    if isinstance(doc.get(\"tensors\"), dict):  # checked as columns")],
            ["tests/test_manifest_parse.py"]),
     Mutant("staged-flat-stale", "the staged changes gathered for a batch are kept after a later delta is staged",
-           [("deltastore/apply.py", "        names = batch[0]\n        self._flats.clear()\n", "        names = batch[0]\n")],
+           [("deltastore/pull/staging.py", "        names = batch[0]\n        self._flats.clear()\n", "        names = batch[0]\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("staged-flat-twice", "a batch touched again gathers its staged changes for its decoder and again to merge",
-           [("deltastore/apply.py", "        if key not in self._flats:\n", "        if True:\n")],
+           [("deltastore/pull/staging.py", "        if key not in self._flats:\n", "        if True:\n")],
            ["tests/test_batched_reads.py"]),
     Mutant("manifest-cache-unheld", "a hold does not keep the manifests of a pull's path (each read again)",
            [("deltastore/manifest_cache.py", "            if not self._holders:\n                self._trim()\n\n    def pop",
@@ -283,11 +283,11 @@ MUTANTS = [
            ["tests/test_checked_target.py"]),
     Mutant("known-addresses-ignore-names", "the overlay offers every known address for a decoder's subset of "
            "the tensors",
-           [("deltastore/apply.py", "            elif names == known.names:\n", "            elif True:\n")],
+           [("deltastore/pull/staging.py", "            elif names == known.names:\n", "            elif True:\n")],
            ["tests/test_checked_target.py"]),
     Mutant("rows-of-another-list", "the overlay takes a decoder's rows as the target's though they index another "
            "list of names",
-           [("deltastore/apply.py",
+           [("deltastore/pull/staging.py",
              '            if given is not None and self._table is not None and getattr(names, "table", None) is '
              'self._table:\n', "            if given is not None:\n")],
            ["tests/test_row_read_path.py"]),
@@ -369,7 +369,7 @@ MUTANTS = [
             FALSE + "test_a_joiner_holding_a_rewritten_step_gets_the_new_anchor_not_a_differential_on_its_own"]),
     Mutant("layout-backup-aliases-target", "a layout change's backup of a target tensor it copies a new tensor "
            "into is the tensor itself on the host (a failure later restores nothing)",
-           [("deltastore/apply.py", '        if fits(t, spec):\n            flat = bits_view(t)\n'
+           [("deltastore/pull/apply.py", '        if fits(t, spec):\n            flat = bits_view(t)\n'
                                     '            backup = flat.to("cpu", copy=True)\n',
              '        if fits(t, spec):\n            flat = bits_view(t)\n            backup = flat.to("cpu")\n')],
            [FALSE + "test_a_failed_layout_change_restores_a_tensor_it_had_copied_whole"]),

@@ -294,12 +294,12 @@ def test_interrupted_write_of_plain_cpu_tensors_is_undone(store_uri, monkeypatch
     """Plain CPU tensors are written by the library's batched scatter, not through torch, when the codec
     does not write in place (``raw``): a failure right after a write landed must be undone, and so must the
     deltas written before it on the same pull (two behind: each delta is written before the next is read)."""
-    import deltastore.apply as apply_mod
+    import deltastore.pull.apply as writing
 
     states = _states(5)
     publish_all(store_uri, states, anchor_every=100, codec="raw")
     sub, target = follower_at(store_uri, 2)
-    real = apply_mod.segments.scatter
+    real = writing.segments.scatter
     calls = []
 
     def scatter_then_fail(*args, **kwargs):
@@ -308,7 +308,7 @@ def test_interrupted_write_of_plain_cpu_tensors_is_undone(store_uri, monkeypatch
         if len(calls) == 2:  # the second delta's write
             raise RuntimeError("injected failure after the write landed")
 
-    monkeypatch.setattr(apply_mod.segments, "scatter", scatter_then_fail)
+    monkeypatch.setattr(writing.segments, "scatter", scatter_then_fail)
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
     assert len(calls) >= 4  # both writes, then both undone
@@ -324,7 +324,7 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     """Each delta behind, the decoder writes each change into the target as it decodes it. Whatever fails
     after that write of the last delta (the decoder itself, the checksum check after it, an interrupt),
     the target is put back bit for bit, with every delta the pull wrote before it, and keeps its version."""
-    from deltastore import apply as apply_mod
+    from deltastore.pull import staging
     from deltastore.kernels import bitstream
     from deltastore.pull.reader import VersionReader
 
@@ -333,7 +333,7 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     if start != 3:
         sub.pull(target, step=start, allow_anchor=True)
     real, real_advance = bitstream.StepsInPlace.run, VersionReader.advance
-    real_sums = apply_mod._expect_sums
+    real_sums = staging._expect_sums
     at, landed = [], []
 
     def write_then_fail(self):
@@ -349,7 +349,7 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
                         (at.append(m.step), real_advance(self, state, m, role))[1])
     monkeypatch.setattr(bitstream.StepsInPlace, "run", write_then_fail)
     if failure == "checksum":
-        monkeypatch.setattr(apply_mod, "_expect_sums", lambda manifest, names, *a:
+        monkeypatch.setattr(staging, "_expect_sums", lambda manifest, names, *a:
                             _raise_mismatch(names) if manifest.step == 4 else real_sums(manifest, names, *a))
     expected = {"decoder": CorruptObjectError, "checksum": ChecksumMismatchError, "interrupt": KeyboardInterrupt}
     with pytest.raises(expected[failure]):

@@ -167,7 +167,8 @@ def _staged_path(sub, target, start, steps):
     """The path from version ``start`` through ``steps`` staged on one overlay over ``target``, then written
     (what a pull does for a path with a differential or a layout change, and ``stage()`` for an
     integration); returns the elements staged per tensor."""
-    from deltastore.apply import SparseOverlay, mapping_reader, write_sparse
+    from deltastore.pull.apply import write_sparse
+    from deltastore.pull.staging import SparseOverlay, mapping_reader
 
     overlay = SparseOverlay(mapping_reader(target), sub.manifest(start), target)
     for s in steps:
@@ -240,7 +241,7 @@ def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_
 
 
 def test_the_batched_gather_refuses_positions_outside_their_tensor_and_bad_bounds():
-    from deltastore.apply import _gather_checked
+    from deltastore.pull.staging import _gather_checked
 
     a, b = torch.arange(10, dtype=torch.int16), torch.arange(100, 105, dtype=torch.int16)
     ok = _gather_checked([a, b], torch.tensor([1, 9, 0, 4]), np.array([0, 2, 4]))
@@ -304,7 +305,7 @@ def test_pull_and_publish_run_with_the_collector_paused_and_resume_it(memory_uri
 
 
 def _full_state(sub, states, step):
-    from deltastore.apply import FullState
+    from deltastore.pull.staging import FullState
 
     return FullState.from_bits(sub.manifest(step), {k: v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32)
                                                     .reshape(-1).clone() for k, v in states[step].items()})
@@ -368,7 +369,7 @@ def _overlapping_states(n=5, seed=1):
 def test_a_staged_path_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
     """Several deltas staged on one overlay over a live target: a batch touching staged tensors again is
     merged by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
-    from deltastore.apply import SparseOverlay, _PendingMap
+    from deltastore.pull.staging import SparseOverlay, _PendingMap
 
     states = _overlapping_states()
     _publish(memory_uri, states, codec)

@@ -21,7 +21,7 @@ import deltastore as ds
 import deltastore.pull.transaction as transaction_module
 from deltastore.testing import bits_equal
 from deltastore import segments
-from deltastore.apply import SparseOverlay, TargetAddresses
+from deltastore.pull.staging import SparseOverlay, TargetAddresses
 from deltastore.checksum import tensor_keys
 from deltastore.errors import TargetMismatchError
 from deltastore.pull.checked_target import CheckedTarget

@@ -13,7 +13,7 @@ import torch
 import deltastore as ds
 from conftest import step_bits
 from deltastore import segments
-from deltastore.apply import _Pending, _PendingMap
+from deltastore.pull.staging import _Pending, _PendingMap
 from deltastore.codecs import TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec, register_codec
 from deltastore.codecs.auto import AutoCodec
 from deltastore.codecs.base import decode_batched, encode_batched

@@ -16,7 +16,7 @@ import torch
 import deltastore as ds
 from deltastore.testing import bits_equal
 from deltastore import segments, tracking
-from deltastore.apply import SparseOverlay, mapping_reader
+from deltastore.pull.staging import SparseOverlay, mapping_reader
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, sparse_sum, tensor_key
 from deltastore.codecs import TensorSpec
@@ -408,7 +408,7 @@ def test_overlay_hands_decoders_a_view_of_a_cpu_target():
     overlay = SparseOverlay(reader, _M())
     whole = overlay.old_bits("w", None)
     assert whole.data_ptr() == target["w"].data_ptr()  # no copy while nothing is staged
-    from deltastore.apply import _Pending
+    from deltastore.pull.staging import _Pending
 
     overlay.pending["w"] = _Pending(torch.tensor([3]), torch.tensor([-1], dtype=torch.int16),
                                     torch.tensor([3], dtype=torch.int16))

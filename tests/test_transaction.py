@@ -9,11 +9,12 @@ import torch
 import deltastore as ds
 from conftest import chain_states, publish_all
 from deltastore import tracking
-from deltastore.apply import FullState, mapping_reader, write_sparse
 from deltastore.errors import ApplyError, ChecksumMismatchError, CorruptObjectError
 from deltastore.pull import transaction as T
 from deltastore.pull.anchor import WriteFailed
+from deltastore.pull.apply import write_sparse
 from deltastore.pull.reader import VersionReader
+from deltastore.pull.staging import FullState, mapping_reader
 from deltastore.store import open_store
 from deltastore.testing import bits_equal
 

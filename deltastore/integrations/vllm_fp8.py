@@ -29,7 +29,7 @@ import torch
 
 from ..errors import TargetMismatchError
 from ..manifest import Manifest
-from ..quantize.fp8 import BLOCK, SCALE_SUFFIX, SCHEME
+from ..quantization import BLOCK, SCALE_SUFFIX, SCHEME
 from .vllm.mapping import ParamMap, probe
 
 __all__ = ["check_served", "fp8_param_map", "served_scheme"]

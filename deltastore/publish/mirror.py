@@ -41,7 +41,8 @@ import torch
 from .. import segments
 from ..checksum import full_checksum, sparse_sum, tensor_key, tensor_keys
 from ..codecs import TensorSpec, UpdateBatch
-from ..diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
+from ..diff import DEFAULT_CHUNK_ELEMS, find_changes
+from ..segments import Change
 from ..errors import TargetMismatchError
 from ..tensors import bits_view
 

@@ -18,7 +18,8 @@ import torch
 
 from ..anchors import ChainState
 from ..codecs import TensorSpec
-from ..diff import Change, find_changes
+from ..diff import find_changes
+from ..segments import Change
 from ..drift import DriftTracker
 from ..pull.anchor import stream_anchor
 from ..pull.reader import VersionReader

@@ -32,12 +32,11 @@ import numpy as np
 import torch
 
 from .. import progress, segments
-from ..apply import all_plain_cpu, plain_cpu, plain_cpu_groups
 from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
-from ..tensors import bits_view
+from ..tensors import all_plain_cpu, bits_view, plain_cpu, plain_cpu_groups
 from ..undo import SaveAhead, UndoJournal
 from .objects import decode_object, decode_object_into, object_index, part_of, record_of, stream_objects
 

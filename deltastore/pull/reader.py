@@ -5,8 +5,8 @@ it plans the cheapest path to a version (:mod:`.planner`), downloads its
 objects (the small ones ahead, in parallel; an anchor's streamed, a bounded
 window at a time), has each decoded by its codec and checked against the
 manifest (:mod:`.objects`), and stages the decoded versions on a host state
-(:class:`~deltastore.apply.FullState`) or on an overlay over a target it only
-reads (:class:`~deltastore.apply.SparseOverlay`). It is usable alone on a
+(:class:`~deltastore.pull.staging.FullState`) or on an overlay over a target it only
+reads (:class:`~deltastore.pull.staging.SparseOverlay`). It is usable alone on a
 :class:`~deltastore.store.DeltaStore`: whole-store verification, materialize,
 a resuming publisher's mirror and the vLLM adapter read through it and never
 build a Subscriber. Writing a target, undoing it and tracking its version are
@@ -32,7 +32,6 @@ import torch
 
 from .. import progress as _progress
 from .._memory import release_memory
-from ..apply import FullState, SparseOverlay, fits
 from ..codecs import OldBits, Update, UpdateBatch, WrittenBatch
 from ..errors import (CorruptObjectError, InvalidStepError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                       VersionNotFoundError)
@@ -41,9 +40,11 @@ from ..manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from ..store import DeltaStore
 from ..undo import UndoJournal
 from .anchor import stream_anchor
+from .checks import fits
 from .decoded import DecodedUpdates
 from .objects import decode_object, decode_sparse_object, object_index
 from .planner import Plan, plan_path
+from .staging import FullState, SparseOverlay
 
 T = TypeVar("T")
 #: the pull side's logger, by its documented name

@@ -7,7 +7,7 @@ per transaction, with the planning and the reading left to the reader,
 * **the target's checks**, made once at :meth:`Transaction.begin`: every
   entry a tensor and none an alias of another, every tensor of the version
   present with its dtype and shape, contiguous, in writable memory and
-  overlapping no other (:mod:`deltastore.apply`; skipped when the target is
+  overlapping no other (:mod:`.checks`; skipped when the target is
   the one the last pull checked, unchanged since: :mod:`.checked_target`);
 * **the target's version** (:mod:`deltastore.tracking`), set in one place
   (:meth:`Transaction._track`): unknown from the first write on; the new
@@ -15,9 +15,9 @@ per transaction, with the planning and the reading left to the reader,
   back, else unknown (the next pull starts from an anchor);
 * **one undo log** (:class:`UndoLog`) of everything written: the old bits an
   anchor overwrites (an :class:`~deltastore.undo.UndoJournal`), the steps that
-  put back a sparse write or a layout change (:func:`deltastore.apply.write_sparse`),
+  put back a sparse write or a layout change (:func:`deltastore.pull.apply.write_sparse`),
   and what decoders wrote into the target in place
-  (:meth:`~deltastore.apply.SparseOverlay.undo_in_place`); on abort it runs
+  (:meth:`~deltastore.pull.staging.SparseOverlay.undo_in_place`); on abort it runs
   newest first, whatever raised, an interrupt too;
 * **one error epilogue** (:func:`failure`): a typed
   :class:`~deltastore.errors.DeltaStoreError` that changed nothing stands as
@@ -45,17 +45,18 @@ import torch
 
 from .. import tracking
 from .._memory import release_memory
-from ..apply import (SparseOverlay, TargetAddresses, check_layout, check_overlaps, check_target, check_tied,
-                     holds_layout, mapping_reader, write_sparse)
 from ..errors import ApplyError, DeltaStoreError, UntrustedVersionError, VersionNotFoundError
 from ..layout import PathLayout
 from ..manifest import Manifest, VersionRef
 from ..tensors import bits_view, named_tensors
 from ..undo import UndoJournal
 from .anchor import WriteFailed
+from .apply import write_sparse
 from .checked_target import CheckedTarget
+from .checks import check_layout, check_overlaps, check_target, check_tied, holds_layout
 from .planner import Plan
 from .reader import VersionReader, kept
+from .staging import SparseOverlay, TargetAddresses, mapping_reader
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None
 Path = Literal["anchor", "delta", "none"]

@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from ...apply import FullState
 from ...checksum import full_checksum
 from ...errors import ApplyError, ChecksumMismatchError, TargetMismatchError, VersionNotFoundError
 from ...manifest import VersionRef
 from ...pull.reader import Staged
+from ...pull.staging import FullState
 from ...pull.transaction import UndoLog, failure, restored_by
 from ...signing import keys_from_env
 from ...subscriber import Subscriber
