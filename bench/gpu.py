@@ -84,7 +84,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import _trace  # noqa: E402
 from _rss import Rss, baseline  # noqa: E402
 import deltastore as ds  # noqa: E402
-from deltastore import tracking  # noqa: E402
+from deltastore.pull import tracking  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
 
 GB = 1e9

@@ -65,7 +65,7 @@ STAGES = [
     ("deltastore.pull.reader", "VersionReader.path_layout"),
     ("deltastore.pull.objects", "object_index"),
     ("deltastore.store", "DeltaStore.get_object"),
-    ("deltastore.tracking", "set_version"),
+    ("deltastore.pull.tracking", "set_version"),
     ("deltastore.pull.checked_target", "CheckedTarget.lookup"),
     ("deltastore.pull.checked_target", "CheckedTarget.remember"),
     ("deltastore.kernels.bitstream", "StepsInPlace.__init__"),

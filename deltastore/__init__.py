@@ -19,10 +19,10 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see
     from .codecs import Codec, TensorSpec, Update, get_codec, register_codec
     from .manifest import Manifest, VersionRef
     from .publisher import Publisher, VersionInfo
+    from .pull.subscriber import PullResult, Subscriber
     from .registry import Registry
     from .store import DeltaStore, open_store
     from .store_mirror import MirrorReport, mirror_store
-    from .subscriber import PullResult, Subscriber
 
 #: public name -> the module that defines it
 _LAZY = {
@@ -33,7 +33,7 @@ _LAZY = {
     "Registry": "registry",
     "DeltaStore": "store", "open_store": "store",
     "MirrorReport": "store_mirror", "mirror_store": "store_mirror",
-    "PullResult": "subscriber", "Subscriber": "subscriber",
+    "PullResult": "pull.subscriber", "Subscriber": "pull.subscriber",
 }
 
 __all__ = sorted([*_LAZY, "__version__", "errors"])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .publisher import Publisher
-from .subscriber import Subscriber
+from .pull.subscriber import Subscriber
 from .tensors import named_tensors
 
 TEXT = (

@@ -19,7 +19,7 @@ from deltastore.cli import main
 from deltastore.errors import (ObjectNotFoundError, StaleVersionError, UnknownPluginError, VersionNotFoundError)
 from deltastore.gc import Retention, collect_garbage, plan_gc
 from deltastore.pull.reader import VersionReader
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
 

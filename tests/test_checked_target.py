@@ -19,6 +19,7 @@ import torch
 
 import deltastore as ds
 import deltastore.pull.transaction as transaction_module
+from deltastore.pull import tracking
 from deltastore.testing import bits_equal
 from deltastore import segments
 from deltastore.pull.staging import SparseOverlay, TargetAddresses
@@ -169,7 +170,7 @@ def test_the_record_keeps_no_tensor_alive(published):
     sub, target = _following(uri, states)
     sub.pull(target, step=2)
     refs = [weakref.ref(t) for t in target.values()]
-    ds.tracking.set_version(target, None)  # the version table holds plain dicts; the record must not
+    tracking.set_version(target, None)  # the version table holds plain dicts; the record must not
     del target
     gc.collect()
     assert all(r() is None for r in refs)

@@ -15,7 +15,7 @@ from deltastore.testing import bits_equal
 from deltastore.distributed import ShardedPublisher
 from deltastore.errors import TargetMismatchError
 from deltastore.publish.collective import LOCAL, CollectiveError
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _states(n=6, seed=0):

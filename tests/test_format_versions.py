@@ -14,7 +14,7 @@ from deltastore.testing import bits_equal
 from deltastore.publish import commit as commit_module
 from deltastore.manifest import COLUMNS_FORMAT_VERSION, FORMAT_VERSION, LAYOUT_OBJECT_FORMAT_VERSION
 from deltastore.store import version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from deltastore.errors import (CorruptObjectError, DeltaStoreError, ManifestErro
 from deltastore.gc import Retention
 from deltastore.manifest import sha256_digest
 from deltastore.store import object_key, version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _states(n: int, tensors: int = 40, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import deltastore as ds
 import deltastore.publish.objects as objects_mod
 from deltastore.testing import bits_equal
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.backends.memory import MemoryBackend
 from deltastore.codecs import register_codec
 from deltastore.codecs.ctx import CtxCodec

@@ -129,7 +129,7 @@ def test_marker_failure_on_a_store_without_atomic_create():
 
 
 def test_verify_notes_check_then_write_commits():
-    from deltastore.verify import verify_store
+    from deltastore.pull.verify import verify_store
     inner = MemoryBackend(uuid.uuid4().hex)
     inner.capabilities = dataclasses.replace(inner.capabilities, atomic_create=False)
     with ds.Publisher(DeltaStore(inner), anchor_every=100) as pub:

@@ -9,6 +9,7 @@ from torch import nn
 import deltastore as ds
 from deltastore.testing import bits_equal
 from deltastore.errors import StepOrderError, TargetMismatchError, VersionExistsError
+from deltastore.pull import tracking
 
 
 def _bump(state, frac=0.01, seed=0):
@@ -62,7 +63,7 @@ def test_fill_writes_a_version_into_fresh_buffers(store_uri):
     sub.fill(bufs, step=2)
     for k, v in states[2].items():
         assert torch.equal(bufs[k], v.view(torch.int16).reshape(-1))
-    assert ds.tracking.get_version(bufs) is None
+    assert tracking.get_version(bufs) is None
 
 
 def test_resume_false_starts_a_new_chain(store_uri):

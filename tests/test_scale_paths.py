@@ -15,7 +15,8 @@ import torch
 
 import deltastore as ds
 from deltastore.testing import bits_equal
-from deltastore import segments, tracking
+from deltastore import segments
+from deltastore.pull import tracking
 from deltastore.pull.staging import SparseOverlay, mapping_reader
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, sparse_sum, tensor_key
@@ -25,7 +26,7 @@ from deltastore.errors import ApplyError, CorruptObjectError
 from deltastore.publish.mirror import Mirror, Pending
 from deltastore.store import DeltaStore, object_key
 from deltastore.tensors import bits_view
-from deltastore.undo import UndoJournal
+from deltastore.pull.undo import UndoJournal
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.testing import bits_equal
 from deltastore.errors import TargetMismatchError
 

@@ -8,7 +8,7 @@ import torch
 
 import deltastore as ds
 from conftest import chain_states, publish_all
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.errors import ApplyError, ChecksumMismatchError, CorruptObjectError
 from deltastore.pull import transaction as T
 from deltastore.pull.anchor import WriteFailed

@@ -45,7 +45,7 @@ from verl.workers.rollout.utils import ensure_async_iterator  # type: ignore[imp
 
 from ..errors import VersionNotFoundError
 from ..publisher import Publisher, VersionInfo
-from ..subscriber import Subscriber
+from ..pull.subscriber import Subscriber
 
 
 @CheckpointEngineRegistry.register("deltastore")

@@ -29,7 +29,7 @@ in-place change of shape, storage or strides (``resize_``, ``set_``,
 ``as_strided_``) moves the counter, and a new tensor or a moved one changes
 identity or address. The
 target's values were never checked between pulls (the target is trusted to
-hold the version deltastore last wrote, :mod:`deltastore.tracking`).
+hold the version deltastore last wrote, :mod:`deltastore.pull.tracking`).
 
 After a lookup that found the target as it was, :meth:`CheckedTarget.addresses`
 gives the checked arrays themselves (every tensor's address and element

@@ -38,13 +38,13 @@ from ..errors import (CorruptObjectError, InvalidStepError, ObjectNotFoundError,
 from ..layout import PathLayout, layout_diff, path_layout
 from ..manifest import Manifest, Part, Role, TensorRecord, VersionRef
 from ..store import DeltaStore
-from ..undo import UndoJournal
 from .anchor import stream_anchor
 from .checks import fits
 from .decoded import DecodedUpdates
 from .objects import decode_object, decode_sparse_object, object_index
 from .planner import Plan, plan_path
 from .staging import FullState, SparseOverlay
+from .undo import UndoJournal
 
 T = TypeVar("T")
 #: the pull side's logger, by its documented name

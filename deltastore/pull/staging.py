@@ -3,7 +3,7 @@
 * from an anchor: whole tensors on the host (:class:`FullState`; what
   :meth:`Subscriber.stage` hands integrations, and what a pull without a
   target returns). A pull into a live target streams the anchor in instead,
-  under an undo journal (:mod:`deltastore.pull.anchor`, :mod:`deltastore.undo`);
+  under an undo journal (:mod:`deltastore.pull.anchor`, :mod:`deltastore.pull.undo`);
 * from the target's current version: per tensor, the union of changed
   positions with their final bits and the target's original bits there
   (:class:`SparseOverlay`), O(changed) memory, checked against the target's

@@ -9,12 +9,12 @@ per transaction, with the planning and the reading left to the reader,
   present with its dtype and shape, contiguous, in writable memory and
   overlapping no other (:mod:`.checks`; skipped when the target is
   the one the last pull checked, unchanged since: :mod:`.checked_target`);
-* **the target's version** (:mod:`deltastore.tracking`), set in one place
+* **the target's version** (:mod:`deltastore.pull.tracking`), set in one place
   (:meth:`Transaction._track`): unknown from the first write on; the new
   version on commit; the old one again on abort only when every write was put
   back, else unknown (the next pull starts from an anchor);
 * **one undo log** (:class:`UndoLog`) of everything written: the old bits an
-  anchor overwrites (an :class:`~deltastore.undo.UndoJournal`), the steps that
+  anchor overwrites (an :class:`~deltastore.pull.undo.UndoJournal`), the steps that
   put back a sparse write or a layout change (:func:`deltastore.pull.apply.write_sparse`),
   and what decoders wrote into the target in place
   (:meth:`~deltastore.pull.staging.SparseOverlay.undo_in_place`); on abort it runs
@@ -43,13 +43,12 @@ from typing import Any, Literal
 
 import torch
 
-from .. import tracking
 from .._memory import release_memory
 from ..errors import ApplyError, DeltaStoreError, UntrustedVersionError, VersionNotFoundError
 from ..layout import PathLayout
 from ..manifest import Manifest, VersionRef
 from ..tensors import bits_view, named_tensors
-from ..undo import UndoJournal
+from . import tracking
 from .anchor import WriteFailed
 from .apply import write_sparse
 from .checked_target import CheckedTarget
@@ -57,6 +56,7 @@ from .checks import check_layout, check_overlaps, check_target, check_tied, hold
 from .planner import Plan
 from .reader import VersionReader, kept
 from .staging import SparseOverlay, TargetAddresses, mapping_reader
+from .undo import UndoJournal
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None
 Path = Literal["anchor", "delta", "none"]
@@ -177,8 +177,8 @@ class Transaction:
 
     ``checked``: the owner's record of the last target it checked (reused when this target is that one,
     unchanged; renewed on commit). ``journal_dir`` / ``journal_memory``: where an anchor's undo journal
-    keeps the old bits (:class:`~deltastore.undo.UndoJournal`). The caller holds the target exclusively
-    (:func:`deltastore.tracking.exclusive`) for the transaction's life.
+    keeps the old bits (:class:`~deltastore.pull.undo.UndoJournal`). The caller holds the target exclusively
+    (:func:`deltastore.pull.tracking.exclusive`) for the transaction's life.
     """
 
     def __init__(self, reader: VersionReader, target: Target, checked: CheckedTarget, *,
@@ -339,7 +339,7 @@ class Already(Strategy):
 
 class AnchorIntoNewDict(Strategy):
     """No target: the plan's anchor streamed into new tensors, then its differential and deltas applied;
-    the new dict (:class:`~deltastore.tracking.StateDict`) is tracked at the version."""
+    the new dict (:class:`~deltastore.pull.tracking.StateDict`) is tracked at the version."""
 
     path: Path = "anchor"
     writes = False

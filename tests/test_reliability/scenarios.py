@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.backends import open_backend
 from deltastore.backends.retry import RetryPolicy
 from deltastore.errors import ApplyError, CorruptObjectError, DeltaStoreError, VersionExistsError
 from deltastore.store import DeltaStore, object_key, version_key
 from deltastore.testing import bits_equal
 from deltastore.testing.faults import Fault, FaultyBackend, RetryingBackend, corrupt_bytes
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 SHAPES = {"embed.weight": (256, 192), "layer.0.weight": (192, 192), "layer.1.weight": (192, 160),
           "norm.weight": (192,), "head.bias": (256,)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.anchors import Adaptive
 from deltastore.backends.retry import RetryingBackend
 from deltastore.errors import ApplyError, VersionExistsError

@@ -25,7 +25,7 @@ them; on vLLM's CPU build only modules without a CPU GEMM dispatch (norms,
 embeddings' lookups are excluded too: their ``cpu_linear`` may hold a packed
 copy), so there most pulls take the reload path. Undo: one
 :class:`deltastore.pull.transaction.UndoLog` per pull, run newest first on any
-failure: whole parameters go to its :class:`deltastore.undo.UndoJournal`
+failure: whole parameters go to its :class:`deltastore.pull.undo.UndoJournal`
 before an anchor overwrites them; element writes (and the host mirror's) are
 undone from the staged original bits; a reload by reloading the mirror once it
 is back. The error follows the transaction's one rule
@@ -52,9 +52,9 @@ from ...errors import ApplyError, ChecksumMismatchError, TargetMismatchError, Ve
 from ...manifest import VersionRef
 from ...pull.reader import Staged
 from ...pull.staging import FullState
+from ...pull.subscriber import Subscriber
 from ...pull.transaction import UndoLog, failure, restored_by
 from ...signing import keys_from_env
-from ...subscriber import Subscriber
 from ...tensors import bits_view
 from ..vllm_fp8 import check_served
 from .checkpoint import Specs, model_dir, read_checkpoint

@@ -16,21 +16,22 @@ from typing import Any, Literal
 
 import torch
 
-from . import progress as _progress, tracking
-from ._gc import paused
-from ._memory import pin_allocator
-from .codecs import OldBits
-from .errors import StaleVersionError, VersionNotFoundError
-from .manifest import Manifest, VersionRef
-from .pull.checked_target import CheckedTarget
-from .pull.checks import check_checksums
-from .pull.latest import LatestCheck
-from .pull.planner import Plan
-from .pull.reader import Staged, VersionReader, check_step_arg, log_pulled
-from .pull.transaction import Transaction
-from .signing import as_trust
-from .store import DeltaStore, open_store
-from .tensors import named_tensors
+from .. import progress as _progress
+from .._gc import paused
+from .._memory import pin_allocator
+from ..codecs import OldBits
+from ..errors import StaleVersionError, VersionNotFoundError
+from ..manifest import Manifest, VersionRef
+from ..signing import as_trust
+from ..store import DeltaStore, open_store
+from ..tensors import named_tensors
+from . import tracking
+from .checked_target import CheckedTarget
+from .checks import check_checksums
+from .latest import LatestCheck
+from .planner import Plan
+from .reader import Staged, VersionReader, check_step_arg, log_pulled
+from .transaction import Transaction
 from .undo import DEFAULT_MEMORY_BYTES
 
 Target = Any  # nn.Module | MutableMapping[str, Tensor] | None

@@ -15,15 +15,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ._gc import collector_paused
-from .adapters import is_adapter, write_adapter_folder
-from .errors import OutputWriteError
-from .manifest import Manifest
-from .progress import ProgressArg, reporting
-from .quantization import served_config_json
-from .pull.reader import VersionReader, log_pulled
-from .pull.staging import FullState
-from .store import DeltaStore
+from .._gc import collector_paused
+from ..adapters import is_adapter, write_adapter_folder
+from ..errors import OutputWriteError
+from ..manifest import Manifest
+from ..progress import ProgressArg, reporting
+from ..quantization import served_config_json
+from ..store import DeltaStore
+from .reader import VersionReader, log_pulled
+from .staging import FullState
 
 DEFAULT_SHARD_BYTES = 5 << 30
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import DeltaStoreError, VersionNotFoundError
-from .layout import check_step
-from .manifest import Manifest
-from .pull.reader import VersionReader
-from .pull.staging import FullState
-from .store import DeltaStore
+from ..errors import DeltaStoreError, VersionNotFoundError
+from ..layout import check_step
+from ..manifest import Manifest
+from ..store import DeltaStore
+from .reader import VersionReader
+from .staging import FullState
 
 
 @dataclass
