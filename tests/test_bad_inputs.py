@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import edit_tensor_columns, follower_at, publish_all
+from conftest import chain_states, edit_tensor_columns, follower_at, publish_all
 from deltastore.testing import bits_equal
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
                                InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
@@ -21,27 +21,10 @@ from deltastore.store import object_key, version_key
 
 
 def _states(n, shape=(64, 48), frac=0.02, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"a": torch.randn(*shape, generator=g).bfloat16(), "b": torch.randn(shape[1], generator=g).bfloat16()}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < frac] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {"a": shape, "b": (shape[1],)}, changes=frac, seed=seed)
 
 
-@pytest.fixture
-def published(store_uri):
-    """A local store with versions 0..4 (anchor at 0) and a follower at version 3."""
-    states = _states(5)
-    publish_all(store_uri, states, anchor_every=100)
-    sub, target = follower_at(store_uri, 3)
-    assert bits_equal(target, states[3])
-    return store_uri, states, sub, target
+PUBLISHED = {"follower": 3}  # versions 0..4 (anchor at 0) of _states(5) and a follower at version 3
 
 
 def _path(uri, key):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deltastore as ds
+from conftest import chain_states
 from deltastore.testing import bits_equal
 from deltastore.distributed import ShardedPublisher
 from deltastore.errors import TargetMismatchError
@@ -18,20 +19,9 @@ from deltastore.publish.collective import LOCAL, CollectiveError
 from deltastore.pull.verify import verify_store
 
 
-def _states(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"emb": torch.randn(37, 16, generator=g).bfloat16(),      # rows do not split evenly
-         "w": torch.randn(64, 24, generator=g).bfloat16(),
-         "norm": torch.randn(16, generator=g).bfloat16()}        # replicated on every rank
-    out = [s]
-    for i in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < (0.5 if i == 3 else 0.03)] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+def _states(n=6, seed=0):  # rows of "emb" do not split evenly; "norm" is replicated on every rank
+    return chain_states(n, {"emb": (37, 16), "w": (64, 24), "norm": (16,)}, changes=0.03, every_step={3: 0.5},
+                        seed=seed)
 
 
 def _free_port():

@@ -7,29 +7,14 @@ import torch
 from torch import nn
 
 import deltastore as ds
+from conftest import chain_states
 from deltastore.testing import bits_equal
 from deltastore.errors import StepOrderError, TargetMismatchError, VersionExistsError
 from deltastore.pull import tracking
 
 
-def _bump(state, frac=0.01, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, v in state.items():
-        bits = v.view(torch.int16).clone().reshape(-1)
-        mask = torch.rand(bits.numel(), generator=g) < frac
-        bits[mask] += 1
-        out[k] = bits.view(torch.bfloat16).reshape(v.shape)
-    return out
-
-
 def _states(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"w": torch.randn(64, 32, generator=g).bfloat16(), "b": torch.randn(32, generator=g).bfloat16()}
-    states = [s]
-    for i in range(1, n):
-        states.append(_bump(states[-1], seed=i))
-    return states
+    return chain_states(n, {"w": (64, 32), "b": (32,)}, changes=0.01, seed=seed)
 
 
 def test_resume_continues_the_chain(store_uri):
