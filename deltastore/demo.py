@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .publisher import Publisher
+from .publish.publisher import Publisher
 from .pull.subscriber import Subscriber
 from .tensors import named_tensors
 

@@ -1,6 +1,6 @@
 """Progress reporting for long operations, in fsspec's ``Callback`` convention.
 
-:meth:`Publisher.publish <deltastore.publisher.Publisher.publish>` and
+:meth:`Publisher.publish <deltastore.publish.publisher.Publisher.publish>` and
 :meth:`Subscriber.pull <deltastore.pull.subscriber.Subscriber.pull>` take
 ``progress=``:
 

@@ -13,7 +13,7 @@ import deltastore as ds
 import deltastore.publish.chain as chain_mod
 from conftest import quick_gc_store
 from deltastore.testing import bits_equal
-from deltastore.anchors import Adaptive, ChainState, Every, get_anchor_policy
+from deltastore.publish.anchors import Adaptive, ChainState, Every, get_anchor_policy
 from deltastore.chains import extend_trace, trace_steps
 from deltastore.cli import main
 from deltastore.errors import (ObjectNotFoundError, StaleVersionError, UnknownPluginError, VersionNotFoundError)

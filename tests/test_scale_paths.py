@@ -21,7 +21,7 @@ from deltastore.pull.staging import SparseOverlay, mapping_reader
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, sparse_sum, tensor_key
 from deltastore.codecs import TensorSpec
-from deltastore.diff import find_changes
+from deltastore.publish.diff import find_changes
 from deltastore.errors import ApplyError, CorruptObjectError
 from deltastore.publish.mirror import Mirror, Pending
 from deltastore.store import DeltaStore, object_key

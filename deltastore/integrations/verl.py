@@ -44,7 +44,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl.workers.rollout.utils import ensure_async_iterator  # type: ignore[import-not-found]
 
 from ..errors import VersionNotFoundError
-from ..publisher import Publisher, VersionInfo
+from ..publish.publisher import Publisher, VersionInfo
 from ..pull.subscriber import Subscriber
 
 

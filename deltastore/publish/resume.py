@@ -3,7 +3,7 @@
 :func:`resume_chain` reads the latest version through the reader's own path
 (bit-exact, checksums verified) into a new :class:`~deltastore.publish.mirror.Mirror`,
 and walks the chain back to its anchor to rebuild what the anchor policy
-measures (:class:`~deltastore.anchors.ChainState`) and, where the policy
+measures (:class:`~deltastore.publish.anchors.ChainState`) and, where the policy
 tracks it, the drift since the anchor. :func:`differential_from_anchor` is
 that drift measured exactly (the anchor streamed back and compared with the
 mirror), also what a version with a sampled drift writes as its differential.
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..anchors import ChainState
+from .anchors import ChainState
 from ..codecs import TensorSpec
-from ..diff import find_changes
+from .diff import find_changes
 from ..segments import Change
-from ..drift import DriftTracker
+from .drift import DriftTracker
 from ..pull.anchor import stream_anchor
 from ..pull.reader import VersionReader
 from ..store import DeltaStore

@@ -10,7 +10,7 @@ import torch
 
 import deltastore as ds
 from deltastore.pull import tracking
-from deltastore.anchors import Adaptive
+from deltastore.publish.anchors import Adaptive
 from deltastore.backends.retry import RetryingBackend
 from deltastore.errors import ApplyError, VersionExistsError
 from deltastore.store import DeltaStore

@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import segments
-from .errors import TargetMismatchError
-from .segments import Change
-from .tensors import bits_dtype, bits_view
+from .. import segments
+from ..errors import TargetMismatchError
+from ..segments import Change
+from ..tensors import bits_dtype, bits_view
 
 DEFAULT_CHUNK_ELEMS = 1 << 24
 _DENSE_WORDS = 32  # above 1 differing word in 32, compare element by element instead
