@@ -13,6 +13,23 @@ cnp.import_array()
 
 cdef extern from "_simd.h":
     int ds_words_zero(const unsigned char* p, int64_t nw) noexcept nogil
+    int64_t ds_diff_1(uint8_t* o, const uint8_t* n, int64_t a, int64_t b, int64_t* pos, uint8_t* nw, uint8_t* od,
+                      int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_2(uint16_t* o, const uint16_t* n, int64_t a, int64_t b, int64_t* pos, uint16_t* nw,
+                      uint16_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_4(uint32_t* o, const uint32_t* n, int64_t a, int64_t b, int64_t* pos, uint32_t* nw,
+                      uint32_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_8(uint64_t* o, const uint64_t* n, int64_t a, int64_t b, int64_t* pos, uint64_t* nw,
+                      uint64_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int ds_diff_isa() noexcept nogil
+    int64_t ds_diff_on_1(int isa, uint8_t* o, const uint8_t* n, int64_t a, int64_t b, int64_t* pos, uint8_t* nw,
+                         uint8_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_2(int isa, uint16_t* o, const uint16_t* n, int64_t a, int64_t b, int64_t* pos, uint16_t* nw,
+                         uint16_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_4(int isa, uint32_t* o, const uint32_t* n, int64_t a, int64_t b, int64_t* pos, uint32_t* nw,
+                         uint32_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_8(int isa, uint64_t* o, const uint64_t* n, int64_t a, int64_t b, int64_t* pos, uint64_t* nw,
+                         uint64_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
 
 ctypedef fused pos_t:   # a drift table's positions
     int32_t
@@ -28,75 +45,80 @@ cdef enum:
 
 # --- compare ------------------------------------------------------------------------------------------
 
+cdef inline int64_t _diff_range(bits_t* o, const bits_t* n, int64_t a, int64_t b, int64_t* pos, bits_t* new,
+                                bits_t* old, int64_t cap, int advance, int64_t* nxt) noexcept nogil:
+    if bits_t is uint8_t:
+        return ds_diff_1(o, n, a, b, pos, new, old, cap, advance, nxt)
+    elif bits_t is uint16_t:
+        return ds_diff_2(o, n, a, b, pos, new, old, cap, advance, nxt)
+    elif bits_t is uint32_t:
+        return ds_diff_4(o, n, a, b, pos, new, old, cap, advance, nxt)
+    else:
+        return ds_diff_8(o, n, a, b, pos, new, old, cap, advance, nxt)
+
+
 cdef (int64_t, int64_t, int64_t) _diff_items(
         const int64_t* optr, const int64_t* nptr, const int64_t* lens, const uint64_t* keys, const int64_t* iseg,
         const int64_t* istart, const int64_t* istop, int64_t i0, int64_t i1, int64_t e_resume, int64_t* pos,
-        bits_t* new, bits_t* old, int64_t cap, int64_t* counts, uint64_t* sums) noexcept nogil:
-    cdef int64_t width = sizeof(bits_t)
-    cdef int64_t k = 8 // width
-    cdef int64_t c = 0, c0, i, s, a, b, j, nw, w, e, q
-    cdef const bits_t* o
-    cdef const bits_t* n
-    cdef const char* ow
-    cdef const char* vw
+        bits_t* new, bits_t* old, int64_t cap, int64_t* counts, uint64_t* sums, int advance) noexcept nogil:
+    # each item's range by 64-byte blocks (_simd.h ds_diff_*), then its changes' checksum delta
+    cdef int64_t c = 0, got, i, s, a, b, j = 0
     for i in range(i0, i1):
         s = iseg[i]
         a = istart[i]
         if i == i0 and e_resume > a:
             a = e_resume
         b = istop[i]
-        o = <const bits_t*><uintptr_t>optr[s]
-        n = <const bits_t*><uintptr_t>nptr[s]
-        c0 = c
-        j = a
-        if k > 1 and ((optr[s] - nptr[s]) & 7) == 0:
-            while j < b and ((optr[s] + j * width) & 7) != 0:  # head up to an 8-byte boundary
-                if c == cap:
-                    break
-                if o[j] != n[j]:
-                    pos[c] = j
-                    new[c] = n[j]
-                    old[c] = o[j]
-                    c += 1
-                j += 1
-            nw = (b - j) // k
-            if nw > 0 and c + k <= cap:
-                ow = <const char*>(o + j)
-                vw = <const char*>(n + j)
-                w = 0
-                while w < nw:
-                    if ds_load64(ow + 8 * w) != ds_load64(vw + 8 * w):
-                        if c + k > cap:
-                            break
-                        e = j + w * k
-                        for q in range(e, e + k):  # branch-free: store always, advance on a change
-                            pos[c] = q
-                            new[c] = n[q]
-                            old[c] = o[q]
-                            c += o[q] != n[q]
-                    w += 1
-                j += w * k
-        while j < b:  # tail (or everything, when the addresses do not allow words)
-            if c == cap:
-                break
-            if o[j] != n[j]:
-                pos[c] = j
-                new[c] = n[j]
-                old[c] = o[j]
-                c += 1
-            j += 1
-        if c > c0:
-            counts[i] += c - c0
-            sums[i] += mix_sparse(pos, new, c0, c, keys[s]) - mix_sparse(pos, old, c0, c, keys[s])
+        got = _diff_range(<bits_t*><uintptr_t>optr[s], <const bits_t*><uintptr_t>nptr[s], a, b, pos + c, new + c,
+                          old + c, cap - c, advance, &j)
+        if got:
+            counts[i] += got
+            sums[i] += mix_sparse(pos, new, c, c + got, keys[s]) - mix_sparse(pos, old, c, c + got, keys[s])
+            c += got
         if j < b:
             return c, i, j
     return c, i1, 0
 
 
+def compare_isa():
+    """The vector instruction set the compare uses on this CPU: 2 AVX-512BW, 1 AVX2, 0 SSE2 or plain C."""
+    return ds_diff_isa()
+
+
+def compare_range(old, new, int64_t a, int64_t b, pos, new_out, old_out, int isa=-1, bint advance=False):
+    """One range ``[a, b)`` of the compare (``old``/``new``: unsigned arrays of one width) with instruction set
+    ``isa`` (-1: the best; above what the CPU has: the best), for tests. Returns ``(written, next element)``."""
+    cdef int w = old.itemsize if isinstance(old, cnp.ndarray) else 0
+    cdef char* po = arr(old, w, UNSIGNED, advance, "old")
+    cdef const char* pn = arr(new, w, UNSIGNED, False, "new")
+    cdef int64_t* pp = <int64_t*>arr(pos, 8, SIGNED, True, "pos")
+    cdef char* pno = arr(new_out, w, UNSIGNED, True, "new_out")
+    cdef char* poo = arr(old_out, w, UNSIGNED, True, "old_out")
+    cdef int64_t cap = min(size(pos), size(new_out), size(old_out)), nxt = 0, c
+    if not 0 <= a <= b <= min(size(old), size(new)):
+        raise ValueError("compare_range: range outside the arrays")
+    with nogil:
+        if w == 1:
+            c = ds_diff_on_1(isa, <uint8_t*>po, <const uint8_t*>pn, a, b, pp, <uint8_t*>pno, <uint8_t*>poo, cap,
+                             advance, &nxt)
+        elif w == 2:
+            c = ds_diff_on_2(isa, <uint16_t*>po, <const uint16_t*>pn, a, b, pp, <uint16_t*>pno, <uint16_t*>poo, cap,
+                             advance, &nxt)
+        elif w == 4:
+            c = ds_diff_on_4(isa, <uint32_t*>po, <const uint32_t*>pn, a, b, pp, <uint32_t*>pno, <uint32_t*>poo, cap,
+                             advance, &nxt)
+        else:
+            c = ds_diff_on_8(isa, <uint64_t*>po, <const uint64_t*>pn, a, b, pp, <uint64_t*>pno, <uint64_t*>poo, cap,
+                             advance, &nxt)
+    return c, nxt
+
+
 def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, int64_t i0, int64_t i1, int64_t e_resume, pos,
-               new, old, counts, sums):
+               new, old, counts, sums, bint advance=False):
     """Compare items ``i0 .. i1 - 1`` (the first from element ``e_resume``, if above its start); see
-    :mod:`deltastore.kernels.diff`. Returns ``(written, next item, next element)``."""
+    :mod:`deltastore.kernels.diff`. With ``advance``, the new bits are also written over the old ones where they
+    differ (``optr``'s memory: the mirror moves to the new version in the same pass). Returns ``(written, next
+    item, next element)``."""
     cdef int w = width_of(like)
     cdef const int64_t* po = <const int64_t*>arr(optr, 8, ADDRESS, False, "optr")
     cdef const int64_t* pn = <const int64_t*>arr(nptr, 8, ADDRESS, False, "nptr")
@@ -117,16 +139,16 @@ def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, int64_t i0, in
     with nogil:
         if w == 1:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint8_t*>pnew, <uint8_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         elif w == 2:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint16_t*>pnew, <uint16_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         elif w == 4:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint32_t*>pnew, <uint32_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         else:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint64_t*>pnew, <uint64_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
     return r
 
 

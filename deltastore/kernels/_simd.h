@@ -323,4 +323,197 @@ DS_FN int ds_words_zero(const unsigned char *p, int64_t nw) {
     return 1;
 }
 
+/* --- the compare (kernels/diff.py diff_items): changed elements of o[a:b] against n[a:b] ---------------------
+   Blocks of 64 bytes are compared whole and give a mask of the changed elements (AVX-512BW: one compare into
+   a mask register; AVX2 / SSE2: byte compares and movemask, folded to one bit per element); the changes are
+   then taken bit by bit (count trailing zeros), so an unchanged block costs a compare and a test, a change a
+   few stores. The ISA is picked once, at the first call, from what the CPU supports (target_clones cannot
+   select intrinsics per clone). Each call writes at most cap changes: pos (element index), new and old bits;
+   with advance != 0 it also writes n's bits over o's in every block that changed (the mirror moves to the new
+   version in the same pass). Returns the changes written; *next is where the scan stopped (b: the end). */
+
+#define DS_DIFF_SCALAR(T)                                                                                     \
+    for (; j < b; j++) {                                                                                      \
+        if (o[j] != n[j]) {                                                                                   \
+            if (c == cap) break;                                                                              \
+            pos[c] = j;                                                                                       \
+            nw[c] = n[j];                                                                                     \
+            od[c] = o[j];                                                                                     \
+            if (advance) o[j] = n[j];                                                                         \
+            c++;                                                                                              \
+        }                                                                                                     \
+    }
+
+DS_UNUSED static inline int ds_ctz64(uint64_t m) { /* m != 0 */
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(m);
+#else
+    int k = 0;
+    while (!(m & 1)) { m >>= 1; k++; }
+    return k;
+#endif
+}
+
+/* one element bit per element of a 64-byte-block byte mask (bit k: byte k differs), for W-byte elements */
+DS_UNUSED static inline uint64_t ds_fold_mask(uint64_t m, int w) {
+    if (w == 1) return m;
+    if (w == 2) { m |= m >> 1; return m & 0x5555555555555555ULL; }
+    if (w == 4) { m |= m >> 1; m |= m >> 2; return m & 0x1111111111111111ULL; }
+    m |= m >> 1; m |= m >> 2; m |= m >> 4; return m & 0x0101010101010101ULL;
+}
+
+#define DS_DIFF_FN(NAME, ATTR, T, W, SHIFT, MASK)                                                             \
+    ATTR DS_UNUSED static int64_t NAME(T *o, const T *n, int64_t a, int64_t b, int64_t *pos, T *nw, T *od,    \
+                                       int64_t cap, int advance, int64_t *next) {                             \
+        const int64_t per = 64 / W;                                                                           \
+        int64_t c = 0, j = a;                                                                                 \
+        for (; j + per <= b && c + per <= cap; j += per) {                                                    \
+            uint64_t m = MASK;                                                                                \
+            if (!m) continue;                                                                                 \
+            do {                                                                                              \
+                int64_t q = j + (int64_t)(ds_ctz64(m) >> SHIFT);                                              \
+                pos[c] = q;                                                                                   \
+                nw[c] = n[q];                                                                                 \
+                od[c] = o[q];                                                                                 \
+                c++;                                                                                          \
+                m &= m - 1;                                                                                   \
+            } while (m);                                                                                      \
+            if (advance) memcpy(o + j, n + j, 64);                                                            \
+        }                                                                                                     \
+        DS_DIFF_SCALAR(T)                                                                                     \
+        *next = j;                                                                                            \
+        return c;                                                                                             \
+    }
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DELTASTORE_NO_CLONES)
+#include <immintrin.h>
+#define DS_X86_DISPATCH 1
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,bmi")))
+#define DS_AVX2 __attribute__((target("avx2,bmi")))
+/* AVX-512BW: one compare of the right width gives the element mask itself */
+#define DS_M512(F) (uint64_t)F(_mm512_loadu_si512((const void *)(o + j)), _mm512_loadu_si512((const void *)(n + j)))
+/* AVX2 / SSE2: equal-byte masks, inverted, folded to one bit per element */
+#define DS_M256                                                                                               \
+    ds_fold_mask(~((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(                               \
+                       _mm256_loadu_si256((const __m256i *)(const void *)(o + j)),                            \
+                       _mm256_loadu_si256((const __m256i *)(const void *)(n + j))))                           \
+                   | ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(                             \
+                       _mm256_loadu_si256((const __m256i *)((const char *)(o + j) + 32)),                     \
+                       _mm256_loadu_si256((const __m256i *)((const char *)(n + j) + 32)))) << 32)),          \
+                 (int)sizeof(*o))
+#define DS_SSE_Q(k)                                                                                           \
+    ((uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(                                                    \
+         _mm_loadu_si128((const __m128i *)((const char *)(o + j) + 16 * k)),                                  \
+         _mm_loadu_si128((const __m128i *)((const char *)(n + j) + 16 * k)))) << (16 * k))
+#define DS_M128 ds_fold_mask(~(DS_SSE_Q(0) | DS_SSE_Q(1) | DS_SSE_Q(2) | DS_SSE_Q(3)), (int)sizeof(*o))
+#define DS_DIFF_ISAS(T, W, SHIFT, CMP512)                                                                     \
+    DS_DIFF_FN(ds_diff_avx512_##W, DS_AVX512, T, W, 0, DS_M512(CMP512))                                       \
+    DS_DIFF_FN(ds_diff_avx2_##W, DS_AVX2, T, W, SHIFT, DS_M256)                                               \
+    DS_DIFF_FN(ds_diff_sse2_##W, , T, W, SHIFT, DS_M128)
+DS_DIFF_ISAS(uint8_t, 1, 0, _mm512_cmpneq_epi8_mask)
+DS_DIFF_ISAS(uint16_t, 2, 1, _mm512_cmpneq_epi16_mask)
+DS_DIFF_ISAS(uint32_t, 4, 2, _mm512_cmpneq_epi32_mask)
+DS_DIFF_ISAS(uint64_t, 8, 3, _mm512_cmpneq_epi64_mask)
+/* AVX-512 with VBMI2 (16-bit elements): each block's changes are compressed into place (vpcompressw for the
+   bits and for the lane numbers, which are widened to positions), with no branch per change: the outputs get
+   32 slots written per block (c + 32 <= cap keeps them inside) and c moves by the changes. Runs of 64 blocks
+   where few blocks change skip the unchanged ones (a predictable branch); where many do, every block goes
+   through the same instructions (a branch on it would be mispredicted about every other block). */
+#define DS_AVX512V __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt")))
+#define DS_VBMI2_BLOCK(SKIP)                                                                                  \
+    {                                                                                                         \
+        __m512i vo = _mm512_loadu_si512((const void *)(o + j)), vn = _mm512_loadu_si512((const void *)(n + j)); \
+        __mmask32 m = _mm512_cmpneq_epi16_mask(vo, vn);                                                       \
+        if (SKIP && !m) continue;                                                                             \
+        __m512i lanes = _mm512_maskz_compress_epi16(m, iota), base = _mm512_set1_epi64(j);                    \
+        _mm512_storeu_si512((void *)(nw + c), _mm512_maskz_compress_epi16(m, vn));                            \
+        _mm512_storeu_si512((void *)(od + c), _mm512_maskz_compress_epi16(m, vo));                            \
+        _mm512_storeu_si512((void *)(pos + c),                                                                \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_castsi512_si128(lanes))));    \
+        _mm512_storeu_si512((void *)(pos + c + 8),                                                            \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 1)))); \
+        _mm512_storeu_si512((void *)(pos + c + 16),                                                           \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 2)))); \
+        _mm512_storeu_si512((void *)(pos + c + 24),                                                           \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 3)))); \
+        if (advance) _mm512_mask_storeu_epi16((void *)(o + j), m, vn);                                        \
+        c += __builtin_popcount((unsigned)m);                                                                 \
+        hit += m != 0;                                                                                        \
+    }
+DS_AVX512V DS_UNUSED static int64_t ds_diff_vbmi2_2(uint16_t *o, const uint16_t *n, int64_t a, int64_t b,
+                                                   int64_t *pos, uint16_t *nw, uint16_t *od, int64_t cap,
+                                                   int advance, int64_t *next) {
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
+                                          14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int64_t c = 0, j = a, hit = 0;
+    int dense = 0;
+    while (j + 32 <= b && c + 32 <= cap) {
+        int64_t end = j + 64 * 32 < b ? j + 64 * 32 : b;
+        hit = 0;
+        if (dense) {
+            for (; j + 32 <= end && c + 32 <= cap; j += 32) DS_VBMI2_BLOCK(0)
+        } else {
+            for (; j + 32 <= end && c + 32 <= cap; j += 32) DS_VBMI2_BLOCK(1)
+        }
+        dense = hit >= 16; /* a quarter of this run's blocks changed: the next run takes every block */
+    }
+    DS_DIFF_SCALAR(uint16_t)
+    *next = j;
+    return c;
+}
+/* other widths: the plain AVX-512 loop */
+#define ds_diff_vbmi2_1 ds_diff_avx512_1
+#define ds_diff_vbmi2_4 ds_diff_avx512_4
+#define ds_diff_vbmi2_8 ds_diff_avx512_8
+/* the best ISA this CPU has: 2: AVX-512BW, 1: AVX2, 0: SSE2 (every x86-64 CPU) */
+DS_UNUSED static int ds_diff_isa(void) {
+    static int isa = -1;
+    if (isa < 0) {
+        __builtin_cpu_init();
+        isa = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                  ? (__builtin_cpu_supports("avx512vbmi2") ? 3 : 2)
+                  : __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return isa;
+}
+/* ds_diff_on_W: with a given ISA (at most the CPU's; tests run every one); ds_diff_W: with the best */
+#define DS_DIFF_DISPATCH(T, W)                                                                                \
+    DS_UNUSED static int64_t ds_diff_on_##W(int isa, T *o, const T *n, int64_t a, int64_t b, int64_t *pos,   \
+                                            T *nw, T *od, int64_t cap, int advance, int64_t *next) {          \
+        if (isa < 0 || isa > ds_diff_isa()) isa = ds_diff_isa();                                              \
+        if (isa == 3) return ds_diff_vbmi2_##W(o, n, a, b, pos, nw, od, cap, advance, next);                 \
+        return isa == 2 ? ds_diff_avx512_##W(o, n, a, b, pos, nw, od, cap, advance, next)                    \
+               : isa == 1 ? ds_diff_avx2_##W(o, n, a, b, pos, nw, od, cap, advance, next)                    \
+                          : ds_diff_sse2_##W(o, n, a, b, pos, nw, od, cap, advance, next);                   \
+    }                                                                                                         \
+    DS_UNUSED static int64_t ds_diff_##W(T *o, const T *n, int64_t a, int64_t b, int64_t *pos, T *nw, T *od,  \
+                                         int64_t cap, int advance, int64_t *next) {                           \
+        return ds_diff_on_##W(-1, o, n, a, b, pos, nw, od, cap, advance, next);                               \
+    }
+#else
+/* elsewhere: the same blocks, their element mask built by plain compares */
+#define DS_MASK_PLAIN(T, W)                                                                                   \
+    DS_UNUSED static inline uint64_t ds_mask_plain_##W(const T *o, const T *n) {                              \
+        uint64_t m = 0;                                                                                       \
+        for (int e = 0; e < 64 / W; e++) m |= (uint64_t)(o[e] != n[e]) << e;                                  \
+        return m;                                                                                             \
+    }
+DS_MASK_PLAIN(uint8_t, 1)
+DS_MASK_PLAIN(uint16_t, 2)
+DS_MASK_PLAIN(uint32_t, 4)
+DS_MASK_PLAIN(uint64_t, 8)
+DS_UNUSED static int ds_diff_isa(void) { return 0; }
+#define DS_DIFF_DISPATCH(T, W)                                                                                \
+    DS_DIFF_FN(ds_diff_##W, , T, W, 0, ds_mask_plain_##W(o + j, n + j))                                      \
+    DS_UNUSED static int64_t ds_diff_on_##W(int isa, T *o, const T *n, int64_t a, int64_t b, int64_t *pos,   \
+                                            T *nw, T *od, int64_t cap, int advance, int64_t *next) {          \
+        (void)isa;                                                                                            \
+        return ds_diff_##W(o, n, a, b, pos, nw, od, cap, advance, next);                                      \
+    }
+#endif
+DS_DIFF_DISPATCH(uint8_t, 1)
+DS_DIFF_DISPATCH(uint16_t, 2)
+DS_DIFF_DISPATCH(uint32_t, 4)
+DS_DIFF_DISPATCH(uint64_t, 8)
+
 #endif

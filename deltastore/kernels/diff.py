@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._diff import (  # noqa: F401 - the kernels of this module
-    all_zero, check_segments, copy_items, diff_items, drift_merge_rows, drift_merge_rows_in_place, gather_items,
+    all_zero, check_segments, compare_isa, compare_range, copy_items, diff_items, drift_merge_rows, drift_merge_rows_in_place, gather_items,
     mix_delta_segments, mix_full_items, scatter_items, take_stream, zero_flags)
 
 

@@ -65,8 +65,10 @@ class ObjectPlanner:
                     limit: int | None = None) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
-        For a delta ``mirror`` still holds the parent version; for a
-        differential (``base``: the drift) it holds this version. A tensor whose
+        For a delta ``mirror`` holds the parent version (or this one, when the
+        compare advanced it: the parent's tensor is then rebuilt for the codecs
+        that read it); for a differential (``base``: the drift) it holds this
+        version. A tensor whose
         sparse form would be larger than the whole tensor is added to
         ``whole`` instead (stored with the anchor codec once the mirror holds
         this version). A group of tensors that lie in one flat group of
@@ -91,8 +93,8 @@ class ObjectPlanner:
                 whole.append((name, index_of))
 
         def old_tensor(name: str) -> torch.Tensor:
-            if base is None:
-                return mirror.host_view(name)  # a view of the parent's bits: the codec only reads it
+            if base is None:  # the parent's bits: a view of the mirror (the codec only reads it), or rebuilt
+                return mirror.parent_view(name, diff) if diff is not None else mirror.host_view(name)
             # the anchor's tensor: the mirror (this version) with the anchor's bits where they differ
             since = base.get(name)
             return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
