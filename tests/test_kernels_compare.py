@@ -143,3 +143,33 @@ def test_diff_segments_matches_numpy_and_the_checksum(monkeypatch, width, hint):
         delta = (sparse_sum(int(keys[i]), pos, segments.to_bits(nb)) -
                  sparse_sum(int(keys[i]), pos, segments.to_bits(ob))) % 2**64
         assert int(fc.sums[i]) == delta
+
+
+@pytest.mark.parametrize("rate", [1, 3, 7])
+@pytest.mark.parametrize("width", [1, 2, 8])
+def test_sample_stream_keeps_the_sampled_positions_in_order(rate, width):
+    """The kernel behind a sampled drift: a stream held in parts of any lengths (some empty), rows straddling
+    parts, empty rows, positions at both ends of the int64 range: what ``drift.sampled`` keeps, row by row."""
+    from deltastore.drift import sampled
+
+    rng = np.random.default_rng(rate * 10 + width)
+    dt = UNSIGNED[width]
+    pos = np.concatenate([np.array([0, 1, 2**31 - 1, 2**31, 2**62], np.int64),
+                          np.sort(rng.integers(0, 2**40, 5000))])
+    old = rng.integers(0, np.iinfo(dt).max, pos.size, dtype=dt, endpoint=True)
+    new = old ^ dt(1)
+    cuts = [0, 0, 3, 1000, 1000, 2500, pos.size]
+    parts = [(pos[a:b].copy(), old[a:b].copy(), new[a:b].copy()) for a, b in zip(cuts, cuts[1:])]
+    bounds = np.array([0, 0, 4, 900, 2501, 2501, pos.size], np.int64)
+    at = [np.array([p[j].ctypes.data for p in parts], np.int64) for j in range(3)]
+    lens = np.array([p[0].size for p in parts], np.int64)
+    out = np.empty(pos.size + 1, np.int64), np.empty(pos.size + 1, dt), np.empty(pos.size + 1, dt)
+    ob = np.empty(bounds.size, np.int64)
+    kept = K.sample_stream(old[:0], *at, lens, bounds, rate, *out, ob)
+    m = sampled(pos, rate)
+    np.testing.assert_array_equal(out[0][:kept], pos[m])
+    np.testing.assert_array_equal(out[1][:kept], old[m])
+    np.testing.assert_array_equal(out[2][:kept], new[m])
+    np.testing.assert_array_equal(ob, np.concatenate([[0], np.cumsum(m)])[bounds])
+    with pytest.raises(ValueError):
+        K.sample_stream(old[:0], *at, lens, bounds, rate, out[0][:10], out[1], out[2], ob)

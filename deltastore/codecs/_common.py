@@ -92,11 +92,19 @@ def to_torch_bits(a: np.ndarray, spec: TensorSpec) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def zstd_compress(data: bytes, level: int = 1) -> bytes:
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
-
-
 _local = threading.local()
+
+
+def zstd_compress(data: bytes | memoryview | np.ndarray, level: int = 1) -> bytes:
+    """One zstd frame of ``data`` (its size declared) at ``level``, with this thread's context for that level
+    (a context is made once per thread, not per call)."""
+    ctxs = getattr(_local, "cctx", None)
+    if ctxs is None:
+        ctxs = _local.cctx = {}
+    c = ctxs.get(level)
+    if c is None:
+        c = ctxs[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c.compress(data)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptObjectError
+from ..kernels import ctx as K
 from ..kernels import ranks as R
 from . import _bits as B
 from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, np_bits, pack_meta,
@@ -222,7 +223,9 @@ def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
 #: whose change odds depend on the old exponent as bf16's do (positions cost 0.50-0.67x given it, on the traces)
 _MANTISSA = {**MANTISSA_BITS, torch.float8_e4m3fn: 3}
 
-_SAMPLE_ABOVE = 1 << 20  # larger tensors choose thresholds from every 16th element's class
+_SAMPLE_ABOVE = 1 << 16  # larger tensors choose thresholds from every 16th element's class (4096 or more)
+#: the 16-bit floats, encoded whole by one kernel call (the other dtypes: numpy around the kernels)
+_WHOLE_IN_C = (torch.bfloat16, torch.float16)
 
 
 class _Classes:
@@ -291,6 +294,10 @@ class CtxCodec(Codec):
         old = np_bits(u.old_tensor).reshape(-1)
         pos = u.positions.numpy().astype(np.int64, copy=False)
         new = np_bits(u.bits).reshape(-1)
+        if spec.dtype in _WHOLE_IN_C:  # bf16, fp16: the whole tensor in one kernel call (kernels/ctx.py)
+            header, streams = K.encode16(old, np.ascontiguousarray(pos), np.ascontiguousarray(new),
+                                         _MANTISSA[spec.dtype], self.buckets)
+            return header.tolist(), streams
         is_float = spec.dtype in _MANTISSA
         old_at = old[pos]
         mag_at = _magnitude(old_at, spec)
@@ -298,42 +305,18 @@ class CtxCodec(Codec):
         if is_float and self.buckets > 1 and pos.size:
             classes = _Classes(old, spec)
             hits = np.bincount((mag_at >> classes.shift).astype(np.int64), minlength=classes.n)
-            thresholds = choose_thresholds(np.maximum(classes.counts(), hits), hits, self.buckets, classes.shift)
+            thresholds = K.thresholds(np.maximum(classes.counts(), hits), hits, self.buckets, classes.shift)
         d = B.ordered(new, is_float) - B.ordered(old_at, is_float)  # wraps for 64-bit: still a bijection
         if thresholds:
             bucket_of, rank, sizes = R.bucket_ranks(old, pos, classes.mask, classes.shift,
                                                     classes.lut(thresholds), len(thresholds) + 1)
         else:
-            bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, [old.size]
-        header: list[int] = [len(thresholds) + 1, *thresholds]
-        seqs: list[_Seq] = []
-        for b in range(len(thresholds) + 1):
-            sel = np.flatnonzero(bucket_of == b) if thresholds else np.arange(pos.size)
-            if sel.size == 0:
-                header.append(0)
-                continue
-            encode_subset(rank[sel], int(sizes[b]), header, seqs)
-            db = d[sel]
-            a = _abs_steps(db)
-            big = np.flatnonzero(a >= np.uint64(2))
-            encode_subset(big, sel.size, header, seqs)
-            encode_subset(np.flatnonzero(db < 0), sel.size, header, seqs)
-            if big.size:
-                kind, _ = B.best_kind(a[big] - np.uint64(2))
-                header.append(kind.code())
-                seqs.append(_Seq(big.size, kind, a[big] - np.uint64(2)))
-        qs, ws, rs = [], [], []
-        for s in seqs:
-            assert s.values is not None
-            q, w, r = B.split(s.values, s.kind)
-            qs.append(q)
-            ws.append(w)
-            rs.append(r)
-        q = np.concatenate(qs) if qs else np.zeros(0, np.int64)
-        ustream = B.pack_unary(q[q >= 0])
-        rstream = B.pack_raw(np.concatenate(ws) if ws else np.zeros(0, np.int64),
-                             np.concatenate(rs) if rs else np.zeros(0, np.uint64))
-        header += [len(ustream), len(rstream)]
+            bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, np.array([old.size], np.int64)
+        # the subsets and magnitudes of every bucket, coded in one kernel call (kernels/ctx.py)
+        coded, ustream, rstream = K.code_tensor(np.ascontiguousarray(bucket_of, np.int64),
+                                                np.ascontiguousarray(rank, np.int64), d.astype(np.int64, copy=False),
+                                                np.asarray(sizes, np.int64))
+        header: list[int] = [len(thresholds) + 1, *thresholds, *coded.tolist(), len(ustream), len(rstream)]
         return header, ustream + rstream
 
     # -- decode --------------------------------------------------------------------------

@@ -684,3 +684,75 @@ def drift_merge_rows_in_place(like, lpos, p_bounds, pos, anchor, c_bounds, c_pos
         else:
             r = _in_place_w(ppb, nrows, <int64_t*>pp, pa, pcb, pcp, pco, pcn, pcl, nparts, pob, w)
     return r
+
+
+# --- drift sampling ------------------------------------------------------------------------------------------
+
+cdef int64_t _sample_stream(const int64_t* pos_at, const int64_t* old_at, const int64_t* new_at,
+                            const int64_t* lens, int64_t nparts, const int64_t* bounds, int64_t rows,
+                            int rate_log2, int64_t* out_pos, bits_t* out_old, bits_t* out_new,
+                            int64_t* out_bounds) noexcept nogil:
+    cdef int64_t k, e, q = 0, base = 0, c = 0, idx, p
+    cdef int shift = 64 - rate_log2
+    cdef const int64_t* pp
+    cdef const bits_t* po
+    cdef const bits_t* pn
+    out_bounds[0] = 0
+    for k in range(rows):
+        e = bounds[k]
+        while e < bounds[k + 1]:
+            while e - base >= lens[q]:
+                base += lens[q]
+                q += 1
+            pp = <const int64_t*><uintptr_t>pos_at[q]
+            po = <const bits_t*><uintptr_t>old_at[q]
+            pn = <const bits_t*><uintptr_t>new_at[q]
+            idx = e - base
+            p = pp[idx]
+            # branch-free: written always, kept (c moves) when the position's Fibonacci hash falls in the sample
+            out_pos[c] = p
+            out_old[c] = po[idx]
+            out_new[c] = pn[idx]
+            c += ((<uint64_t>p * <uint64_t>0x9E3779B97F4A7C15ULL) >> shift) == 0
+            e += 1
+        out_bounds[k + 1] = c
+    return c
+
+
+def sample_stream(like, pos_at, old_at, new_at, lens, bounds, int rate_log2, out_pos, out_old, out_new,
+                  out_bounds):
+    """The changes of a stream held in parts (``*_at``: each part's array addresses, ``lens`` their lengths;
+    row ``k`` is stream elements ``bounds[k] .. bounds[k + 1] - 1``) whose position the drift samples at
+    ``rate_log2`` >= 1 (the top ``rate_log2`` bits of ``position * 0x9E3779B97F4A7C15`` zero, as
+    ``deltastore.drift.sampled``), in order, and their row bounds; returns how many were kept. The outputs hold
+    one slot more than the stream."""
+    cdef int w = width_of(like)
+    cdef const int64_t* pp = <const int64_t*>arr(pos_at, 8, ADDRESS, False, "pos_at")
+    cdef const int64_t* po = <const int64_t*>arr(old_at, 8, ADDRESS, False, "old_at")
+    cdef const int64_t* pn = <const int64_t*>arr(new_at, 8, ADDRESS, False, "new_at")
+    cdef const int64_t* pl = <const int64_t*>arr(lens, 8, SIGNED, False, "lens")
+    cdef const int64_t* pb = <const int64_t*>arr(bounds, 8, SIGNED, False, "bounds")
+    cdef int64_t* op = <int64_t*>arr(out_pos, 8, SIGNED, True, "out_pos")
+    cdef char* oo = arr(out_old, w, ANY, True, "out_old")
+    cdef char* on = arr(out_new, w, ANY, True, "out_new")
+    cdef int64_t* ob = <int64_t*>arr(out_bounds, 8, SIGNED, True, "out_bounds")
+    cdef int64_t rows = size(bounds) - 1, nparts = size(lens), total = 0, i, r
+    if not 1 <= rate_log2 <= 63:
+        raise ValueError("sample_stream: rate_log2 must be in 1..63")
+    if size(pos_at) != nparts or size(old_at) != nparts or size(new_at) != nparts or rows < 0:
+        raise ValueError("sample_stream: part arrays of different lengths")
+    for i in range(nparts):
+        total += pl[i]
+    if pb[0] != 0 or pb[rows] != total or size(out_bounds) < rows + 1 or \
+            min(size(out_pos), size(out_old), size(out_new)) < total + 1:
+        raise ValueError("sample_stream: bounds or outputs do not fit the stream")
+    with nogil:
+        if w == 1:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint8_t*>oo, <uint8_t*>on, ob)
+        elif w == 2:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint16_t*>oo, <uint16_t*>on, ob)
+        elif w == 4:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint32_t*>oo, <uint32_t*>on, ob)
+        else:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint64_t*>oo, <uint64_t*>on, ob)
+    return r

@@ -388,8 +388,8 @@ DS_UNUSED static inline uint64_t ds_fold_mask(uint64_t m, int w) {
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DELTASTORE_NO_CLONES)
 #include <immintrin.h>
 #define DS_X86_DISPATCH 1
-#define DS_AVX512 __attribute__((target("avx512f,avx512bw,bmi")))
-#define DS_AVX2 __attribute__((target("avx2,bmi")))
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,bmi,popcnt")))
+#define DS_AVX2 __attribute__((target("avx2,bmi,popcnt")))
 /* AVX-512BW: one compare of the right width gives the element mask itself */
 #define DS_M512(F) (uint64_t)F(_mm512_loadu_si512((const void *)(o + j)), _mm512_loadu_si512((const void *)(n + j)))
 /* AVX2 / SSE2: equal-byte masks, inverted, folded to one bit per element */
@@ -515,5 +515,188 @@ DS_DIFF_DISPATCH(uint8_t, 1)
 DS_DIFF_DISPATCH(uint16_t, 2)
 DS_DIFF_DISPATCH(uint32_t, 4)
 DS_DIFF_DISPATCH(uint64_t, 8)
+
+/* --- ranks by 32-element blocks (16-bit elements: bf16, fp16) -------------------------------------------------
+   masks3: for the elements x[0..n) (n <= 32) whose magnitude (x & mask) is >= t1, t2, t3, one bit each (bit e:
+   element e; lanes at or past n are 0). ranks3b / select3b: ds_ranks3 / ds_select3 by whole blocks: a block's
+   three masks give every element's bucket (the masks set at it) and, by a popcount below it, its rank, so an
+   element costs a few instructions whatever the changes' density. The ISA is picked at the first call, as for
+   the compare. */
+#define DS_MASKS3_PLAIN                                                                                       \
+    {                                                                                                         \
+        uint32_t a1 = 0, a2 = 0, a3 = 0;                                                                      \
+        for (int e = 0; e < n; e++) {                                                                         \
+            int32_t m = (int32_t)(x[e] & (uint16_t)mask);                                                     \
+            a1 |= (uint32_t)(m >= t1) << e;                                                                   \
+            a2 |= (uint32_t)(m >= t2) << e;                                                                   \
+            a3 |= (uint32_t)(m >= t3) << e;                                                                   \
+        }                                                                                                     \
+        *m1 = a1;                                                                                             \
+        *m2 = a2;                                                                                             \
+        *m3 = a3;                                                                                             \
+    }
+DS_UNUSED static inline void ds_masks3_plain(const uint16_t *x, int n, int32_t mask, int32_t t1, int32_t t2,
+                                             int32_t t3, uint32_t *m1, uint32_t *m2, uint32_t *m3)
+    DS_MASKS3_PLAIN
+#ifdef DS_X86_DISPATCH
+/* AVX-512BW: a masked load (lanes past n are never read) and three unsigned compares into mask registers.
+   Thresholds above 0xFFFF cannot be met by a 16-bit magnitude: they give an empty mask. */
+DS_AVX512 DS_UNUSED static inline void ds_masks3_avx512(const uint16_t *x, int n, int32_t mask, int32_t t1,
+                                                        int32_t t2, int32_t t3, uint32_t *m1, uint32_t *m2,
+                                                        uint32_t *m3) {
+    __mmask32 valid = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1);
+    __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(valid, (const void *)x), _mm512_set1_epi16((short)mask));
+    *m1 = t1 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t1));
+    *m2 = t2 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t2));
+    *m3 = t3 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t3));
+}
+#endif
+
+#define DS_RANKS3B(NAME, ATTR, MASKS)                                                                         \
+    ATTR DS_UNUSED static void NAME(const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,   \
+                                    const int64_t *pos, int64_t i0, int64_t i1, int64_t start, int64_t stop,  \
+                                    int64_t g1, int64_t g2, int64_t g3, int64_t *rank, int64_t *bucket,       \
+                                    int64_t *gend) {                                                          \
+        int64_t cur = start, j = i0;                                                                          \
+        uint32_t m1, m2, m3;                                                                                  \
+        while (j < i1) {                                                                                      \
+            int64_t p = pos[j];                                                                               \
+            while (cur + 32 <= p) { /* whole blocks without a change: counted */                              \
+                MASKS(bits + cur, 32, mask, t1, t2, t3, &m1, &m2, &m3);                                       \
+                g1 += __builtin_popcount(m1);                                                                 \
+                g2 += __builtin_popcount(m2);                                                                 \
+                g3 += __builtin_popcount(m3);                                                                 \
+                cur += 32;                                                                                    \
+            }                                                                                                 \
+            int64_t end = cur + 32 < stop ? cur + 32 : stop;                                                  \
+            MASKS(bits + cur, (int)(end - cur), mask, t1, t2, t3, &m1, &m2, &m3);                             \
+            do { /* every change in this block */                                                            \
+                int e = (int)(p - cur);                                                                       \
+                uint32_t below = (uint32_t)((1ull << e) - 1);                                                 \
+                int64_t b = ((m1 >> e) & 1) + ((m2 >> e) & 1) + ((m3 >> e) & 1);                              \
+                /* G_k before p (G_0 = p, G_4 = 0): the rank in bucket b is G_b - G_(b+1), no branch on b */     \
+                int64_t G[5] = {p, g1 + __builtin_popcount(m1 & below), g2 + __builtin_popcount(m2 & below),  \
+                                g3 + __builtin_popcount(m3 & below), 0};                                      \
+                rank[j] = G[b] - G[b + 1];                                                                    \
+                bucket[j] = b;                                                                                \
+                j++;                                                                                          \
+            } while (j < i1 && (p = pos[j]) < end);                                                           \
+            g1 += __builtin_popcount(m1);                                                                     \
+            g2 += __builtin_popcount(m2);                                                                     \
+            g3 += __builtin_popcount(m3);                                                                     \
+            cur = end;                                                                                        \
+        }                                                                                                     \
+        if (!gend) return;                                                                                    \
+        for (; cur < stop; cur += 32) { /* on to the end: the totals */                                       \
+            MASKS(bits + cur, (int)(stop - cur < 32 ? stop - cur : 32), mask, t1, t2, t3, &m1, &m2, &m3);     \
+            g1 += __builtin_popcount(m1);                                                                     \
+            g2 += __builtin_popcount(m2);                                                                     \
+            g3 += __builtin_popcount(m3);                                                                     \
+        }                                                                                                     \
+        gend[0] = g1;                                                                                         \
+        gend[1] = g2;                                                                                         \
+        gend[2] = g3;                                                                                         \
+    }
+
+/* the bit of x holding its r-th set bit (r < popcount(x)) */
+DS_UNUSED static inline int ds_select_bit(uint32_t x, int64_t r) {
+    while (r-- > 0) x &= x - 1;
+    return ds_ctz64((uint64_t)x);
+}
+#ifdef DS_X86_DISPATCH
+__attribute__((target("bmi,bmi2"))) DS_UNUSED static inline int ds_select_bit_bmi2(uint32_t x, int64_t r) {
+    return ds_ctz64((uint64_t)_pdep_u32(1u << r, x));
+}
+#endif
+
+#define DS_SELECT3B(NAME, ATTR, MASKS, SELECT_BIT)                                                            \
+    ATTR DS_UNUSED static int64_t NAME(const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, \
+                                       int64_t start, int64_t stop, const int64_t *ranks, const int64_t *off,  \
+                                       const int64_t *lo, const int64_t *hi, int64_t g1, int64_t g2,           \
+                                       int64_t g3, int64_t base, int64_t *outpos, int64_t *src) {             \
+        int64_t ptr[4], want[4], remaining = 0, o = base, idx = start;                                        \
+        for (int b = 0; b < 4; b++) {                                                                         \
+            ptr[b] = lo[b];                                                                                   \
+            want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                           \
+            remaining += hi[b] - ptr[b];                                                                      \
+        }                                                                                                     \
+        uint32_t m1, m2, m3;                                                                                  \
+        int64_t at[32];                                                                                       \
+        while (remaining > 0 && idx < stop) {                                                                 \
+            int64_t end = idx + 32 < stop ? idx + 32 : stop;                                                  \
+            MASKS(bits + idx, (int)(end - idx), mask, t1, t2, t3, &m1, &m2, &m3);                             \
+            uint32_t valid = end - idx >= 32 ? 0xFFFFFFFFu : (uint32_t)((1u << (end - idx)) - 1);             \
+            uint32_t mb[4] = {valid & ~m1, m1 & ~m2, m2 & ~m3, m3};                                           \
+            /* bucket b's elements before this block: G_b - G_(b+1) (G_0: idx, G_4: 0) */                     \
+            int64_t before[4] = {idx - g1, g1 - g2, g2 - g3, g3};                                             \
+            int cnt[4] = {__builtin_popcount(mb[0]), __builtin_popcount(mb[1]), __builtin_popcount(mb[2]),    \
+                          __builtin_popcount(mb[3])};                                                         \
+            g1 += __builtin_popcount(m1);                                                                     \
+            g2 += __builtin_popcount(m2);                                                                     \
+            g3 += __builtin_popcount(m3);                                                                     \
+            /* most blocks hold no wanted rank: one test for the four buckets */                              \
+            if ((uint64_t)(want[0] - before[0]) >= (uint64_t)cnt[0] && (uint64_t)(want[1] - before[1]) >= (uint64_t)cnt[1] \
+                && (uint64_t)(want[2] - before[2]) >= (uint64_t)cnt[2]                                        \
+                && (uint64_t)(want[3] - before[3]) >= (uint64_t)cnt[3]) {                                     \
+                idx = end;                                                                                    \
+                continue;                                                                                     \
+            }                                                                                                 \
+            uint32_t found = 0;                                                                               \
+            for (int b = 0; b < 4; b++) {                                                                     \
+                while (want[b] >= before[b] && want[b] < before[b] + cnt[b]) { /* a rank below: never found */ \
+                    int e = SELECT_BIT(mb[b], want[b] - before[b]);                                           \
+                    found |= 1u << e;                                                                         \
+                    at[e] = off[b] + ptr[b];                                                                  \
+                    ptr[b]++;                                                                                 \
+                    remaining--;                                                                              \
+                    want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                   \
+                }                                                                                             \
+            }                                                                                                 \
+            while (found) { /* in position order */                                                           \
+                int e = ds_ctz64((uint64_t)found);                                                            \
+                outpos[o] = idx + e;                                                                          \
+                src[o] = at[e];                                                                               \
+                o++;                                                                                          \
+                found &= found - 1;                                                                           \
+            }                                                                                                 \
+            idx = end;                                                                                        \
+        }                                                                                                     \
+        return remaining;                                                                                     \
+    }
+
+DS_RANKS3B(ds_ranks3b_plain, , ds_masks3_plain)
+DS_SELECT3B(ds_select3b_plain, , ds_masks3_plain, ds_select_bit)
+#ifdef DS_X86_DISPATCH
+#define DS_AVX512B2 __attribute__((target("avx512f,avx512bw,bmi,bmi2,popcnt")))
+DS_RANKS3B(ds_ranks3b_avx512, DS_AVX512, ds_masks3_avx512)
+DS_SELECT3B(ds_select3b_avx512, DS_AVX512B2, ds_masks3_avx512, ds_select_bit_bmi2)
+#endif
+/* the best for this CPU (isa >= 0: at most that one, for tests; 0 is plain C) */
+DS_UNUSED static void ds_ranks3b_2(int isa, const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,
+                                   const int64_t *pos, int64_t i0, int64_t i1, int64_t start, int64_t stop,
+                                   int64_t g1, int64_t g2, int64_t g3, int64_t *rank, int64_t *bucket,
+                                   int64_t *gend) {
+#ifdef DS_X86_DISPATCH
+    if ((isa < 0 || isa >= 2) && ds_diff_isa() >= 2) {
+        ds_ranks3b_avx512(bits, mask, t1, t2, t3, pos, i0, i1, start, stop, g1, g2, g3, rank, bucket, gend);
+        return;
+    }
+#endif
+    (void)isa;
+    ds_ranks3b_plain(bits, mask, t1, t2, t3, pos, i0, i1, start, stop, g1, g2, g3, rank, bucket, gend);
+}
+DS_UNUSED static int64_t ds_select3b_2(int isa, const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2,
+                                       int32_t t3, int64_t start, int64_t stop, const int64_t *ranks,
+                                       const int64_t *off, const int64_t *lo, const int64_t *hi, int64_t g1,
+                                       int64_t g2, int64_t g3, int64_t base, int64_t *outpos, int64_t *src) {
+#ifdef DS_X86_DISPATCH
+    if ((isa < 0 || isa >= 2) && ds_diff_isa() >= 2)
+        return ds_select3b_avx512(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base,
+                                  outpos, src);
+#endif
+    (void)isa;
+    return ds_select3b_plain(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base, outpos,
+                             src);
+}
 
 #endif

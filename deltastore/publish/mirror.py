@@ -362,15 +362,21 @@ class Mirror:
         if not diff.advanced:
             self._write(diff, new=True)
 
-    def parent_view(self, name: str, diff: Diff) -> torch.Tensor:
-        """``name``'s bits before ``diff``: a view of the mirror while it holds them, else (the compare advanced
-        it) a host copy with the old bits put back at the changed positions."""
-        if not diff.advanced:
-            return self.host_view(name)
-        ch = diff.changes.get(name)
-        if ch is None or not ch.count:
-            return self.host_view(name)
-        return self.at_anchor(name, ch.positions, ch.old_bits)
+    def write_changes(self, diff: Diff, names: Sequence[str], *, new: bool) -> None:
+        """Write the new (``new``) or old bits of the changes of ``names`` only: an advanced compare's tensors
+        moved back to the parent while a codec reads them whole, then forward again (O(their changes))."""
+        chs = diff.changes
+        with torch.no_grad():
+            for name in names:
+                ch = chs.get(name)
+                if ch is None or not ch.count:
+                    continue
+                v = self._views[name]
+                if v.is_cpu:
+                    segments.scatter([v], ch.positions, np.array([0, ch.count], np.int64),
+                                     ch.new_bits if new else ch.old_bits)
+                else:
+                    v[ch.positions.to(v.device)] = (ch.new_bits if new else ch.old_bits).to(v.device)
 
     def revert(self, diff: Diff) -> None:
         """Write the changes' old bits back (undo :meth:`advance`)."""

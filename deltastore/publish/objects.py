@@ -62,13 +62,12 @@ class ObjectPlanner:
 
     def sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change] | Diff, mirror: Mirror,
                     index_of: dict[str, list[Part]], whole: Whole, base: Any = None,
-                    limit: int | None = None) -> list[Job]:
+                    limit: int | None = None, reads_parent: list[str] | None = None) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
-        For a delta ``mirror`` holds the parent version (or this one, when the
-        compare advanced it: the parent's tensor is then rebuilt for the codecs
-        that read it); for a differential (``base``: the drift) it holds this
-        version. A tensor whose
+        For a delta ``mirror`` holds the parent version (at least in the
+        tensors listed in ``reads_parent``, see below); for a differential
+        (``base``: the drift) it holds this version. A tensor whose
         sparse form would be larger than the whole tensor is added to
         ``whole`` instead (stored with the anchor codec once the mirror holds
         this version). A group of tensors that lie in one flat group of
@@ -76,7 +75,9 @@ class ObjectPlanner:
         drift) is handed to the codec as one :class:`UpdateBatch`
         (:meth:`Codec.encode_batch`) with the old tensors only of those whose
         encoding reads them, not as an :class:`Update` per tensor. ``limit``: the estimated bytes
-        of one object (default ``max_object_bytes``).
+        of one object (default ``max_object_bytes``). ``reads_parent``: where the names of the
+        tensors whose encoding reads the whole old tensor are added (for a delta whose compare
+        advanced the mirror, the caller moves those back to the parent while the jobs run).
         """
         diff = changes if isinstance(changes, Diff) else None
         counts = diff.counts() if diff is not None else {n: ch.count for n, ch in changes.items()}
@@ -93,8 +94,8 @@ class ObjectPlanner:
                 whole.append((name, index_of))
 
         def old_tensor(name: str) -> torch.Tensor:
-            if base is None:  # the parent's bits: a view of the mirror (the codec only reads it), or rebuilt
-                return mirror.parent_view(name, diff) if diff is not None else mirror.host_view(name)
+            if base is None:
+                return mirror.host_view(name)  # a view of the parent's bits: the codec only reads it
             # the anchor's tensor: the mirror (this version) with the anchor's bits where they differ
             since = base.get(name)
             return mirror.at_anchor(name, since.positions, since.anchor_bits) if since is not None \
@@ -103,6 +104,8 @@ class ObjectPlanner:
         def needs_old(name: str) -> bool:  # what the encoder reads for this tensor (auto: only some)
             return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
+        if reads_parent is not None:
+            reads_parent += [n for _, n in sparse if needs_old(n)]
         jobs: list[Job] = []
         # an object per compare buffer only where the copy it saves outweighs an object's fixed bytes
         breaks = diff.part_breaks() if diff is not None and diff.changed >= SPLIT_AT_BUFFERS_ABOVE else set()

@@ -95,9 +95,14 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
         diff_counts: dict[str, int] = {}
         whole: Whole = []  # tensors stored whole, and in which role
         jobs: list[Job] = []
-        if same_layout:  # against the parent's bits (rebuilt per tensor where the codec reads a whole one)
-            jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
+        reads_parent: list[str] = []
+        if same_layout:  # against the parent's bits
+            jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None, reads_parent=reads_parent)
+        if advanced and reads_parent:  # those tensors back to the parent while a codec reads them whole
+            mirror.write_changes(c.diff, reads_parent, new=False)
         objects = stages.uploader.run(jobs)
+        if advanced and reads_parent:
+            mirror.write_changes(c.diff, reads_parent, new=True)
         if c.diff is not None and not advanced:
             mirror.advance(c.diff)  # from here on the mirror holds this version
             advanced = True

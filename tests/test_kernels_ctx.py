@@ -1,0 +1,280 @@
+"""The ``ctx`` coding kernels (``kernels/ctx.py``) against the numpy formulation the format was written with:
+the same thresholds, header integers and bit streams, on edge cases (every subset mode, one- and multi-ulp
+steps, sign crossings, 64-bit wraps, changes at both ends, empty buckets) and on the real traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltastore.codecs import _bits as B
+from deltastore.codecs.base import TensorSpec, Update
+from deltastore.codecs.ctx import CtxCodec
+from deltastore.kernels import ctx as K
+
+
+# -- the numpy reference (the encoder as it was before the kernels) ---------------------------------------------
+def ref_entropy_bits(n, k):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
+        h = -(p * np.log2(np.where(p > 0, p, 1)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1)))
+    return n * h
+
+
+def ref_thresholds(cls_counts, cls_hits, max_buckets, shift):
+    nz = np.flatnonzero(cls_counts)
+    m = nz.size
+    if m <= 1 or max_buckets <= 1 or cls_hits.sum() == 0:
+        return []
+    C = np.concatenate(([0], np.cumsum(cls_counts[nz].astype(np.float64))))
+    Kc = np.concatenate(([0], np.cumsum(cls_hits[nz].astype(np.float64))))
+    cost = ref_entropy_bits(C[None, :] - C[:, None], Kc[None, :] - Kc[:, None]) + 64
+    cost[np.tril_indices(m + 1)] = np.inf
+    best = np.full((max_buckets + 1, m + 1), np.inf)
+    arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for g in range(1, max_buckets + 1):
+        tot = best[g - 1][:, None] + cost
+        arg[g] = np.argmin(tot, axis=0)
+        best[g] = tot[arg[g], np.arange(m + 1)]
+    g = int(np.argmin(best[1:, m])) + 1
+    cuts, j = [], m
+    while g > 0:
+        i = int(arg[g, j])
+        if i > 0:
+            cuts.append(i)
+        j, g = i, g - 1
+    return sorted(int(nz[i]) << shift for i in cuts)
+
+
+def ref_subset(s, n, header, seqs):
+    c = int(s.size)
+    header.append(c)
+    if c == 0:
+        return
+    if c == n:
+        header.append(0)
+        return
+    g = (np.diff(s, prepend=-1) - 1).astype(np.uint64)
+    kind, cost = B.best_kind(g)
+    mode, values = 1, g
+    if 2 * c > n:
+        mask = np.ones(n, dtype=bool)
+        mask[s] = False
+        comp = np.flatnonzero(mask)
+        gc = (np.diff(comp, prepend=-1) - 1).astype(np.uint64)
+        kc, cc = B.best_kind(gc)
+        if cc < cost:
+            mode, kind, cost, values = 2, kc, cc, gc
+    if n < cost:
+        mask = np.zeros(n, dtype=np.uint64)
+        mask[s] = 1
+        mode, kind, values = 3, B.Kind(B.FIXED, 1), mask
+    header.append(mode)
+    if mode in (1, 2):
+        header.append(kind.code())
+    seqs.append((values, kind))
+
+
+def ref_code(bucket, rank, d, sizes):
+    header, seqs = [], []
+    for b in range(len(sizes)):
+        sel = np.flatnonzero(bucket == b)
+        if sel.size == 0:
+            header.append(0)
+            continue
+        ref_subset(rank[sel], int(sizes[b]), header, seqs)
+        db = d[sel]
+        a = np.where(db < 0, -db, db).view(np.uint64)
+        big = np.flatnonzero(a >= np.uint64(2))
+        ref_subset(big, sel.size, header, seqs)
+        ref_subset(np.flatnonzero(db < 0), sel.size, header, seqs)
+        if big.size:
+            kind, _ = B.best_kind(a[big] - np.uint64(2))
+            header.append(kind.code())
+            seqs.append((a[big] - np.uint64(2), kind))
+    qs, ws, rs = [], [], []
+    for values, kind in seqs:
+        q, w, r = B.split(values, kind)
+        qs.append(q)
+        ws.append(w)
+        rs.append(r)
+    q = np.concatenate(qs) if qs else np.zeros(0, np.int64)
+    u = B.pack_unary(q[q >= 0])
+    r = B.pack_raw(np.concatenate(ws) if ws else np.zeros(0, np.int64),
+                   np.concatenate(rs) if rs else np.zeros(0, np.uint64))
+    return header, u, r
+
+
+def check_code(bucket, rank, d, sizes):
+    bucket, rank, d, sizes = (np.ascontiguousarray(x, np.int64) for x in (bucket, rank, d, sizes))
+    hdr, u, r = K.code_tensor(bucket, rank, d, sizes)
+    want = ref_code(bucket, rank, d, sizes)
+    assert hdr.tolist() == want[0]
+    assert u == want[1]
+    assert r == want[2]
+
+
+def random_changes(rng, nb, size, density, step_kind):
+    sizes = np.maximum(1, rng.integers(1, size, nb))
+    bucket, rank = [], []
+    for b, n in enumerate(sizes.tolist()):
+        k = int(min(n, rng.binomial(n, density)))
+        rank.append(np.sort(rng.choice(n, k, replace=False)))
+        bucket.append(np.full(k, b))
+    # interleave the buckets as positions would (any order of buckets, ranks increasing within each)
+    order = rng.permutation(sum(x.size for x in rank))
+    bucket = np.concatenate(bucket)[np.argsort(order, kind="stable")]
+    rank_sorted = np.zeros(bucket.size, np.int64)
+    for b in range(nb):
+        rank_sorted[bucket == b] = rank[b]
+    m = bucket.size
+    if step_kind == "ulp":
+        d = rng.choice([-1, 1], m)
+    elif step_kind == "mixed":
+        d = rng.choice([-3, -2, -1, 1, 1, 1, 2, 7, 300], m)
+    else:  # wide: steps of 64-bit elements, wrapping ones included
+        d = rng.integers(-2**62, 2**62, m)
+        d[::7] = np.iinfo(np.int64).min
+        d[1::11] = np.iinfo(np.int64).max
+        d[d == 0] = 5
+    return bucket, rank_sorted, d, sizes
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.4, 0.7, 0.97, 1.0])
+def test_code_tensor_matches_the_numpy_formulation(seed, density):
+    rng = np.random.default_rng(seed * 100 + int(density * 1000))
+    nb = int(rng.integers(1, 17))
+    step_kind = ["ulp", "mixed", "wide"][seed % 3]
+    check_code(*random_changes(rng, nb, int(rng.integers(2, 3000)), density, step_kind))
+
+
+def test_code_tensor_edge_cases():
+    check_code([], [], [], [10])                                   # nothing changed
+    check_code([0], [0], [1], [1])                                 # the whole one-element universe
+    check_code([0, 0], [0, 9], [-1, 1], [10])                      # both ends
+    check_code([1, 1], [0, 1], [2, -2], [5, 2])                    # an empty bucket, then a full one
+    check_code([0] * 6, list(range(6)), [1, -1, 2, -3, 1, -1], [7])  # all but one: a complement
+    with pytest.raises(ValueError):
+        K.code_tensor(*(np.array(x, np.int64) for x in ([0], [5], [1], [5])))  # rank outside its bucket
+    with pytest.raises(ValueError):
+        K.code_tensor(*(np.array(x, np.int64) for x in ([2], [0], [1], [5, 5])))  # bucket outside
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_thresholds_match_the_numpy_formulation(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    counts = rng.integers(0, 10**int(rng.integers(1, 8)), n) * (rng.random(n) < 0.5)
+    hits = np.minimum(counts, rng.integers(0, 1000, n) * (rng.random(n) < 0.5))
+    for buckets in (1, 2, 4, 16):
+        shift = int(rng.integers(0, 10))
+        assert K.thresholds(counts.astype(np.int64), hits.astype(np.int64), buckets, shift) == \
+            ref_thresholds(counts, hits, buckets, shift)
+
+
+def test_ctx_objects_are_unchanged_on_the_trace(trace):
+    """On real steps of every dtype the codec takes, the object the kernels write is the numpy formulation's."""
+    from deltastore.codecs import ctx as C
+
+    codec = CtxCodec()
+    ups = []
+    for name, (idx, new) in list(trace.changes(1).items())[:12]:  # against the base
+        old = trace.base[name].view(torch.int16).reshape(-1)
+        ups.append(Update(TensorSpec(name, torch.bfloat16, tuple(trace.base[name].shape)), new, idx, old[idx], old))
+    for u in ups:
+        spec, old, pos = u.spec, u.old_tensor.numpy(), u.positions.numpy()
+        classes = C._Classes(old, spec)
+        hits = np.bincount((C._magnitude(old[pos], spec) >> classes.shift).astype(np.int64), minlength=classes.n)
+        counts = np.maximum(classes.counts(), hits)
+        assert K.thresholds(counts, hits, 4, classes.shift) == ref_thresholds(counts, hits, 4, classes.shift)
+    data = codec.encode(ups)
+    assert data == codec.encode(ups)
+    got = codec.decode(data, [u.spec for u in ups], lambda n, p: next(u.old_tensor for u in ups if u.spec.name == n))
+    for u in ups:
+        assert torch.equal(got[u.spec.name].positions, u.positions)
+        assert torch.equal(got[u.spec.name].bits, u.bits)
+
+
+# -- ranks and select within four buckets, 16-bit elements by 32-element blocks -----------------------------------
+def ref_ranks3(bits, mask, cuts, pos):
+    mag = (bits.astype(np.int64) & mask)
+    b = (mag[:, None] >= np.array(cuts)[None, :]).sum(axis=1)
+    rank = np.array([int((b[:p] == b[p]).sum()) for p in pos.tolist()], np.int64)
+    return b[pos], rank, b
+
+
+@pytest.mark.parametrize("isa", [0, -1])  # plain C, and the best this CPU has
+@pytest.mark.parametrize("seed", range(8))
+def test_block_ranks_and_select_match_numpy(isa, seed):
+    from deltastore.kernels._ranks import _count3, _ranks3, _select3
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 700))
+    bits = rng.integers(0, 2**16, n, dtype=np.uint16)
+    bits[rng.random(n) < 0.1] = 0x7FC1  # a NaN payload: the largest magnitude
+    bits[rng.random(n) < 0.1] = 0x8000  # -0.0: magnitude 0
+    mask = 0x7FFF
+    cuts = sorted(rng.choice([1, 0x3C00, 0x3F80, 0x4000, 0x7F80, 0x8000], 3).tolist())
+    density = [0.01, 0.3, 1.0][seed % 3]
+    pos = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    if seed % 4 == 0:
+        pos = np.unique(np.concatenate([pos, [0, n - 1]])).astype(np.int64)  # both ends
+    want_b, want_r, all_b = ref_ranks3(bits, mask, cuts, pos)
+    # two chunks, the second starting inside a block: its counts before come from _count3
+    split = int(rng.integers(0, n + 1))
+    g = _count3(bits, 0, split, mask, *cuts)
+    cut = int(np.searchsorted(pos, split))
+    rank, bucket = np.full(pos.size, -1, np.int64), np.full(pos.size, -1, np.int64)
+    _ranks3(bits, mask, *cuts, pos, 0, cut, 0, split, 0, 0, 0, rank, bucket, isa)
+    _ranks3(bits, mask, *cuts, pos, cut, pos.size, split, n, *g, rank, bucket, isa)
+    np.testing.assert_array_equal(bucket, want_b)
+    np.testing.assert_array_equal(rank, want_r)
+    # select: the same positions back, in order, from the ranks per bucket
+    ranks = [want_r[want_b == b] for b in range(4)]
+    flat = np.concatenate(ranks).astype(np.int64)
+    off = np.concatenate([[0], np.cumsum([r.size for r in ranks])]).astype(np.int64)
+    outpos, src = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    left = _select3(bits, mask, *cuts, 0, n, flat, off[:-1].copy(), np.zeros(4, np.int64),
+                    np.array([r.size for r in ranks], np.int64), 0, 0, 0, 0, outpos, src, isa)
+    assert left == 0
+    np.testing.assert_array_equal(outpos, pos)
+    np.testing.assert_array_equal(flat[src], want_r)
+    # a rank past its bucket is never found
+    sizes = np.bincount(all_b, minlength=4)
+    bad = [np.append(r, sizes[b]) for b, r in enumerate(ranks)]
+    flat = np.concatenate(bad).astype(np.int64)
+    off = np.concatenate([[0], np.cumsum([r.size for r in bad])]).astype(np.int64)
+    outpos, src = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    left = _select3(bits, mask, *cuts, 0, n, flat, off[:-1].copy(), np.zeros(4, np.int64),
+                    np.array([r.size for r in bad], np.int64), 0, 0, 0, 0, outpos, src, isa)
+    assert left == 4
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 4, 7, 16])
+def test_whole_tensor_kernel_writes_the_objects_of_the_stepwise_path(monkeypatch, trace, buckets):
+    """bf16 and fp16 tensors go through one kernel call (``encode16``); the stepwise path (numpy around the
+    kernels tested above) writes the same bytes, on real steps and on edge cases (sign crossings, -0/+0, NaN
+    payloads, multi-ulp steps, changes at both ends, a tensor larger than 2**20 elements: sampled counts)."""
+    from deltastore.codecs import ctx as C
+
+    rng = np.random.default_rng(buckets)
+    ups = []
+    for name, (idx, new) in list(trace.changes(1).items())[:8]:
+        old = trace.base[name].view(torch.int16).reshape(-1)
+        ups.append(Update(TensorSpec(name, torch.bfloat16, tuple(trace.base[name].shape)), new, idx, old[idx], old))
+    for dtype, n in ((torch.float16, 5000), (torch.bfloat16, (1 << 20) + 77)):
+        old = (torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 0.05).to(dtype).view(torch.int16)
+        old[:5] = torch.tensor([0, -32768, 0x7FC1, -1, 0x7F80], dtype=torch.int16)
+        new = old.clone()
+        idx = torch.from_numpy(np.unique(np.concatenate([[0, 1, 2, 3, 4, n - 1], rng.choice(n, n // 50)])))
+        new[idx] = new[idx] + torch.from_numpy(rng.choice([-300, -2, -1, 1, 1, 1, 2, 5], idx.numel()).astype(np.int16))
+        new[idx[:2]] = new[idx[:2]] ^ torch.tensor(-32768, dtype=torch.int16)  # sign crossings
+        idx = torch.ne(old, new).nonzero().squeeze(1)
+        ups.append(Update(TensorSpec(f"x.{dtype}", dtype, (n,)), new[idx].clone(), idx, old[idx].clone(), old))
+    codec = CtxCodec(buckets=buckets)
+    whole = codec.encode(ups)
+    monkeypatch.setattr(C, "_WHOLE_IN_C", ())
+    assert codec.encode(ups) == whole
