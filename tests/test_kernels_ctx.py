@@ -278,3 +278,57 @@ def test_whole_tensor_kernel_writes_the_objects_of_the_stepwise_path(monkeypatch
     whole = codec.encode(ups)
     monkeypatch.setattr(C, "_WHOLE_IN_C", ())
     assert codec.encode(ups) == whole
+
+
+@pytest.mark.parametrize("buckets", [1, 4, 7])
+def test_whole_tensor_decoder_matches_the_stepwise_one_and_refuses_corrupt_streams(monkeypatch, trace, buckets):
+    """``decode16`` (bf16 / fp16 in one call) against the stepwise decoder on real steps and edge cases; then
+    every single-byte corruption of the streams, and truncations: a CorruptObjectError or a decode, never
+    anything else (out-of-bounds reads would show here under a sanitizer, and as crashes without one)."""
+    from deltastore.codecs import ctx as C
+    from deltastore.errors import CorruptObjectError
+
+    rng = np.random.default_rng(buckets)
+    ups = []
+    for name, (idx, new) in list(trace.changes(1).items())[:6]:
+        old = trace.base[name].view(torch.int16).reshape(-1)
+        ups.append(Update(TensorSpec(name, torch.bfloat16, tuple(trace.base[name].shape)), new, idx, old[idx], old))
+    n = 3000
+    old = (torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 0.05).to(torch.float16).view(torch.int16)
+    new = old.clone()
+    new[::3] += 1
+    new[1::97] -= 40
+    new[:3] = torch.tensor([-32768, 0x7C01, 1], dtype=torch.int16)  # -0, a NaN payload, a subnormal
+    new[-1] ^= torch.tensor(-32768, dtype=torch.int16)                 # a sign crossing at the end
+    idx = torch.ne(old, new).nonzero().squeeze(1)
+    ups.append(Update(TensorSpec("h.weight", torch.float16, (n,)), new[idx].clone(), idx, old[idx].clone(), old))
+    codec = CtxCodec(buckets=buckets)
+    data = codec.encode(ups)
+    specs = [u.spec for u in ups]
+    olds = {u.spec.name: u.old_tensor for u in ups}
+    got = codec.decode(data, specs, lambda nm, p: olds[nm])
+    with monkeypatch.context() as mp:
+        mp.setattr(C, "_WHOLE_IN_C", ())
+        want = codec.decode(data, specs, lambda nm, p: olds[nm])
+    for u in ups:
+        assert torch.equal(got[u.spec.name].positions, u.positions) and torch.equal(got[u.spec.name].bits, u.bits)
+        assert torch.equal(want[u.spec.name].bits, u.bits)
+    # corruptions of the last tensor's object (small: every byte of its streams)
+    small = codec.encode(ups[-1:])
+    from deltastore.codecs._common import pack_meta, u8, unpack_meta
+    tensors, meta = unpack_meta(small, "ctx")
+    streams = bytearray(tensors["streams"].numpy().tobytes())
+    extra = {k: v for k, v in meta.items() if not k.startswith("deltastore.codec")}
+    outcomes = set()
+    for i in range(len(streams)):
+        for flip in (0x01, 0x80, 0xFF):
+            bad = bytearray(streams)
+            bad[i] ^= flip
+            obj = pack_meta({**tensors, "streams": u8(bytes(bad))}, "ctx", "1.0", extra)
+            try:
+                out = codec.decode(obj, specs[-1:], lambda nm, p: olds[nm])
+                assert out["h.weight"].positions.numel() == out["h.weight"].bits.numel()
+                outcomes.add("decoded")
+            except CorruptObjectError:
+                outcomes.add("refused")
+    assert "refused" in outcomes

@@ -388,6 +388,9 @@ class CtxCodec(Codec):
             classes = _Classes(old, spec)
             if any(t & ((1 << classes.shift) - 1) for t in th.thresholds):
                 raise CorruptObjectError(f"ctx: {spec.name!r} has a threshold inside an exponent class")
+        if spec.dtype in _WHOLE_IN_C:  # bf16, fp16: decoded whole by one kernel call (kernels/ctx.py)
+            return self._decode16(spec, th, ustream, rstream, old)
+        if nb > 1:
             buckets = R.Buckets(old, classes.mask, classes.shift, classes.lut(th.thresholds), nb)
             sizes = buckets.sizes
         else:
@@ -441,6 +444,28 @@ class CtxCodec(Codec):
             pos, d = ranks[0], steps[0]
         bits = B.unordered(B.ordered(old[pos], is_float) + d, old.dtype, is_float)
         return Update(spec, to_torch_bits(bits, spec), torch.from_numpy(pos.astype(np.int64, copy=False)))
+
+    @staticmethod
+    def _decode16(spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes, old: np.ndarray) -> Update:
+        """:meth:`decode_tensor` of a bf16 / fp16 tensor by :func:`deltastore.kernels.ctx.decode16`."""
+        plan: list[int] = []
+        for bk in th.buckets:
+            if not bk.pos.count:
+                plan += [0, 0, 0, 0, 0, 0, 0, 0, 0, -1]
+                continue
+            assert bk.big is not None and bk.neg is not None
+            plan += [bk.pos.count, bk.pos.mode, bk.pos.kind.code(), bk.big.count, bk.big.mode, bk.big.kind.code(),
+                     bk.neg.count, bk.neg.mode, bk.neg.kind.code(), bk.mag.code() if bk.mag is not None else -1]
+        m = sum(bk.pos.count for bk in th.buckets)
+        if m > spec.numel:
+            raise CorruptObjectError(f"ctx: {spec.name!r}: {m} changes in {spec.numel} elements")
+        # a threshold past every magnitude (0x8000) is never met, however far past it is
+        cuts = np.array([min(t, 0x8000) for t in th.thresholds], np.int64)
+        status, pos, bits = K.decode16(np.ascontiguousarray(old), _MANTISSA[spec.dtype], cuts,
+                                       np.array(plan, np.int64), ustream, rstream, m)
+        if status:
+            raise CorruptObjectError(f"ctx: {spec.name!r}: {K.DECODE_ERRORS.get(status, status)}")
+        return Update(spec, torch.from_numpy(bits.view(np.int16)), torch.from_numpy(pos))
 
     @staticmethod
     def _read_streams(seqs: list[_Seq], ustream: bytes, rstream: bytes) -> list[np.ndarray]:

@@ -470,4 +470,259 @@ done:
     return status;
 }
 
+/* --- decoding ----------------------------------------------------------------------------------------------
+   A bit reader over one stream: MSB first, every read checked against the stream's end. */
+typedef struct {
+    const uint8_t *buf;
+    int64_t nbits; /* bits in the stream */
+    int64_t at;    /* bits read */
+} dsc_reader;
+
+/* width bits (0..64) into *v; 0 when the stream ends first */
+static inline int dsc_get(dsc_reader *r, int width, uint64_t *v) {
+    if (width < 0 || width > 64 || r->at + width > r->nbits) return 0;
+    uint64_t x = 0;
+    int64_t at = r->at;
+    int left = width;
+    while (left > 0) {
+        int off = (int)(at & 7), room = 8 - off;
+        int take = left < room ? left : room;
+        x = (take == 64 ? 0 : x << take) | ((uint64_t)(r->buf[at >> 3] >> (room - take)) & ((1u << take) - 1));
+        at += take;
+        left -= take;
+    }
+    r->at = at;
+    *v = x;
+    return 1;
+}
+
+/* the zeros before the next one bit, and past it; 0 when the stream ends first */
+static inline int dsc_get_unary(dsc_reader *r, uint64_t *q) {
+    int64_t at = r->at, start = at;
+    while (at < r->nbits) {
+        int off = (int)(at & 7);
+        uint8_t b = (uint8_t)(r->buf[at >> 3] << off);
+        if (b) {
+            at += __builtin_clz((unsigned)b) - 24;
+            if (at >= r->nbits) return 0;
+            *q = (uint64_t)(at - start);
+            r->at = at + 1;
+            return 1;
+        }
+        at += 8 - off;
+    }
+    return 0;
+}
+
+/* one value of kind code (k * 4 + kind): 0 on a short stream or a field wider than 64 bits */
+static inline int dsc_get_value(dsc_reader *U, dsc_reader *R, int kind, int k, uint64_t *v) {
+    uint64_t q, r;
+    if (kind == DSC_RICE) {
+        if (!dsc_get_unary(U, &q) || !dsc_get(R, k, &r)) return 0;
+        *v = (k >= 64 ? 0 : q << k) | r;
+        return 1;
+    }
+    if (kind == DSC_EG) {
+        if (!dsc_get_unary(U, &q)) return 0;
+        if (q > 64 || (int64_t)q + k > 64) return 0;
+        int L = (int)q + k;
+        if (!dsc_get(R, L, &r)) return 0;
+        *v = ((L >= 64 ? 0 : (uint64_t)1 << L) + r) - (k >= 64 ? 0 : (uint64_t)1 << k);
+        return 1;
+    }
+    return dsc_get(R, k, v);
+}
+
+enum {
+    DSC_OK = 0,
+    DSC_E_STREAM = 1,   /* a stream ends inside a value, or a field is wider than 64 bits */
+    DSC_E_UNIVERSE = 2, /* a subset member or gap beyond its universe, or a count above it */
+    DSC_E_COUNT = 3,    /* a subset decodes to another count than its header says */
+    DSC_E_RANKS = 4,    /* ranks beyond their buckets */
+    DSC_E_RANGE = 5,    /* a decoded value out of range for the dtype */
+    DSC_E_LENGTH = 6,   /* a stream longer than what it holds */
+    DSC_E_MEMORY = 7
+};
+
+/* a subset of [0, n) (count c, mode, kind code) read from the streams: its members, increasing, to out (room
+   for c); flags (when not NULL, n entries, zeroed by the caller) get a 1 at each member instead. */
+static int dsc_read_subset(dsc_reader *U, dsc_reader *R, int64_t c, int64_t mode, int64_t code, int64_t n,
+                           int64_t *out, uint8_t *flags) {
+    int kind = (int)(code & 3), k = (int)(code >> 2);
+    if (c < 0 || c > n) return DSC_E_UNIVERSE;
+    if (c == 0) return DSC_OK;
+    if (mode == DSC_NONE) {
+        if (c != n) return DSC_E_UNIVERSE;
+        for (int64_t i = 0; i < n; i++) {
+            if (flags) flags[i] = 1;
+            else out[i] = i;
+        }
+        return DSC_OK;
+    }
+    if (mode == DSC_BITMAP) {
+        int64_t got = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t bit;
+            if (!dsc_get(R, 1, &bit)) return DSC_E_STREAM;
+            if (bit) {
+                if (got == c) return DSC_E_COUNT;
+                if (flags) flags[i] = 1;
+                else out[got] = i;
+                got++;
+            }
+        }
+        return got == c ? DSC_OK : DSC_E_COUNT;
+    }
+    if (mode == DSC_DIRECT) {
+        int64_t prev = -1;
+        for (int64_t i = 0; i < c; i++) {
+            uint64_t g;
+            if (!dsc_get_value(U, R, kind, k, &g)) return DSC_E_STREAM;
+            if (g >= (uint64_t)n || prev + 1 + (int64_t)g >= n) return DSC_E_UNIVERSE;
+            prev += 1 + (int64_t)g;
+            if (flags) flags[prev] = 1;
+            else out[i] = prev;
+        }
+        return DSC_OK;
+    }
+    if (mode == DSC_COMPLEMENT) { /* the gaps of the n - c non-members */
+        int64_t prev = -1, got = 0;
+        for (int64_t i = 0; i < n - c; i++) {
+            uint64_t g;
+            if (!dsc_get_value(U, R, kind, k, &g)) return DSC_E_STREAM;
+            if (g >= (uint64_t)n || prev + 1 + (int64_t)g >= n) return DSC_E_UNIVERSE;
+            int64_t x = prev + 1 + (int64_t)g;
+            for (int64_t y = prev + 1; y < x; y++) { /* the members between two non-members */
+                if (got == c) return DSC_E_COUNT;
+                if (flags) flags[y] = 1;
+                else out[got] = y;
+                got++;
+            }
+            prev = x;
+        }
+        for (int64_t y = prev + 1; y < n; y++) {
+            if (got == c) return DSC_E_COUNT;
+            if (flags) flags[y] = 1;
+            else out[got] = y;
+            got++;
+        }
+        return got == c ? DSC_OK : DSC_E_COUNT;
+    }
+    return DSC_E_UNIVERSE;
+}
+
+/* One 16-bit float tensor decoded: old (n elements), shift (7 bf16, 10 fp16), thresholds th[0..nth), plan: per
+   bucket 10 integers (POS count, mode, kind; BIG count, mode, kind; NEG count, mode, kind; MAG kind or -1), the
+   U and R streams (their exact lengths). Writes the m = sum of POS counts changed positions (increasing) and
+   their new bits; returns a DSC_E_* status. */
+static int dsc_decode16(const uint16_t *old, int64_t n, int shift, int64_t nth, const int64_t *th,
+                        const int64_t *plan, const uint8_t *ubuf, int64_t ulen, const uint8_t *rbuf, int64_t rlen,
+                        int64_t m, int64_t *out_pos, uint16_t *out_bits) {
+    const int32_t mask = 0x7FFF;
+    int nb = (int)nth + 1, status = DSC_OK;
+    int64_t sizes[17], off[17];
+    dsc_reader U = {ubuf, ulen * 8, 0}, R = {rbuf, rlen * 8, 0};
+    int64_t *ranks = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * m + 1));
+    int64_t *d = ranks ? ranks + m : NULL;
+    int64_t *src = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m + 1));
+    uint8_t *flags = (uint8_t *)malloc((size_t)(2 * m + 2));
+    int64_t *lut = NULL;
+    if (!ranks || !src || !flags) { status = DSC_E_MEMORY; goto done; }
+    /* the buckets' sizes: one counting pass */
+    if (nth == 0) {
+        sizes[0] = n;
+    } else if (nb <= 4) {
+        int64_t t[3], g[3];
+        for (int k = 0; k < 3; k++) t[k] = k < nth ? th[k] : (int64_t)mask + 1;
+        ds_ranks3b_2(-1, old, mask, (int32_t)t[0], (int32_t)t[1], (int32_t)t[2], NULL, 0, 0, 0, n, 0, 0, 0, NULL,
+                     NULL, g);
+        int64_t G[5] = {n, g[0], g[1], g[2], 0};
+        for (int b = 0; b < nb; b++) sizes[b] = G[b] - G[b + 1];
+    } else {
+        int64_t nclass = ((int64_t)mask >> shift) + 1;
+        lut = (int64_t *)malloc(sizeof(int64_t) * (size_t)nclass);
+        if (!lut) { status = DSC_E_MEMORY; goto done; }
+        for (int64_t c = 0, b = 0; c < nclass; c++) {
+            while (b < nth && (c << shift) >= th[b]) b++;
+            lut[c] = b;
+        }
+        memset(sizes, 0, sizeof(sizes));
+        for (int64_t i = 0; i < n; i++) sizes[lut[(old[i] & mask) >> shift]]++;
+    }
+    /* every bucket's sequences, in header order: ranks (POS), then each change's step */
+    int64_t at = 0;
+    for (int b = 0; b < nb; b++) {
+        const int64_t *pl = plan + 10 * b;
+        int64_t c = pl[0];
+        off[b] = at;
+        if (c == 0) continue;
+        if (c > sizes[b] || at + c > m) { status = DSC_E_UNIVERSE; goto done; }
+        if ((status = dsc_read_subset(&U, &R, c, pl[1], pl[2], sizes[b], ranks + at, NULL))) goto done;
+        uint8_t *big = flags, *neg = flags + c;
+        memset(flags, 0, (size_t)(2 * c));
+        if ((status = dsc_read_subset(&U, &R, pl[3], pl[4], pl[5], c, NULL, big))) goto done;
+        if ((status = dsc_read_subset(&U, &R, pl[6], pl[7], pl[8], c, NULL, neg))) goto done;
+        for (int64_t i = 0; i < c; i++) {
+            uint64_t a = 1;
+            if (big[i]) {
+                if (pl[9] < 0 || !dsc_get_value(&U, &R, (int)(pl[9] & 3), (int)(pl[9] >> 2), &a)) {
+                    status = DSC_E_STREAM;
+                    goto done;
+                }
+                if (a > 65536) { status = DSC_E_RANGE; goto done; } /* past any 16-bit step */
+                a += 2;
+            }
+            d[at + i] = neg[i] ? -(int64_t)a : (int64_t)a;
+        }
+        at += c;
+    }
+    off[nb] = at;
+    if (at != m) { status = DSC_E_COUNT; goto done; }
+    if ((U.at + 7) / 8 != ulen || (R.at + 7) / 8 != rlen) { status = DSC_E_LENGTH; goto done; }
+    /* ranks to positions: one select pass (or the ranks are the positions) */
+    if (nth == 0) {
+        for (int64_t i = 0; i < m; i++) {
+            out_pos[i] = ranks[i];
+            src[i] = i;
+        }
+    } else if (nb <= 4) {
+        int64_t t[3], lo[4] = {0, 0, 0, 0}, hi[4], offs[4];
+        for (int k = 0; k < 3; k++) t[k] = k < nth ? th[k] : (int64_t)mask + 1;
+        for (int b = 0; b < 4; b++) {
+            offs[b] = b < nb ? off[b] : m;
+            hi[b] = b < nb ? off[b + 1] - off[b] : 0;
+        }
+        if (ds_select3b_2(-1, old, mask, (int32_t)t[0], (int32_t)t[1], (int32_t)t[2], 0, n, ranks, offs, lo, hi, 0,
+                          0, 0, 0, out_pos, src)) {
+            status = DSC_E_RANKS;
+            goto done;
+        }
+    } else {
+        int64_t ptr[17], running[17], o = 0;
+        memset(running, 0, sizeof(running));
+        for (int b = 0; b < nb; b++) ptr[b] = off[b];
+        for (int64_t i = 0; i < n && o < m; i++) {
+            int64_t b = lut[(old[i] & mask) >> shift];
+            if (ptr[b] < off[b + 1] && ranks[ptr[b]] == running[b]) {
+                out_pos[o] = i;
+                src[o++] = ptr[b]++;
+            }
+            running[b]++;
+        }
+        if (o != m) { status = DSC_E_RANKS; goto done; }
+    }
+    /* the new bits: the ordered old value plus the step, back to bits */
+    for (int64_t i = 0; i < m; i++) {
+        int64_t o = dsc_ordered16(old[out_pos[i]]) + d[src[i]];
+        if (o < -32768 || o > 32767) { status = DSC_E_RANGE; goto done; }
+        out_bits[i] = (uint16_t)(o < 0 ? ((~o) | 0x8000) : o);
+    }
+done:
+    free(ranks);
+    free(src);
+    free(flags);
+    free(lut);
+    return status;
+}
+
 #endif
