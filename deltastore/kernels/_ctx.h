@@ -478,21 +478,33 @@ typedef struct {
     int64_t at;    /* bits read */
 } dsc_reader;
 
+/* the 64 bits of the stream from bit `at` (zeros past its end), MSB first */
+static inline uint64_t dsc_window(const dsc_reader *r, int64_t at) {
+    int64_t byte = at >> 3, nbytes = (r->nbits + 7) >> 3;
+    uint64_t x = 0;
+    if (byte + 8 <= nbytes) {
+        memcpy(&x, r->buf + byte, 8);
+        x = __builtin_bswap64(x);
+    } else {
+        for (int64_t i = 0; i < 8; i++) x = (x << 8) | (byte + i < nbytes ? r->buf[byte + i] : 0);
+    }
+    int off = (int)(at & 7);
+    if (off) { /* the bits of the ninth byte that the shift brings in */
+        uint64_t nxt = byte + 8 < nbytes ? r->buf[byte + 8] : 0;
+        x = (x << off) | (nxt >> (8 - off));
+    }
+    return x;
+}
+
 /* width bits (0..64) into *v; 0 when the stream ends first */
 static inline int dsc_get(dsc_reader *r, int width, uint64_t *v) {
     if (width < 0 || width > 64 || r->at + width > r->nbits) return 0;
-    uint64_t x = 0;
-    int64_t at = r->at;
-    int left = width;
-    while (left > 0) {
-        int off = (int)(at & 7), room = 8 - off;
-        int take = left < room ? left : room;
-        x = (take == 64 ? 0 : x << take) | ((uint64_t)(r->buf[at >> 3] >> (room - take)) & ((1u << take) - 1));
-        at += take;
-        left -= take;
+    if (width == 0) {
+        *v = 0;
+        return 1;
     }
-    r->at = at;
-    *v = x;
+    *v = dsc_window(r, r->at) >> (64 - width);
+    r->at += width;
     return 1;
 }
 
@@ -500,16 +512,15 @@ static inline int dsc_get(dsc_reader *r, int width, uint64_t *v) {
 static inline int dsc_get_unary(dsc_reader *r, uint64_t *q) {
     int64_t at = r->at, start = at;
     while (at < r->nbits) {
-        int off = (int)(at & 7);
-        uint8_t b = (uint8_t)(r->buf[at >> 3] << off);
-        if (b) {
-            at += __builtin_clz((unsigned)b) - 24;
+        uint64_t x = dsc_window(r, at);
+        if (x) {
+            at += __builtin_clzll(x);
             if (at >= r->nbits) return 0;
             *q = (uint64_t)(at - start);
             r->at = at + 1;
             return 1;
         }
-        at += 8 - off;
+        at += 64;
     }
     return 0;
 }
@@ -692,11 +703,14 @@ static int dsc_decode16(const uint16_t *old, int64_t n, int shift, int64_t nth, 
             offs[b] = b < nb ? off[b] : m;
             hi[b] = b < nb ? off[b + 1] - off[b] : 0;
         }
+        int bad = 0;
         if (ds_select3b_2(-1, old, mask, (int32_t)t[0], (int32_t)t[1], (int32_t)t[2], 0, n, ranks, offs, lo, hi, 0,
-                          0, 0, 0, out_pos, src)) {
+                          0, 0, 0, out_pos, src, d, out_bits, &bad)) {
             status = DSC_E_RANKS;
             goto done;
         }
+        status = bad ? DSC_E_RANGE : DSC_OK; /* the new bits were made as each position was found */
+        goto done;
     } else {
         int64_t ptr[17], running[17], o = 0;
         memset(running, 0, sizeof(running));

@@ -58,7 +58,7 @@ cdef extern from "_simd.h":
     int64_t ds_select3b_2(int isa, const uint16_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,
                           int64_t start, int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo,
                           const int64_t* hi, int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
-                          int64_t* src) noexcept nogil
+                          int64_t* src, const int64_t* steps, uint16_t* newbits, int* bad) noexcept nogil
 
 
 cdef const char* _bits(object bits, int64_t mask, int* w) except NULL:
@@ -281,7 +281,7 @@ def _select3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t sta
     with nogil:  # the loops are _simd.h's ds_select3b_2 (16-bit) and ds_select3_*
         if w == 2:
             r = ds_select3b_2(isa, <const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start,
-                              stop, pr, po, pl, ph, g1, g2, g3, base, pp, ps)
+                              stop, pr, po, pl, ph, g1, g2, g3, base, pp, ps, NULL, NULL, NULL)
         elif w == 1:
             r = ds_select3_1(<const uint8_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start, stop,
                              pr, po, pl, ph, g1, g2, g3, base, pp, ps)

@@ -516,39 +516,46 @@ DS_DIFF_DISPATCH(uint16_t, 2)
 DS_DIFF_DISPATCH(uint32_t, 4)
 DS_DIFF_DISPATCH(uint64_t, 8)
 
-/* --- ranks by 32-element blocks (16-bit elements: bf16, fp16) -------------------------------------------------
-   masks3: for the elements x[0..n) (n <= 32) whose magnitude (x & mask) is >= t1, t2, t3, one bit each (bit e:
-   element e; lanes at or past n are 0). ranks3b / select3b: ds_ranks3 / ds_select3 by whole blocks: a block's
+/* --- ranks by 64-element blocks (16-bit elements: bf16, fp16) -------------------------------------------------
+   masks3: for the elements x[0..n) (n <= 64) whose magnitude (x & mask) is >= t1, t2, t3, one bit each (bit e:
+   element e; lanes at or past n are 0). ranks3b / select3b: ds_ranks3 / ds_select3 by whole blocks of 64: a block's
    three masks give every element's bucket (the masks set at it) and, by a popcount below it, its rank, so an
    element costs a few instructions whatever the changes' density. The ISA is picked at the first call, as for
    the compare. */
 #define DS_MASKS3_PLAIN                                                                                       \
     {                                                                                                         \
-        uint32_t a1 = 0, a2 = 0, a3 = 0;                                                                      \
+        uint64_t a1 = 0, a2 = 0, a3 = 0;                                                                      \
         for (int e = 0; e < n; e++) {                                                                         \
             int32_t m = (int32_t)(x[e] & (uint16_t)mask);                                                     \
-            a1 |= (uint32_t)(m >= t1) << e;                                                                   \
-            a2 |= (uint32_t)(m >= t2) << e;                                                                   \
-            a3 |= (uint32_t)(m >= t3) << e;                                                                   \
+            a1 |= (uint64_t)(m >= t1) << e;                                                                   \
+            a2 |= (uint64_t)(m >= t2) << e;                                                                   \
+            a3 |= (uint64_t)(m >= t3) << e;                                                                   \
         }                                                                                                     \
         *m1 = a1;                                                                                             \
         *m2 = a2;                                                                                             \
         *m3 = a3;                                                                                             \
     }
 DS_UNUSED static inline void ds_masks3_plain(const uint16_t *x, int n, int32_t mask, int32_t t1, int32_t t2,
-                                             int32_t t3, uint32_t *m1, uint32_t *m2, uint32_t *m3)
+                                             int32_t t3, uint64_t *m1, uint64_t *m2, uint64_t *m3)
     DS_MASKS3_PLAIN
 #ifdef DS_X86_DISPATCH
-/* AVX-512BW: a masked load (lanes past n are never read) and three unsigned compares into mask registers.
+/* AVX-512BW: masked loads (lanes past n are never read) and unsigned compares into mask registers.
    Thresholds above 0xFFFF cannot be met by a 16-bit magnitude: they give an empty mask. */
+DS_AVX512 DS_UNUSED static inline uint32_t ds_mask32_ge(__m512i v, __mmask32 valid, int32_t t) {
+    return t > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t));
+}
 DS_AVX512 DS_UNUSED static inline void ds_masks3_avx512(const uint16_t *x, int n, int32_t mask, int32_t t1,
-                                                        int32_t t2, int32_t t3, uint32_t *m1, uint32_t *m2,
-                                                        uint32_t *m3) {
-    __mmask32 valid = n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1);
-    __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(valid, (const void *)x), _mm512_set1_epi16((short)mask));
-    *m1 = t1 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t1));
-    *m2 = t2 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t2));
-    *m3 = t3 > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t3));
+                                                        int32_t t2, int32_t t3, uint64_t *m1, uint64_t *m2,
+                                                        uint64_t *m3) {
+    int n0 = n < 32 ? n : 32, n1 = n - n0;
+    __mmask32 v0 = n0 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n0) - 1);
+    __mmask32 v1 = n1 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n1) - 1);
+    __m512i k = _mm512_set1_epi16((short)mask);
+    __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi16(v0, (const void *)x), k);
+    __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi16(v1, (const void *)(x + 32)), k);
+    *m1 = ds_mask32_ge(a, v0, t1) | (uint64_t)ds_mask32_ge(b, v1, t1) << 32;
+    *m2 = ds_mask32_ge(a, v0, t2) | (uint64_t)ds_mask32_ge(b, v1, t2) << 32;
+    *m3 = ds_mask32_ge(a, v0, t3) | (uint64_t)ds_mask32_ge(b, v1, t3) << 32;
 }
 #endif
 
@@ -558,40 +565,40 @@ DS_AVX512 DS_UNUSED static inline void ds_masks3_avx512(const uint16_t *x, int n
                                     int64_t g1, int64_t g2, int64_t g3, int64_t *rank, int64_t *bucket,       \
                                     int64_t *gend) {                                                          \
         int64_t cur = start, j = i0;                                                                          \
-        uint32_t m1, m2, m3;                                                                                  \
+        uint64_t m1, m2, m3;                                                                                  \
         while (j < i1) {                                                                                      \
             int64_t p = pos[j];                                                                               \
-            while (cur + 32 <= p) { /* whole blocks without a change: counted */                              \
-                MASKS(bits + cur, 32, mask, t1, t2, t3, &m1, &m2, &m3);                                       \
-                g1 += __builtin_popcount(m1);                                                                 \
-                g2 += __builtin_popcount(m2);                                                                 \
-                g3 += __builtin_popcount(m3);                                                                 \
-                cur += 32;                                                                                    \
+            while (cur + 64 <= p) { /* whole blocks without a change: counted */                              \
+                MASKS(bits + cur, 64, mask, t1, t2, t3, &m1, &m2, &m3);                                       \
+                g1 += __builtin_popcountll(m1);                                                                 \
+                g2 += __builtin_popcountll(m2);                                                                 \
+                g3 += __builtin_popcountll(m3);                                                                 \
+                cur += 64;                                                                                    \
             }                                                                                                 \
-            int64_t end = cur + 32 < stop ? cur + 32 : stop;                                                  \
+            int64_t end = cur + 64 < stop ? cur + 64 : stop;                                                  \
             MASKS(bits + cur, (int)(end - cur), mask, t1, t2, t3, &m1, &m2, &m3);                             \
             do { /* every change in this block */                                                            \
                 int e = (int)(p - cur);                                                                       \
-                uint32_t below = (uint32_t)((1ull << e) - 1);                                                 \
+                uint64_t below = (1ull << e) - 1;                                                 \
                 int64_t b = ((m1 >> e) & 1) + ((m2 >> e) & 1) + ((m3 >> e) & 1);                              \
                 /* G_k before p (G_0 = p, G_4 = 0): the rank in bucket b is G_b - G_(b+1), no branch on b */     \
-                int64_t G[5] = {p, g1 + __builtin_popcount(m1 & below), g2 + __builtin_popcount(m2 & below),  \
-                                g3 + __builtin_popcount(m3 & below), 0};                                      \
+                int64_t G[5] = {p, g1 + __builtin_popcountll(m1 & below), g2 + __builtin_popcountll(m2 & below),  \
+                                g3 + __builtin_popcountll(m3 & below), 0};                                      \
                 rank[j] = G[b] - G[b + 1];                                                                    \
                 bucket[j] = b;                                                                                \
                 j++;                                                                                          \
             } while (j < i1 && (p = pos[j]) < end);                                                           \
-            g1 += __builtin_popcount(m1);                                                                     \
-            g2 += __builtin_popcount(m2);                                                                     \
-            g3 += __builtin_popcount(m3);                                                                     \
+            g1 += __builtin_popcountll(m1);                                                                     \
+            g2 += __builtin_popcountll(m2);                                                                     \
+            g3 += __builtin_popcountll(m3);                                                                     \
             cur = end;                                                                                        \
         }                                                                                                     \
         if (!gend) return;                                                                                    \
-        for (; cur < stop; cur += 32) { /* on to the end: the totals */                                       \
-            MASKS(bits + cur, (int)(stop - cur < 32 ? stop - cur : 32), mask, t1, t2, t3, &m1, &m2, &m3);     \
-            g1 += __builtin_popcount(m1);                                                                     \
-            g2 += __builtin_popcount(m2);                                                                     \
-            g3 += __builtin_popcount(m3);                                                                     \
+        for (; cur < stop; cur += 64) { /* on to the end: the totals */                                       \
+            MASKS(bits + cur, (int)(stop - cur < 64 ? stop - cur : 64), mask, t1, t2, t3, &m1, &m2, &m3);     \
+            g1 += __builtin_popcountll(m1);                                                                     \
+            g2 += __builtin_popcountll(m2);                                                                     \
+            g3 += __builtin_popcountll(m3);                                                                     \
         }                                                                                                     \
         gend[0] = g1;                                                                                         \
         gend[1] = g2;                                                                                         \
@@ -599,13 +606,13 @@ DS_AVX512 DS_UNUSED static inline void ds_masks3_avx512(const uint16_t *x, int n
     }
 
 /* the bit of x holding its r-th set bit (r < popcount(x)) */
-DS_UNUSED static inline int ds_select_bit(uint32_t x, int64_t r) {
+DS_UNUSED static inline int ds_select_bit(uint64_t x, int64_t r) {
     while (r-- > 0) x &= x - 1;
-    return ds_ctz64((uint64_t)x);
+    return ds_ctz64(x);
 }
 #ifdef DS_X86_DISPATCH
-__attribute__((target("bmi,bmi2"))) DS_UNUSED static inline int ds_select_bit_bmi2(uint32_t x, int64_t r) {
-    return ds_ctz64((uint64_t)_pdep_u32(1u << r, x));
+__attribute__((target("bmi,bmi2"))) DS_UNUSED static inline int ds_select_bit_bmi2(uint64_t x, int64_t r) {
+    return ds_ctz64((uint64_t)_pdep_u64(1ull << r, x));
 }
 #endif
 
@@ -613,49 +620,62 @@ __attribute__((target("bmi,bmi2"))) DS_UNUSED static inline int ds_select_bit_bm
     ATTR DS_UNUSED static int64_t NAME(const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, \
                                        int64_t start, int64_t stop, const int64_t *ranks, const int64_t *off,  \
                                        const int64_t *lo, const int64_t *hi, int64_t g1, int64_t g2,           \
-                                       int64_t g3, int64_t base, int64_t *outpos, int64_t *src) {             \
+                                       int64_t g3, int64_t base, int64_t *outpos, int64_t *src,                \
+                                       const int64_t *steps, uint16_t *newbits, int *bad) {                    \
         int64_t ptr[4], want[4], remaining = 0, o = base, idx = start;                                        \
         for (int b = 0; b < 4; b++) {                                                                         \
             ptr[b] = lo[b];                                                                                   \
             want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                           \
             remaining += hi[b] - ptr[b];                                                                      \
         }                                                                                                     \
-        uint32_t m1, m2, m3;                                                                                  \
-        int64_t at[32];                                                                                       \
+        uint64_t m1, m2, m3;                                                                                  \
+        int64_t at[64];                                                                                       \
         while (remaining > 0 && idx < stop) {                                                                 \
-            int64_t end = idx + 32 < stop ? idx + 32 : stop;                                                  \
-            MASKS(bits + idx, (int)(end - idx), mask, t1, t2, t3, &m1, &m2, &m3);                             \
-            uint32_t valid = end - idx >= 32 ? 0xFFFFFFFFu : (uint32_t)((1u << (end - idx)) - 1);             \
-            uint32_t mb[4] = {valid & ~m1, m1 & ~m2, m2 & ~m3, m3};                                           \
+            int64_t end = idx + 64 < stop ? idx + 64 : stop;                                                  \
+            int len = (int)(end - idx);                                                                       \
+            MASKS(bits + idx, len, mask, t1, t2, t3, &m1, &m2, &m3);                                          \
+            /* thresholds do not decrease, so m3 is within m2 within m1: the buckets' counts need three popcounts */ \
+            int p1 = __builtin_popcountll(m1), p2 = __builtin_popcountll(m2), p3 = __builtin_popcountll(m3);        \
+            int64_t cnt[4] = {len - p1, p1 - p2, p2 - p3, p3};                                                \
             /* bucket b's elements before this block: G_b - G_(b+1) (G_0: idx, G_4: 0) */                     \
             int64_t before[4] = {idx - g1, g1 - g2, g2 - g3, g3};                                             \
-            int cnt[4] = {__builtin_popcount(mb[0]), __builtin_popcount(mb[1]), __builtin_popcount(mb[2]),    \
-                          __builtin_popcount(mb[3])};                                                         \
-            g1 += __builtin_popcount(m1);                                                                     \
-            g2 += __builtin_popcount(m2);                                                                     \
-            g3 += __builtin_popcount(m3);                                                                     \
-            /* most blocks hold no wanted rank: one test for the four buckets */                              \
-            if ((uint64_t)(want[0] - before[0]) >= (uint64_t)cnt[0] && (uint64_t)(want[1] - before[1]) >= (uint64_t)cnt[1] \
-                && (uint64_t)(want[2] - before[2]) >= (uint64_t)cnt[2]                                        \
-                && (uint64_t)(want[3] - before[3]) >= (uint64_t)cnt[3]) {                                     \
+            g1 += p1;                                                                                         \
+            g2 += p2;                                                                                         \
+            g3 += p3;                                                                                         \
+            /* the buckets with a wanted rank in this block (none left: -1, a rank below: huge unsigned) */   \
+            uint32_t hit = (uint32_t)((uint64_t)(want[0] - before[0]) < (uint64_t)cnt[0])                     \
+                           | (uint32_t)((uint64_t)(want[1] - before[1]) < (uint64_t)cnt[1]) << 1              \
+                           | (uint32_t)((uint64_t)(want[2] - before[2]) < (uint64_t)cnt[2]) << 2              \
+                           | (uint32_t)((uint64_t)(want[3] - before[3]) < (uint64_t)cnt[3]) << 3;             \
+            if (!hit) {                                                                                       \
                 idx = end;                                                                                    \
                 continue;                                                                                     \
             }                                                                                                 \
-            uint32_t found = 0;                                                                               \
-            for (int b = 0; b < 4; b++) {                                                                     \
-                while (want[b] >= before[b] && want[b] < before[b] + cnt[b]) { /* a rank below: never found */ \
+            uint64_t valid = len >= 64 ? ~0ull : (1ull << len) - 1;                           \
+            uint64_t mb[4] = {valid & ~m1, m1 & ~m2, m2 & ~m3, m3};                                           \
+            uint64_t found = 0;                                                                               \
+            while (hit) {                                                                                     \
+                int b = ds_ctz64((uint64_t)hit);                                                              \
+                hit &= hit - 1;                                                                               \
+                do {                                                                                          \
                     int e = SELECT_BIT(mb[b], want[b] - before[b]);                                           \
-                    found |= 1u << e;                                                                         \
+                    found |= 1ull << e;                                                                         \
                     at[e] = off[b] + ptr[b];                                                                  \
                     ptr[b]++;                                                                                 \
                     remaining--;                                                                              \
                     want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                   \
-                }                                                                                             \
+                } while ((uint64_t)(want[b] - before[b]) < (uint64_t)cnt[b]);                                 \
             }                                                                                                 \
             while (found) { /* in position order */                                                           \
-                int e = ds_ctz64((uint64_t)found);                                                            \
+                int e = ds_ctz64(found);                                                            \
                 outpos[o] = idx + e;                                                                          \
                 src[o] = at[e];                                                                               \
+                if (steps) { /* the element's new bits: its ordered value plus its step (a 16-bit float) */   \
+                    int64_t x = (int16_t)bits[idx + e], mag = x & 0x7FFF;                                     \
+                    int64_t v = (x < 0 ? ~mag : mag) + steps[at[e]];                                          \
+                    *bad |= v < -32768 || v > 32767;                                                          \
+                    newbits[o] = (uint16_t)(v < 0 ? ((~v) | 0x8000) : v);                                     \
+                }                                                                                             \
                 o++;                                                                                          \
                 found &= found - 1;                                                                           \
             }                                                                                                 \
@@ -685,18 +705,21 @@ DS_UNUSED static void ds_ranks3b_2(int isa, const uint16_t *bits, int32_t mask, 
     (void)isa;
     ds_ranks3b_plain(bits, mask, t1, t2, t3, pos, i0, i1, start, stop, g1, g2, g3, rank, bucket, gend);
 }
+/* steps / newbits / bad (NULL for none): the new bits of each found element, its step (indexed like ranks)
+   added to its ordered value as a 16-bit float; *bad set when one leaves the dtype's range */
 DS_UNUSED static int64_t ds_select3b_2(int isa, const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2,
                                        int32_t t3, int64_t start, int64_t stop, const int64_t *ranks,
                                        const int64_t *off, const int64_t *lo, const int64_t *hi, int64_t g1,
-                                       int64_t g2, int64_t g3, int64_t base, int64_t *outpos, int64_t *src) {
+                                       int64_t g2, int64_t g3, int64_t base, int64_t *outpos, int64_t *src,
+                                       const int64_t *steps, uint16_t *newbits, int *bad) {
 #ifdef DS_X86_DISPATCH
     if ((isa < 0 || isa >= 2) && ds_diff_isa() >= 2)
         return ds_select3b_avx512(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base,
-                                  outpos, src);
+                                  outpos, src, steps, newbits, bad);
 #endif
     (void)isa;
     return ds_select3b_plain(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base, outpos,
-                             src);
+                             src, steps, newbits, bad);
 }
 
 #endif
