@@ -332,3 +332,100 @@ def test_whole_tensor_decoder_matches_the_stepwise_one_and_refuses_corrupt_strea
             except CorruptObjectError:
                 outcomes.add("refused")
     assert "refused" in outcomes
+
+
+class _Receiver:
+    """An ``old`` that offers its tensors to be written in place, as the Subscriber does."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.offered = None
+
+    def __call__(self, name, positions):
+        t = self.tensors[name]
+        return t if positions is None else t[positions]
+
+    def in_place(self, names, bounds):
+        from deltastore.checksum import tensor_key
+        from deltastore.codecs.base import InPlace
+
+        ts = [self.tensors[n] for n in names]
+        self.offered = InPlace(np.array([t.data_ptr() for t in ts], np.int64), np.array([t.numel() for t in ts]),
+                               np.dtype(np.int16), np.zeros(len(ts), np.bool_),
+                               np.array([tensor_key(n) for n in names], np.uint64), np.zeros(len(ts), np.uint64))
+        return self.offered
+
+
+def test_ctx_decodes_into_the_receivers_tensors_and_undoes(trace):
+    """Offered the target, ``decode_batch`` writes each bf16 tensor in place (whole, once decoded), notes its
+    checksum change and sets an undo; a corrupt tensor later in the object raises with the earlier ones done,
+    and the undo puts their bits back."""
+    from deltastore.checksum import full_checksum
+    from deltastore.codecs.base import WrittenBatch
+    from deltastore.codecs._common import pack_meta, u8, unpack_meta
+    from deltastore.errors import CorruptObjectError
+
+    ups, news = [], {}
+    for name, (idx, new) in list(trace.changes(1).items())[:4]:
+        old = trace.base[name].view(torch.int16).reshape(-1)
+        ups.append(Update(TensorSpec(name, torch.bfloat16, (old.numel(),)), new, idx, old[idx], old))
+        full = old.clone()
+        full[idx] = new
+        news[name] = full
+    codec = CtxCodec()
+    data = codec.encode(ups)
+    target = {u.spec.name: u.old_tensor.clone() for u in ups}
+    rx = _Receiver(target)
+    out = codec.decode_batch(data, [u.spec for u in ups], rx)
+    assert len(out) == 1 and isinstance(out[0], WrittenBatch) and bool(rx.offered.done.all())
+    for i, s in enumerate(out[0].specs):
+        assert torch.equal(target[s.name], news[s.name])
+        before = full_checksum(s.name, next(u.old_tensor for u in ups if u.spec.name == s.name))
+        assert (before + int(rx.offered.sums[i])) % 2**64 == full_checksum(s.name, news[s.name])
+    rx.offered.undo()
+    assert all(torch.equal(target[u.spec.name], u.old_tensor) for u in ups)
+    # the last tensor's streams cut short: the earlier ones are written, then the error; the undo restores them
+    tensors, meta = unpack_meta(data, "ctx")
+    streams = tensors["streams"].numpy().tobytes()
+    extra = {k: v for k, v in meta.items() if not k.startswith("deltastore.codec")}
+    hdr = codec._header_ints(tensors["header"].numpy().tobytes())
+    hdr[-1] += 1  # the last tensor's R stream one byte longer than it holds
+    from deltastore.codecs import _bits as B
+    bad = pack_meta({"header": u8(B.uvarint_encode(np.array(hdr, np.uint64))), "streams": u8(streams + b"\0")},
+                    "ctx", "1.0", extra)
+    target = {u.spec.name: u.old_tensor.clone() for u in ups}
+    rx = _Receiver(target)
+    with pytest.raises(CorruptObjectError):
+        codec.decode_batch(bad, [u.spec for u in ups], rx)
+    assert bool(rx.offered.done[:-1].all()) and not bool(rx.offered.done[-1])
+    last = sorted(u.spec.name for u in ups)[-1]
+    assert torch.equal(target[last], next(u.old_tensor for u in ups if u.spec.name == last))  # untouched
+    rx.offered.undo()
+    assert all(torch.equal(target[u.spec.name], u.old_tensor) for u in ups)
+
+
+def test_a_follower_pulls_ctx_deltas_in_place(monkeypatch, tmp_path, trace):
+    """End to end: ``auto`` bytes first (every tensor ``ctx``), a follower one delta behind: the ctx part is
+    written into its tensors in place, every version bit-exact."""
+    import deltastore as ds
+    from deltastore.codecs import ctx as C
+
+    calls = []
+    real = C.CtxCodec._write_in_place
+    monkeypatch.setattr(C.CtxCodec, "_write_in_place", lambda self, jobs, target: calls.append(len(jobs)) or
+                        real(self, jobs, target))
+    state = {n: t.clone() for n, t in list(trace.base.items())[:6]}
+    pub = ds.Publisher(str(tmp_path), codec={"id": "auto", "config": {"link_mbps": None}}, anchor_every=100)
+    sub = ds.Subscriber(str(tmp_path))
+    pub.publish(state, step=0)
+    target = sub.pull(step=0).state
+    for step in (1, 2, 3):
+        for n, (idx, new) in trace.changes(step).items():
+            if n in state:
+                state[n].view(torch.int16).reshape(-1)[idx] = new
+        pub.publish(state, step=step)
+        sub.pull(target, step=step)
+        assert all(torch.equal(target[n].view(torch.int16), state[n].view(torch.int16)) for n in state)
+    assert calls, "the ctx part was not written in place"
+    pub.close()
+    sub.close()

@@ -45,8 +45,8 @@ from ..errors import CorruptObjectError, UnsupportedFormatError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import pack_meta, u8, unpack_frames
-from .base import (Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, copy_specs, decode_batched,
-                   encode_batched)
+from .base import (Codec, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, batches_by_dtype, copy_specs,
+                   decode_batched, encode_batched)
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
@@ -191,24 +191,24 @@ class AutoCodec(Codec):
         return self._decode(data, specs, old, batched=False)[1]
 
     def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
-                     ) -> list[UpdateBatch]:
+                     ) -> list[UpdateBatch | WrittenBatch]:
         batches, loose = self._decode(data, specs, old, batched=True)
         return batches + batches_by_dtype(list(loose.values()))
 
     def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, batched: bool
-                ) -> tuple[list[UpdateBatch], dict[str, Update]]:
-        """The ``ulp`` part as batches when ``batched``, everything else as updates by name."""
+                ) -> tuple[list[UpdateBatch | WrittenBatch], dict[str, Update]]:
+        """The ``ulp`` and ``ctx`` parts as batches when ``batched``, everything else as updates by name."""
         raw, meta = unpack_frames(data, self.codec_id)
         by_codec = _parts_of(meta, specs)
         if set(raw) != {f"part.{c}" for c in by_codec}:
             raise CorruptObjectError(f"auto: object parts {sorted(raw)} do not match its choice map")
         out: dict[str, Update] = {}
-        batches: list[UpdateBatch] = []
+        batches: list[UpdateBatch | WrittenBatch] = []
         for cid, sp in by_codec.items():
             if cid != "zstd" and old is None:
                 raise ValueError("auto decoding needs the receiver's old tensors")
             part = raw[f"part.{cid}"]
-            if batched and cid == "ulp":
+            if batched and cid in ("ulp", "ctx"):  # as batches (written in place where the receiver lets them)
                 batches += decode_batched(self._codecs[cid], part, sp, old)
                 continue
             decoded = self._codecs[cid].decode(part, sp, old)

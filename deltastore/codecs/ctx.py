@@ -17,6 +17,7 @@ decoder calls ``old(name, None)``. The encoder reads ``Update.old_tensor``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checksum import sparse_sum
 from ..errors import CorruptObjectError
 from ..kernels import ctx as K
 from ..kernels import ranks as R
 from . import _bits as B
 from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, np_bits, pack_meta,
                       parallel_map, sorted_updates, to_torch_bits, u8, unpack_frames)
-from .base import Codec, OldBits, TensorSpec, Update
+from .base import Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, write_in_place
 
 _BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
 
@@ -323,6 +325,66 @@ class CtxCodec(Codec):
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         if old is None:
             raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
+        jobs = self._parse(data, specs)
+
+        def run(job: tuple[TensorSpec, _TensorHeader, bytes, bytes]) -> Update:
+            spec = job[0]
+            o = old(spec.name, None)
+            if o.numel() != spec.numel:
+                raise CorruptObjectError(f"ctx: old tensor {spec.name!r} has {o.numel()} elements, "
+                                         f"expected {spec.numel}")
+            return self.decode_tensor(spec, job[1], job[2], job[3], np_bits(o).reshape(-1))
+
+        return {u.spec.name: u for u in parallel_map(run, jobs)}
+
+    def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                     ) -> list[UpdateBatch | WrittenBatch]:
+        """:meth:`decode` as batches; where the receiver offers its tensors to be written in place
+        (:func:`~deltastore.codecs.base.write_in_place`) and every tensor of the object is bf16 or fp16 of
+        one element width, each tensor is decoded and written into the target in one kernel call (the new
+        bits only once the whole tensor decoded), its checksum change noted: a :class:`WrittenBatch`."""
+        if old is None:
+            raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
+        jobs = self._parse(data, specs)
+        if jobs and all(j[0].dtype in _WHOLE_IN_C and j[0].bits_dtype == jobs[0][0].bits_dtype for j in jobs):
+            counts = np.array([sum(bk.pos.count for bk in th.buckets) for _, th, _, _ in jobs], np.int64)
+            bounds = np.zeros(len(jobs) + 1, np.int64)
+            np.cumsum(counts, out=bounds[1:])
+            ordered = [j[0] for j in jobs]
+            target = write_in_place(old, [s.name for s in ordered], bounds)
+            if target is not None:
+                self._write_in_place(jobs, target)
+                return [WrittenBatch(ordered, bounds, target)]
+        return Codec.decode_batch(self, data, specs, old)
+
+    def _write_in_place(self, jobs: list[tuple[TensorSpec, _TensorHeader, bytes, bytes]], target: InPlace) -> None:
+        """Every tensor of ``jobs`` decoded into ``target`` (tensor ``i`` at ``target.pointers[i]``): the undo
+        is set first; a tensor is written whole once decoded, then marked done with its checksum change."""
+        undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (target view, positions, old bits)
+
+        def put_back() -> None:
+            for view, pos, before in reversed(undo):
+                view[pos] = before
+
+        target.undo = put_back
+        for i, (spec, th, ustream, rstream) in enumerate(jobs):
+            n = int(target.lengths[i])
+            if n != spec.numel:
+                raise CorruptObjectError(f"ctx: target tensor {spec.name!r} has {n} elements, expected {spec.numel}")
+            view = np.ctypeslib.as_array(ctypes.cast(int(target.pointers[i]), ctypes.POINTER(ctypes.c_uint16)),
+                                         shape=(n,))
+            pos, bits, before = self._decode16(spec, th, ustream, rstream, view, write=True)
+            undo.append((view, pos, before))
+            if pos.size:
+                key = int(target.keys[i])
+                p = torch.from_numpy(pos)
+                delta = sparse_sum(key, p, torch.from_numpy(bits.view(np.int16))) - \
+                    sparse_sum(key, p, torch.from_numpy(before.view(np.int16)))
+                target.sums[i] = np.uint64(delta % (1 << 64))
+            target.done[i] = True
+
+    def _parse(self, data: bytes, specs: Sequence[TensorSpec]) -> list[tuple[TensorSpec, _TensorHeader, bytes, bytes]]:
+        """The object's tensors in name order, each with its parsed header and its two streams."""
         raw, meta = unpack_frames(data, self.codec_id)
         ordered_specs = check_object(meta, specs, self.codec_id)
         hdr, streams = raw.get("header"), raw.get("streams")
@@ -341,16 +403,7 @@ class CtxCodec(Codec):
             offset = end
         if r.i != len(ints) or offset != len(streams):
             raise CorruptObjectError("ctx: trailing data after the last tensor")
-
-        def run(job: tuple[TensorSpec, _TensorHeader, bytes, bytes]) -> Update:
-            spec = job[0]
-            o = old(spec.name, None)
-            if o.numel() != spec.numel:
-                raise CorruptObjectError(f"ctx: old tensor {spec.name!r} has {o.numel()} elements, "
-                                         f"expected {spec.numel}")
-            return self.decode_tensor(spec, job[1], job[2], job[3], np_bits(o).reshape(-1))
-
-        return {u.spec.name: u for u in parallel_map(run, jobs)}
+        return jobs
 
     @staticmethod
     def _header_ints(hdr: bytes) -> list[int]:
@@ -389,7 +442,8 @@ class CtxCodec(Codec):
             if any(t & ((1 << classes.shift) - 1) for t in th.thresholds):
                 raise CorruptObjectError(f"ctx: {spec.name!r} has a threshold inside an exponent class")
         if spec.dtype in _WHOLE_IN_C:  # bf16, fp16: decoded whole by one kernel call (kernels/ctx.py)
-            return self._decode16(spec, th, ustream, rstream, old)
+            pos, bits, _ = self._decode16(spec, th, ustream, rstream, old)
+            return Update(spec, torch.from_numpy(bits.view(np.int16)), torch.from_numpy(pos))
         if nb > 1:
             buckets = R.Buckets(old, classes.mask, classes.shift, classes.lut(th.thresholds), nb)
             sizes = buckets.sizes
@@ -446,8 +500,10 @@ class CtxCodec(Codec):
         return Update(spec, to_torch_bits(bits, spec), torch.from_numpy(pos.astype(np.int64, copy=False)))
 
     @staticmethod
-    def _decode16(spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes, old: np.ndarray) -> Update:
-        """:meth:`decode_tensor` of a bf16 / fp16 tensor by :func:`deltastore.kernels.ctx.decode16`."""
+    def _decode16(spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes, old: np.ndarray,
+                  write: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`decode_tensor` of a bf16 / fp16 tensor by :func:`deltastore.kernels.ctx.decode16`: positions,
+        new bits (uint16) and, with ``write`` (the new bits written into ``old`` once all decoded), the old."""
         plan: list[int] = []
         for bk in th.buckets:
             if not bk.pos.count:
@@ -461,11 +517,11 @@ class CtxCodec(Codec):
             raise CorruptObjectError(f"ctx: {spec.name!r}: {m} changes in {spec.numel} elements")
         # a threshold past every magnitude (0x8000) is never met, however far past it is
         cuts = np.array([min(t, 0x8000) for t in th.thresholds], np.int64)
-        status, pos, bits = K.decode16(np.ascontiguousarray(old), _MANTISSA[spec.dtype], cuts,
-                                       np.array(plan, np.int64), ustream, rstream, m)
+        status, pos, bits, before = K.decode16(old if write else np.ascontiguousarray(old), _MANTISSA[spec.dtype],
+                                               cuts, np.array(plan, np.int64), ustream, rstream, m, write)
         if status:
             raise CorruptObjectError(f"ctx: {spec.name!r}: {K.DECODE_ERRORS.get(status, status)}")
-        return Update(spec, torch.from_numpy(bits.view(np.int16)), torch.from_numpy(pos))
+        return pos, bits, before
 
     @staticmethod
     def _read_streams(seqs: list[_Seq], ustream: bytes, rstream: bytes) -> list[np.ndarray]:

@@ -626,9 +626,28 @@ static int dsc_read_subset(dsc_reader *U, dsc_reader *R, int64_t c, int64_t mode
    bucket 10 integers (POS count, mode, kind; BIG count, mode, kind; NEG count, mode, kind; MAG kind or -1), the
    U and R streams (their exact lengths). Writes the m = sum of POS counts changed positions (increasing) and
    their new bits; returns a DSC_E_* status. */
+static int dsc_decode16_read(const uint16_t *old, int64_t n, int shift, int64_t nth, const int64_t *th,
+                             const int64_t *plan, const uint8_t *ubuf, int64_t ulen, const uint8_t *rbuf,
+                             int64_t rlen, int64_t m, int64_t *out_pos, uint16_t *out_bits);
+
+/* dsc_decode16_read, then, with write_to (the memory of old itself) and out_old, the new bits written there,
+   the old ones kept in out_old: only once the whole tensor decoded, so a corrupt one is left untouched */
 static int dsc_decode16(const uint16_t *old, int64_t n, int shift, int64_t nth, const int64_t *th,
                         const int64_t *plan, const uint8_t *ubuf, int64_t ulen, const uint8_t *rbuf, int64_t rlen,
-                        int64_t m, int64_t *out_pos, uint16_t *out_bits) {
+                        int64_t m, int64_t *out_pos, uint16_t *out_bits, uint16_t *write_to, uint16_t *out_old) {
+    int status = dsc_decode16_read(old, n, shift, nth, th, plan, ubuf, ulen, rbuf, rlen, m, out_pos, out_bits);
+    if (status == DSC_OK && write_to) {
+        for (int64_t i = 0; i < m; i++) {
+            out_old[i] = write_to[out_pos[i]];
+            write_to[out_pos[i]] = out_bits[i];
+        }
+    }
+    return status;
+}
+
+static int dsc_decode16_read(const uint16_t *old, int64_t n, int shift, int64_t nth, const int64_t *th,
+                             const int64_t *plan, const uint8_t *ubuf, int64_t ulen, const uint8_t *rbuf,
+                             int64_t rlen, int64_t m, int64_t *out_pos, uint16_t *out_bits) {
     const int32_t mask = 0x7FFF;
     int nb = (int)nth + 1, status = DSC_OK;
     int64_t sizes[17], off[17];

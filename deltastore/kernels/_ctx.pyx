@@ -35,7 +35,7 @@ cdef extern from "_ctx.h":
                      int max_buckets, dsc_header* h, dsc_writer* U, dsc_writer* R) noexcept nogil
     int dsc_decode16(const uint16_t* old, int64_t n, int shift, int64_t nth, const int64_t* th, const int64_t* plan,
                      const uint8_t* ubuf, int64_t ulen, const uint8_t* rbuf, int64_t rlen, int64_t m,
-                     int64_t* out_pos, uint16_t* out_bits) noexcept nogil
+                     int64_t* out_pos, uint16_t* out_bits, uint16_t* write_to, uint16_t* out_old) noexcept nogil
 
 
 cdef void _writer(dsc_writer* w) noexcept:
@@ -157,13 +157,15 @@ def encode16(old, pos, new, int shift, int max_buckets):
     return header[:h.nh], streams
 
 
-def decode16(old, int shift, thresholds, plan, ustream, rstream, int64_t m):
+def decode16(old, int shift, thresholds, plan, ustream, rstream, int64_t m, bint write=False):
     """One 16-bit float tensor decoded whole (``_ctx.h`` ``dsc_decode16``): ``old`` its old bits, ``thresholds``
     (int64, at most 15, each at most 0x8000), ``plan`` 10 int64 per bucket (POS count, mode, kind code; BIG ...;
     NEG ...; MAG kind code or -1), the tensor's U and R streams (uint8 arrays or bytes) and ``m`` the changes
-    (the POS counts' sum, at most the tensor's size). Returns ``(status, positions int64, new bits uint16)``:
-    status 0, or why the streams are corrupt (``_ctx.h`` ``DSC_E_*``)."""
-    cdef const uint16_t* po = <const uint16_t*>arr(old, 2, ANY, False, "old")
+    (the POS counts' sum, at most the tensor's size). Returns ``(status, positions int64, new bits uint16, old
+    bits uint16 or None)``: status 0, or why the streams are corrupt (``_ctx.h`` ``DSC_E_*``). With ``write``
+    the new bits are written into ``old`` itself once the whole tensor decoded (nothing on a corrupt one), and
+    the bits they replaced are returned."""
+    cdef const uint16_t* po = <const uint16_t*>arr(old, 2, ANY, write, "old")
     cdef const int64_t* pt = <const int64_t*>arr(thresholds, 8, SIGNED, False, "thresholds")
     cdef const int64_t* pl = <const int64_t*>arr(plan, 8, SIGNED, False, "plan")
     cdef int64_t n = size(old), nth = size(thresholds)
@@ -173,13 +175,16 @@ def decode16(old, int shift, thresholds, plan, ustream, rstream, int64_t m):
         raise ValueError("decode16: thresholds, plan, change count or shift out of range")
     pos = np.empty(m, np.int64)
     bits = np.empty(m, np.uint16)
+    before = np.empty(m, np.uint16) if write else None
     cdef int64_t* pp = <int64_t*>cnp.PyArray_DATA(pos)
     cdef uint16_t* pb = <uint16_t*>cnp.PyArray_DATA(bits)
+    cdef uint16_t* pw = <uint16_t*>po if write else NULL
+    cdef uint16_t* pold = <uint16_t*>cnp.PyArray_DATA(before) if write else NULL
     cdef const uint8_t* pu = &u[0] if u.shape[0] else NULL
     cdef const uint8_t* pr = &r[0] if r.shape[0] else NULL
     cdef int status
     with nogil:
-        status = dsc_decode16(po, n, shift, nth, pt, pl, pu, u.shape[0], pr, r.shape[0], m, pp, pb)
+        status = dsc_decode16(po, n, shift, nth, pt, pl, pu, u.shape[0], pr, r.shape[0], m, pp, pb, pw, pold)
     if status == 7:
         raise MemoryError("ctx: out of memory")
-    return status, pos, bits
+    return status, pos, bits, before

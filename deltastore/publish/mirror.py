@@ -364,10 +364,25 @@ class Mirror:
 
     def write_changes(self, diff: Diff, names: Sequence[str], *, new: bool) -> None:
         """Write the new (``new``) or old bits of the changes of ``names`` only: an advanced compare's tensors
-        moved back to the parent while a codec reads them whole, then forward again (O(their changes))."""
-        chs = diff.changes
+        moved back to the parent while a codec reads them whole, then forward again (O(their changes); one
+        kernel call per flat group of the compare on the host)."""
+        rest = list(names)
+        if self.device.type == "cpu" and diff.flat:
+            by_group: dict[int, list[str]] = {}
+            where = {n: g for g, (group, _) in enumerate(diff.flat) for n in group}
+            rest = []
+            for n in names:
+                (by_group.setdefault(where[n], []) if n in where else rest).append(n)
+            for g, group in by_group.items():
+                batch = diff.batch([self.specs[n] for n in sorted(group)])
+                if batch is None:  # not one flat group after all: tensor by tensor below
+                    rest += group
+                    continue
+                segments.scatter([self._views[s.name] for s in batch.specs], batch.positions, batch.bounds,
+                                 batch.bits if new else batch.old_bits)
+        chs = diff.changes if rest else {}
         with torch.no_grad():
-            for name in names:
+            for name in rest:
                 ch = chs.get(name)
                 if ch is None or not ch.count:
                     continue
