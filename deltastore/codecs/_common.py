@@ -96,15 +96,9 @@ _local = threading.local()
 
 
 def zstd_compress(data: bytes | memoryview | np.ndarray, level: int = 1) -> bytes:
-    """One zstd frame of ``data`` (its size declared) at ``level``, with this thread's context for that level
-    (a context is made once per thread, not per call)."""
-    ctxs = getattr(_local, "cctx", None)
-    if ctxs is None:
-        ctxs = _local.cctx = {}
-    c = ctxs.get(level)
-    if c is None:
-        c = ctxs[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return c.compress(data)
+    """One zstd frame of ``data`` (its size declared) at ``level``. A context per call: one kept per thread
+    would keep the tables of the largest input it ever compressed (megabytes at level 1) resident."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

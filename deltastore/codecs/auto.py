@@ -52,20 +52,23 @@ _PARTS = ("ctx", "ulp", "zstd", "dense")
 
 #: default link rate of a follower's downloads, Mbit/s (a cloud object store to one server)
 DEFAULT_LINK_MBPS = 1000.0
-#: ctx's O(tensor) cost, encode + decode, in ns per element per core (measured on the traces, bench/scale.py)
-CTX_NS_PER_ELEMENT = 4.0
-#: bytes ctx saves against ulp per changed element (measured on the traces: 0.55-1.0; the low end)
+#: what ctx costs beyond ulp, encode + decode, one core: ns per element (its passes over the old tensor), ns per
+#: changed element (its coding) and seconds per tensor (measured on both runs of both traces:
+#: ``bench/ctx_model.py``, a least-squares fit over their steps: 0.39 ns, 51 ns, 25 us)
+CTX_NS_PER_ELEMENT = 0.4
+CTX_NS_PER_CHANGE = 50.0
+CTX_TENSOR_SECONDS = 25e-6
+#: bytes ctx saves against ulp per changed element (measured on the traces: 0.29-1.4, median 0.66; the low end
+#: of the usual: ~0.35 at 2-3 % changed, ~1.0 below 0.5 %)
 CTX_SAVES_PER_CHANGE = 0.55
-#: ctx's fixed cost per tensor (header, per-bucket sequences), seconds
-CTX_TENSOR_SECONDS = 5e-4
 
 
 def ctx_pays_off(numel: int, changed: int, link_mbps: float | None, cores: int) -> bool:
-    """Whether ``ctx``'s smaller bytes save more transfer time than its passes over the tensor cost."""
+    """Whether ``ctx``'s smaller bytes save more transfer time than its extra passes and coding cost."""
     if link_mbps is None:
         return True
     saved_s = changed * CTX_SAVES_PER_CHANGE / (link_mbps * 1e6 / 8)
-    spent_s = numel * CTX_NS_PER_ELEMENT * 1e-9 / max(1, cores) + CTX_TENSOR_SECONDS
+    spent_s = (numel * CTX_NS_PER_ELEMENT + changed * CTX_NS_PER_CHANGE) * 1e-9 / max(1, cores) + CTX_TENSOR_SECONDS
     return saved_s > spent_s
 
 

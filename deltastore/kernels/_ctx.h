@@ -471,29 +471,43 @@ done:
 }
 
 /* --- decoding ----------------------------------------------------------------------------------------------
-   A bit reader over one stream: MSB first, every read checked against the stream's end. */
+   A bit reader over one stream: MSB first, every read checked against the stream's end. The next bits wait
+   left-aligned in a 64-bit cache (`cache`, `have` of them valid, zeros below), refilled a byte at a time. */
 typedef struct {
     const uint8_t *buf;
     int64_t nbits; /* bits in the stream */
-    int64_t at;    /* bits read */
+    int64_t at;    /* bits consumed */
+    int64_t next;  /* the next byte to bring into the cache */
+    uint64_t cache;
+    int have;
 } dsc_reader;
 
-/* the 64 bits of the stream from bit `at` (zeros past its end), MSB first */
-static inline uint64_t dsc_window(const dsc_reader *r, int64_t at) {
-    int64_t byte = at >> 3, nbytes = (r->nbits + 7) >> 3;
-    uint64_t x = 0;
-    if (byte + 8 <= nbytes) {
-        memcpy(&x, r->buf + byte, 8);
-        x = __builtin_bswap64(x);
-    } else {
-        for (int64_t i = 0; i < 8; i++) x = (x << 8) | (byte + i < nbytes ? r->buf[byte + i] : 0);
+static inline void dsc_reader_init(dsc_reader *r, const uint8_t *buf, int64_t nbytes) {
+    r->buf = buf;
+    r->nbits = nbytes * 8;
+    r->at = 0;
+    r->next = 0;
+    r->cache = 0;
+    r->have = 0;
+}
+
+/* at least 57 valid bits in the cache, or every bit left */
+static inline void dsc_fill(dsc_reader *r) {
+    int64_t nbytes = r->nbits >> 3;
+    if (r->have <= 56 && r->next + 8 <= nbytes) { /* a whole word at once */
+        uint64_t w;
+        memcpy(&w, r->buf + r->next, 8);
+        w = __builtin_bswap64(w);
+        int take = (64 - r->have) >> 3; /* whole bytes that fit */
+        r->cache |= (take == 8 ? w : w >> (8 * (8 - take))) << (8 * (8 - take) - r->have);
+        r->have += 8 * take;
+        r->next += take;
+        return;
     }
-    int off = (int)(at & 7);
-    if (off) { /* the bits of the ninth byte that the shift brings in */
-        uint64_t nxt = byte + 8 < nbytes ? r->buf[byte + 8] : 0;
-        x = (x << off) | (nxt >> (8 - off));
+    while (r->have <= 56 && r->next < nbytes) {
+        r->cache |= (uint64_t)r->buf[r->next++] << (56 - r->have);
+        r->have += 8;
     }
-    return x;
 }
 
 /* width bits (0..64) into *v; 0 when the stream ends first */
@@ -503,26 +517,47 @@ static inline int dsc_get(dsc_reader *r, int width, uint64_t *v) {
         *v = 0;
         return 1;
     }
-    *v = dsc_window(r, r->at) >> (64 - width);
+    if (width > 56) { /* in two pieces */
+        uint64_t hi, lo;
+        dsc_get(r, width - 32, &hi);
+        dsc_get(r, 32, &lo);
+        *v = (hi << 32) | lo;
+        return 1;
+    }
+    if (r->have < width) dsc_fill(r);
+    *v = r->cache >> (64 - width);
+    r->cache <<= width;
+    r->have -= width;
     r->at += width;
     return 1;
 }
 
 /* the zeros before the next one bit, and past it; 0 when the stream ends first */
 static inline int dsc_get_unary(dsc_reader *r, uint64_t *q) {
-    int64_t at = r->at, start = at;
-    while (at < r->nbits) {
-        uint64_t x = dsc_window(r, at);
-        if (x) {
-            at += __builtin_clzll(x);
-            if (at >= r->nbits) return 0;
-            *q = (uint64_t)(at - start);
-            r->at = at + 1;
-            return 1;
+    uint64_t zeros = 0;
+    for (;;) {
+        if (r->have == 0) {
+            dsc_fill(r);
+            if (r->have == 0) return 0;
         }
-        at += 64;
+        if (r->cache) {
+            int z = __builtin_clzll(r->cache);
+            if (z < r->have) {
+                if (r->at + z >= r->nbits) return 0;
+                zeros += (uint64_t)z;
+                r->cache <<= z;
+                r->cache <<= 1;
+                r->have -= z + 1;
+                r->at += z + 1;
+                *q = zeros;
+                return 1;
+            }
+        }
+        zeros += (uint64_t)r->have; /* every cached bit is a zero */
+        r->at += r->have;
+        r->cache = 0;
+        r->have = 0;
     }
-    return 0;
 }
 
 /* one value of kind code (k * 4 + kind): 0 on a short stream or a field wider than 64 bits */
@@ -651,7 +686,9 @@ static int dsc_decode16_read(const uint16_t *old, int64_t n, int shift, int64_t 
     const int32_t mask = 0x7FFF;
     int nb = (int)nth + 1, status = DSC_OK;
     int64_t sizes[17], off[17];
-    dsc_reader U = {ubuf, ulen * 8, 0}, R = {rbuf, rlen * 8, 0};
+    dsc_reader U, R;
+    dsc_reader_init(&U, ubuf, ulen);
+    dsc_reader_init(&R, rbuf, rlen);
     int64_t *ranks = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * m + 1));
     int64_t *d = ranks ? ranks + m : NULL;
     int64_t *src = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m + 1));
