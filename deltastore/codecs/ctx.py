@@ -34,50 +34,6 @@ from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, 
                       parallel_map, sorted_updates, to_torch_bits, u8, unpack_frames)
 from .base import Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, write_in_place
 
-_BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
-
-
-# -- bucket choice (encoder only) -------------------------------------------------------
-def _entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
-        h = -(p * np.log2(np.where(p > 0, p, 1)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1)))
-    return n * h
-
-
-def choose_thresholds(cls_counts: np.ndarray, cls_hits: np.ndarray, max_buckets: int, shift: int) -> list[int]:
-    """Magnitude thresholds splitting the exponent classes into <= ``max_buckets`` contiguous groups.
-
-    Minimises sum over groups of ``n * H(k / n)`` (the iid cost of the group's
-    positions) plus a small per-group penalty, by dynamic programming.
-    """
-    nz = np.flatnonzero(cls_counts)
-    m = nz.size
-    if m <= 1 or max_buckets <= 1 or cls_hits.sum() == 0:
-        return []
-    C = np.concatenate(([0], np.cumsum(cls_counts[nz].astype(np.float64))))
-    K = np.concatenate(([0], np.cumsum(cls_hits[nz].astype(np.float64))))
-    n_ij = C[None, :] - C[:, None]
-    k_ij = K[None, :] - K[:, None]
-    cost = _entropy_bits(n_ij, k_ij) + _BUCKET_PENALTY_BITS
-    cost[np.tril_indices(m + 1)] = np.inf  # need i < j
-    best = np.full((max_buckets + 1, m + 1), np.inf)
-    arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    for g in range(1, max_buckets + 1):
-        tot = best[g - 1][:, None] + cost
-        arg[g] = np.argmin(tot, axis=0)
-        best[g] = tot[arg[g], np.arange(m + 1)]
-    g = int(np.argmin(best[1:, m])) + 1
-    cuts, j = [], m
-    while g > 0:
-        i = int(arg[g, j])
-        if i > 0:
-            cuts.append(i)
-        j, g = i, g - 1
-    return sorted(int(nz[i]) << shift for i in cuts)
-
-
 # -- subsets of [0, N) -------------------------------------------------------------------
 NONE, DIRECT, COMPLEMENT, BITMAP = 0, 1, 2, 3
 
@@ -96,39 +52,6 @@ class _SubsetDesc:
     count: int
     mode: int = NONE
     kind: B.Kind = field(default_factory=lambda: B.Kind(B.RICE, 0))
-
-
-def _gaps(s: np.ndarray) -> np.ndarray:
-    return (np.diff(s, prepend=-1) - 1).astype(np.uint64)
-
-
-def encode_subset(s: np.ndarray, n: int, header: list[int], seqs: list[_Seq]) -> None:
-    """Append the description of the sorted subset ``s`` of ``[0, n)`` to ``header`` and ``seqs``."""
-    c = int(s.size)
-    header.append(c)
-    if c == 0:
-        return
-    if c == n:
-        header.append(NONE)
-        return
-    g = _gaps(s)
-    kind, cost = B.best_kind(g)
-    mode, values = DIRECT, g
-    if 2 * c > n:
-        mask = np.ones(n, dtype=bool)
-        mask[s] = False
-        gc = _gaps(np.flatnonzero(mask))
-        kc, cc = B.best_kind(gc)
-        if cc < cost:
-            mode, kind, cost, values = COMPLEMENT, kc, cc, gc
-    if n < cost:
-        mask = np.zeros(n, dtype=np.uint64)
-        mask[s] = 1
-        mode, kind, values = BITMAP, B.Kind(B.FIXED, 1), mask
-    header.append(mode)
-    if mode in (DIRECT, COMPLEMENT):
-        header.append(kind.code())
-    seqs.append(_Seq(values.size, kind, values))
 
 
 def parse_subset(h: _Reader) -> _SubsetDesc:
@@ -247,10 +170,6 @@ class _Classes:
         """class -> bucket for magnitude ``thresholds`` on class boundaries (bucket = thresholds <= magnitude)."""
         cuts = np.array([min(t >> self.shift, self.n) for t in thresholds], dtype=np.int64)
         return np.searchsorted(cuts, np.arange(self.n), side="right").astype(np.int64)
-
-
-def _abs_steps(d: np.ndarray) -> np.ndarray:
-    return np.where(d < 0, -d, d).view(np.uint64)
 
 
 class CtxCodec(Codec):

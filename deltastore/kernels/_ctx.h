@@ -1,12 +1,13 @@
 /* The ``ctx`` codec's per-tensor coding in C (kernels/ctx.py states the contract; docs/codecs.md the layout).
 
-   Encoder: the bucket thresholds (dynamic programming over the exponent classes, as ``ctx.choose_thresholds``
-   did in numpy), then per bucket the subsets POS (ranks), BIG and NEG and the magnitudes, each sequence with
-   the cheapest RICE / EG kind by exact bit count (``_bits.best_kind``: ties to the first kind tried) written
-   into the U (unary) and R (raw) bit streams, MSB first. Decoder: the same sequences read back from the
-   streams, every read bounded by the stream's length and every value by its universe (a status, never a read
-   or write out of bounds). Nothing here allocates except the growable bit writers and the caller-sized
-   temporaries the wrappers pass in. */
+   Encoder: the bucket thresholds (dynamic programming over the exponent classes, as the numpy encoder before
+   it did: tests/test_kernels_ctx.py keeps that formulation as the reference), then per bucket the subsets POS
+   (ranks), BIG and NEG and the magnitudes, each sequence with the cheapest RICE / EG kind by exact bit count
+   (``_bits.best_kind``: ties to the first kind tried) written into the U (unary) and R (raw) bit streams, MSB
+   first. Decoder: the same sequences read back from the streams, every read bounded by the stream's length and
+   every value by its universe (a status, never a read or write out of bounds). Memory: the growable bit
+   writers and temporaries of a few words per change (malloc, freed before returning; an allocation that fails
+   is a status). */
 
 #ifndef DELTASTORE_CTX_H
 #define DELTASTORE_CTX_H
@@ -191,7 +192,7 @@ static void dsc_write_seq(dsc_writer *U, dsc_writer *R, const uint64_t *v, int64
     }
 }
 
-/* --- one subset of [0, n): ctx.encode_subset ------------------------------------------------------------- */
+/* --- one subset of [0, n) ------------------------------------------------------------- */
 typedef struct {
     uint64_t *hdr;
     int64_t nh, cap;
@@ -309,7 +310,7 @@ static int dsc_code_tensor(int64_t m, const int64_t *bucket, const int64_t *rank
     return (U->oom || R->oom) ? -1 : 0;
 }
 
-/* --- thresholds: ctx.choose_thresholds ---------------------------------------------------------------------
+/* --- thresholds ---------------------------------------------------------------------
    counts, hits: per class (nclass of them). Writes up to max_buckets - 1 thresholds (class << shift) to out,
    returns how many. work: (max_buckets + 1) * (m + 1) doubles and as many int64 (m: classes with elements),
    plus 2 * (m + 1) doubles. */

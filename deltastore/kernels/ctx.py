@@ -1,7 +1,7 @@
 """The ``ctx`` codec's per-tensor coding, compiled (``_ctx.pyx`` over ``_ctx.h``, nogil).
 
 * :func:`thresholds` — the bucket thresholds: the contiguous groups of exponent classes with the least
-  ``sum n H(k / n)`` plus 64 bits a group (dynamic programming; what ``ctx.choose_thresholds`` computes).
+  ``sum n H(k / n)`` plus 64 bits a group (dynamic programming over the exponent classes).
 * :func:`code_tensor` — one tensor's subsets and magnitudes (POS, BIG, NEG, MAG per bucket, each sequence with
   its cheapest RICE / EG kind by exact bit count, or a complement or a bitmap where cheaper), written as header
   integers and the U and R bit streams of ``docs/codecs.md``.
