@@ -101,3 +101,23 @@ def test_diff_segments_that_fail_part_way_put_back_what_they_advanced(monkeypatc
     for o, n, ch in zip(before, news, fc.changes()):
         idx = torch.nonzero(o != n).squeeze(1)
         assert torch.equal(ch.positions, idx) and torch.equal(ch.old_bits, o[idx]) and torch.equal(ch.new_bits, n[idx])
+
+
+def test_a_cast_compare_advances_and_moves_back_too():
+    """An fp32 master published as bf16 is compared tensor by tensor (the loose path): advanced in the compare
+    as well, moved back when the delta's upload fails, every version pulled bit-exact."""
+    inner = MemoryBackend(uuid.uuid4().hex)
+    faulty = FaultyBackend(inner)
+    g = torch.Generator().manual_seed(3)
+    masters = [{"w": torch.randn(64, 32, generator=g), "b": torch.randn(300, generator=g)}]
+    for _ in range(3):
+        masters.append({k: v + 1e-2 * torch.randn(v.shape, generator=g) for k, v in masters[-1].items()})
+    states = [{k: v.bfloat16() for k, v in m.items()} for m in masters]
+    with ds.Publisher(DeltaStore(faulty), dtype=torch.bfloat16, anchor_every=100) as pub:
+        pub.publish(masters[0], step=0)
+        faulty.rules.append(Fault("permanent", ops="put", prefix="objects/", limit=1))
+        with pytest.raises(PermissionError):
+            pub.publish(masters[1], step=1)
+        for step in (1, 2, 3):
+            pub.publish(masters[step], step=step)
+    _pulls_bit_exact(inner, states)
