@@ -7,14 +7,20 @@
 Data: a real weight trace, chosen by ``--trace`` (``bench/_trace.py``): the shared SmolLM2 trace
 (default; env ``DELTASTORE_TRACES``, default ``../shared/traces``) or ``minilm-l6`` (``bench/traces/``,
 a BERT encoder). Its recorded tensors (20 for SmolLM2) are replicated, each replica a clone under new names
-(``r<k>.<name>``), until the model reaches ``--size`` GB of bf16. Replica ``k``
-starts at a different recorded step (``k`` mod the cycle) and steps through the
-run's recorded steps 2..N cyclically (``deltastore.chains.extend_trace`` semantics:
-the recorded positions change by the recorded ulp steps), so every element keeps
-its real change statistics and no two neighbouring replicas change the same
-positions at the same step (a zstd window cannot match one replica's positions
-against another's). Step 1 (AdamW's first update, ~2x denser) is left out of the
-cycle. The "many tensors" layout cuts the recorded tensors into row blocks of
+(``r<k>.<name>``, ``k`` zero-padded so that name order is replica order), until the
+model reaches ``--size`` GB of bf16. Replica ``k`` starts at a different recorded
+step (``k`` mod the cycle) and steps through the run's recorded steps 2..N
+cyclically (``deltastore.chains.extend_trace`` semantics: the recorded positions
+change by the recorded ulp steps), so every element keeps its real change
+statistics. With more replicas than cycle steps some replicas replay the same step
+at once; so that no codec can match one replica's positions against another's
+(the earlier layout let zstd do it within its window: at 1 GB the cold minilm-l6
+run downloaded 0.504x the bound instead of ~1.17x), the rows of every 2-D tensor
+of replica ``k`` are in one of ``ROW_ORDERS`` fixed random orders (``k`` mod
+``ROW_ORDERS``; order 0 is the recorded one): a row keeps its elements and their
+changes, only its place moves, and replicas that replay the same step in the
+same row order are at least lcm(cycle, ``ROW_ORDERS``) replicas apart in name
+order. Step 1 (AdamW's first update, ~2x denser) is left out of the cycle. The "many tensors" layout cuts the recorded tensors into row blocks of
 about ``--tensors-mb`` / ``--tensors`` bytes (norm vectors stay whole) and
 replicates them the same way until there are ``--tensors`` tensors.
 
@@ -85,6 +91,10 @@ PROJECT_CORES = 16
 
 
 # -- data ------------------------------------------------------------------------------------------
+#: replica k's 2-D tensors have their rows in order k mod ROW_ORDERS (0: as recorded); see the module docstring
+ROW_ORDERS = 4
+
+
 @dataclass
 class Piece:
     """One published tensor: ``numel`` flat elements of trace tensor ``src`` from ``start``, replica ``replica``."""
@@ -141,8 +151,9 @@ class Source:
                     per.append((n, r0 * cols, rows * cols, (rows, *shp[1:])))
             replicas = math.ceil(n_tensors / len(per))
         whole = n_tensors is None
-        self.pieces = [Piece(f"r{k}.{n}" if whole else f"r{k}.{n}.p{start}", k, n, start, numel, shape)
-                       for k in range(replicas) for n, start, numel, shape in per]
+        digits = len(str(max(0, replicas - 1)))  # zero-padded: name order is replica order
+        self.pieces = [Piece(f"r{k:0{digits}d}.{n}" if whole else f"r{k:0{digits}d}.{n}.p{start}", k, n, start,
+                             numel, shape) for k in range(replicas) for n, start, numel, shape in per]
         if n_tensors is not None:
             self.pieces = self.pieces[:n_tensors]
         # Replica k starts just before cycle step k (mod the cycle), from the real trace state there.
@@ -150,7 +161,27 @@ class Source:
         for p in self.pieces:
             by_start[self.cycle[p.replica % len(self.cycle)] - 1].append(p)
         used = {p.src for p in self.pieces}
-        self.delta = {}  # trace step -> {tensor: (positions, positions as numpy, ulp step as int32)}
+        orders = sorted({p.replica % ROW_ORDERS for p in self.pieces})
+        # row order v of each 2-D tensor: the replica's row r holds recorded row perm[r]; where[v][n] maps a
+        # recorded flat position to the replica's (None: the recorded order)
+        g = torch.Generator().manual_seed(1234)
+        where: dict[int, dict[str, torch.Tensor | None]] = {v: {} for v in orders}
+        perm: dict[int, dict[str, torch.Tensor | None]] = {v: {} for v in orders}
+        for n in sorted(used):
+            rows = shapes[n][0] if len(shapes[n]) >= 2 else 1
+            for v in range(ROW_ORDERS):
+                p = torch.randperm(rows, generator=g) if rows > 1 and v else None
+                if v in where:
+                    perm[v][n] = p
+                    if p is None:
+                        where[v][n] = None
+                    else:
+                        cols = numels[n] // rows
+                        inv = torch.empty_like(p)
+                        inv[p] = torch.arange(rows)
+                        where[v][n] = (inv.view(-1, 1) * cols + torch.arange(cols).view(1, -1)).reshape(-1)
+        # row order -> trace step -> {tensor: (positions, positions as numpy, ulp step as int32)}, positions sorted
+        self.delta: dict[int, dict[int, dict[str, tuple]]] = {v: {} for v in orders}
         flat = {n: tr.base[n].view(torch.int16).reshape(-1).clone() for n in used}
         made = {}
         for j in range(0, tr.steps + 1):
@@ -159,12 +190,21 @@ class Source:
                     if n in used:
                         if j in self.cycle:
                             step = bits.to(torch.int32) - flat[n][idx].to(torch.int32)
-                            self.delta.setdefault(j, {})[n] = (idx, idx.numpy(), step)
+                            for v in orders:
+                                w = where[v][n]
+                                if w is None:
+                                    self.delta[v].setdefault(j, {})[n] = (idx, idx.numpy(), step)
+                                else:
+                                    at, order = torch.sort(w[idx])
+                                    self.delta[v].setdefault(j, {})[n] = (at, at.numpy(), step[order])
                         flat[n][idx] = bits
             for p in by_start.get(j, ()):
-                made[p.name] = flat[p.src][p.start:p.start + p.numel].clone().view(torch.bfloat16).reshape(p.shape)
-        for j in self.cycle:
-            self.delta.setdefault(j, {})
+                rp = perm[p.replica % ROW_ORDERS][p.src]
+                src_flat = flat[p.src] if rp is None else flat[p.src].view(shapes[p.src][0], -1)[rp].reshape(-1)
+                made[p.name] = src_flat[p.start:p.start + p.numel].clone().view(torch.bfloat16).reshape(p.shape)
+        for v in orders:
+            for j in self.cycle:
+                self.delta[v].setdefault(j, {})
         self.state = {p.name: made[p.name] for p in self.pieces}
         del made, flat, tr
         self.flat = {n: t.view(torch.int16).reshape(-1) for n, t in self.state.items()}
@@ -187,7 +227,7 @@ class Source:
         self.t += 1
         out = []
         for (k, src), (ps, cuts) in self.groups.items():
-            d = self.delta[self.cycle[(k + self.t - 1) % len(self.cycle)]].get(src)
+            d = self.delta[k % ROW_ORDERS][self.cycle[(k + self.t - 1) % len(self.cycle)]].get(src)
             if d is None:
                 continue
             idx, idx_np, step = d

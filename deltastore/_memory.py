@@ -17,8 +17,9 @@ glibc's threshold variables (``MALLOC_MMAP_THRESHOLD_`` and kin) or a
 ``DELTASTORE_PIN_MALLOC=0``. The setting is process-wide; blocks above 1 MiB
 then cost an ``mmap`` each (no slower in ``bench/scale.py``: the page faults
 of fresh memory are paid either way).
-:func:`release_memory` returns free pages after each big operation. Both are
-no-ops where glibc is not the allocator. :func:`discard` gives back the
+:func:`release_memory` drops the caches registered with :func:`on_release` and
+returns free pages after each big operation. Both are no-ops where glibc is not
+the allocator. :func:`discard` gives back the
 unused tail of a buffer that is kept for reuse.
 """
 
@@ -81,8 +82,20 @@ def pin_allocator() -> bool:
         return _pinned
 
 
+#: what release_memory drops first: caches kept for the duration of one operation (idle codec contexts)
+_droppers: list = []
+
+
+def on_release(drop) -> None:  # noqa: ANN001 - a callable of no arguments
+    """Have :func:`release_memory` call ``drop()`` first (a module's cache that may be rebuilt)."""
+    _droppers.append(drop)
+
+
 def release_memory() -> None:
-    """``malloc_trim(0)`` on glibc; nothing elsewhere. Costs about a millisecond per GB of free heap."""
+    """Drop the caches registered with :func:`on_release`, then ``malloc_trim(0)`` on glibc (nothing more
+    elsewhere). The trim costs about a millisecond per GB of free heap."""
+    for drop in _droppers:
+        drop()
     trim = _glibc("malloc_trim", ctypes.c_size_t)
     if trim is not None:
         trim(0)

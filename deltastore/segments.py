@@ -181,14 +181,16 @@ class FlatChanges:
 
 
 def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], keys: np.ndarray, *,
-                  hint: float = 1 / 64) -> FlatChanges:
+                  hint: float = 1 / 64, advance: bool = False) -> FlatChanges:
     """Changed elements of ``news[i]`` against ``olds[i]`` for every ``i``, in one pass per thread.
 
     ``olds`` / ``news``: flat contiguous CPU tensors, pairwise of equal size,
     all of one element width. ``keys``: the tensors' checksum keys (uint64).
     ``hint``: the expected changed fraction (sizes the first output buffers;
     more are added when it is exceeded, and every buffer is shrunk in place
-    to what it holds).
+    to what it holds). ``advance``: also write the new bits into ``olds`` in
+    the same pass (they then hold ``news``); if the call fails part way (an
+    output buffer cannot be allocated), what it wrote is written back first.
     """
     n = len(olds)
     width = olds[0].element_size() if n else 2
@@ -199,21 +201,22 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
     counts = np.zeros(iseg.size, np.int64)
     sums = np.zeros(iseg.size, np.uint64)
     udt = _UNSIGNED[width]
+    found_by_run: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
 
     def run(i0: int, i1: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         elems = int((istop[i0:i1] - istart[i0:i1]).sum())
         cap = min(elems, int(elems * hint) + 4096)
-        out = []
+        out = found_by_run[i0] = []
         i, e = i0, 0
         while True:
             pos, new, old = np.empty(cap, np.int64), np.empty(cap, udt), np.empty(cap, udt)
             c, i_next, e_next = _k.diff_items(lk, optr, nptr, lens, keys, iseg, istart, istop, i, i1, e,
-                                              pos, new, old, counts, sums)
+                                              pos, new, old, counts, sums, advance)
+            if c:  # noted at once: a failure later in this call still knows what to put back
+                out.append((pos, new, old))
             if c < cap:  # give the unused tail back (realloc shrinks in place)
                 for a in (pos, new, old):
                     a.resize(c, refcheck=False)
-            if c:
-                out.append((pos, new, old))
             if i_next >= i1:
                 return out
             # the buffers filled up: size the next ones from the density seen so far
@@ -223,7 +226,12 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
             cap = min(left + 8, int(left * 1.25 * found / max(1, done)) + 4096)
             i, e = int(i_next), int(e_next)
 
-    found = [p for chunk in _parallel(runs, run) for p in chunk]
+    try:
+        found = [p for chunk in _parallel(runs, run) for p in chunk]
+    except BaseException:
+        if advance:  # every run has stopped (each() waits for them all): put back what they advanced
+            _put_back(olds, runs, found_by_run, iseg, counts)
+        raise
     parts = [(torch.from_numpy(p), to_bits(q), to_bits(o)) for p, q, o in found]
     if not parts:
         parts = [(torch.empty(0, dtype=torch.int64), to_bits(np.zeros(0, udt)), to_bits(np.zeros(0, udt)))]
@@ -238,6 +246,27 @@ def diff_segments(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], ke
     bounds = np.zeros(n + 1, np.int64)
     np.cumsum(seg_counts, out=bounds[1:])
     return FlatChanges(bounds, parts, starts, seg_sums)
+
+
+def _put_back(olds: Sequence[torch.Tensor], runs: list[tuple[int, int]],
+              found_by_run: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]], iseg: np.ndarray,
+              counts: np.ndarray) -> None:
+    """Write the old bits of what an advancing :func:`diff_segments` found back into ``olds``: each run's buffers
+    hold its items' changes in order, ``counts[i]`` of them item ``i``'s (a failure path: nothing large is
+    allocated)."""
+    for i0, i1 in runs:
+        parts, k, at = found_by_run.get(i0, []), 0, 0
+        for i in range(i0, i1):
+            need = int(counts[i])
+            dst = unsigned(olds[int(iseg[i])])
+            while need:
+                pos, _, old = parts[k]
+                take = min(need, pos.size - at)
+                dst[pos[at:at + take]] = old[at:at + take]
+                need -= take
+                at += take
+                if at == pos.size:
+                    k, at = k + 1, 0
 
 
 def is_zero(t: torch.Tensor) -> bool:

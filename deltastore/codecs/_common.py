@@ -92,11 +92,13 @@ def to_torch_bits(a: np.ndarray, spec: TensorSpec) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def zstd_compress(data: bytes, level: int = 1) -> bytes:
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
-
-
 _local = threading.local()
+
+
+def zstd_compress(data: bytes | memoryview | np.ndarray, level: int = 1) -> bytes:
+    """One zstd frame of ``data`` (its size declared) at ``level``. A context per call: one kept per thread
+    would keep the tables of the largest input it ever compressed (megabytes at level 1) resident."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

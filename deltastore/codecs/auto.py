@@ -45,27 +45,30 @@ from ..errors import CorruptObjectError, UnsupportedFormatError
 from ..kernels.gather import gather, scatter_
 from ..kernels.parallel import threads
 from ._common import pack_meta, u8, unpack_frames
-from .base import (Codec, OldBits, TensorSpec, Update, UpdateBatch, batches_by_dtype, copy_specs, decode_batched,
-                   encode_batched)
+from .base import (Codec, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, batches_by_dtype, copy_specs,
+                   decode_batched, encode_batched)
 
 _PARTS = ("ctx", "ulp", "zstd", "dense")
 
 #: default link rate of a follower's downloads, Mbit/s (a cloud object store to one server)
 DEFAULT_LINK_MBPS = 1000.0
-#: ctx's O(tensor) cost, encode + decode, in ns per element per core (measured on the traces, bench/scale.py)
-CTX_NS_PER_ELEMENT = 4.0
-#: bytes ctx saves against ulp per changed element (measured on the traces: 0.55-1.0; the low end)
+#: what ctx costs beyond ulp, encode + decode, one core: ns per element (its passes over the old tensor), ns per
+#: changed element (its coding) and seconds per tensor (measured on both runs of both traces:
+#: ``bench/ctx_model.py``, a least-squares fit over their steps: 0.39 ns, 51 ns, 25 us)
+CTX_NS_PER_ELEMENT = 0.4
+CTX_NS_PER_CHANGE = 50.0
+CTX_TENSOR_SECONDS = 25e-6
+#: bytes ctx saves against ulp per changed element (measured on the traces: 0.29-1.4, median 0.66; the low end
+#: of the usual: ~0.35 at 2-3 % changed, ~1.0 below 0.5 %)
 CTX_SAVES_PER_CHANGE = 0.55
-#: ctx's fixed cost per tensor (header, per-bucket sequences), seconds
-CTX_TENSOR_SECONDS = 5e-4
 
 
 def ctx_pays_off(numel: int, changed: int, link_mbps: float | None, cores: int) -> bool:
-    """Whether ``ctx``'s smaller bytes save more transfer time than its passes over the tensor cost."""
+    """Whether ``ctx``'s smaller bytes save more transfer time than its extra passes and coding cost."""
     if link_mbps is None:
         return True
     saved_s = changed * CTX_SAVES_PER_CHANGE / (link_mbps * 1e6 / 8)
-    spent_s = numel * CTX_NS_PER_ELEMENT * 1e-9 / max(1, cores) + CTX_TENSOR_SECONDS
+    spent_s = (numel * CTX_NS_PER_ELEMENT + changed * CTX_NS_PER_CHANGE) * 1e-9 / max(1, cores) + CTX_TENSOR_SECONDS
     return saved_s > spent_s
 
 
@@ -191,24 +194,24 @@ class AutoCodec(Codec):
         return self._decode(data, specs, old, batched=False)[1]
 
     def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
-                     ) -> list[UpdateBatch]:
+                     ) -> list[UpdateBatch | WrittenBatch]:
         batches, loose = self._decode(data, specs, old, batched=True)
         return batches + batches_by_dtype(list(loose.values()))
 
     def _decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None, *, batched: bool
-                ) -> tuple[list[UpdateBatch], dict[str, Update]]:
-        """The ``ulp`` part as batches when ``batched``, everything else as updates by name."""
+                ) -> tuple[list[UpdateBatch | WrittenBatch], dict[str, Update]]:
+        """The ``ulp`` and ``ctx`` parts as batches when ``batched``, everything else as updates by name."""
         raw, meta = unpack_frames(data, self.codec_id)
         by_codec = _parts_of(meta, specs)
         if set(raw) != {f"part.{c}" for c in by_codec}:
             raise CorruptObjectError(f"auto: object parts {sorted(raw)} do not match its choice map")
         out: dict[str, Update] = {}
-        batches: list[UpdateBatch] = []
+        batches: list[UpdateBatch | WrittenBatch] = []
         for cid, sp in by_codec.items():
             if cid != "zstd" and old is None:
                 raise ValueError("auto decoding needs the receiver's old tensors")
             part = raw[f"part.{cid}"]
-            if batched and cid == "ulp":
+            if batched and cid in ("ulp", "ctx"):  # as batches (written in place where the receiver lets them)
                 batches += decode_batched(self._codecs[cid], part, sp, old)
                 continue
             decoded = self._codecs[cid].decode(part, sp, old)

@@ -17,6 +17,7 @@ decoder calls ``old(name, None)``. The encoder reads ``Update.old_tensor``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,56 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checksum import sparse_sum
 from ..errors import CorruptObjectError
+from ..kernels import ctx as K
 from ..kernels import ranks as R
 from . import _bits as B
 from ._common import (MANTISSA_BITS, position_bits, check_object, names_digest, np_bits, pack_meta,
                       parallel_map, sorted_updates, to_torch_bits, u8, unpack_frames)
-from .base import Codec, OldBits, TensorSpec, Update
-
-_BUCKET_PENALTY_BITS = 64  # header bytes plus one decode pass: extra buckets must pay for themselves
-
-
-# -- bucket choice (encoder only) -------------------------------------------------------
-def _entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
-        h = -(p * np.log2(np.where(p > 0, p, 1)) + (1 - p) * np.log2(np.where(p < 1, 1 - p, 1)))
-    return n * h
-
-
-def choose_thresholds(cls_counts: np.ndarray, cls_hits: np.ndarray, max_buckets: int, shift: int) -> list[int]:
-    """Magnitude thresholds splitting the exponent classes into <= ``max_buckets`` contiguous groups.
-
-    Minimises sum over groups of ``n * H(k / n)`` (the iid cost of the group's
-    positions) plus a small per-group penalty, by dynamic programming.
-    """
-    nz = np.flatnonzero(cls_counts)
-    m = nz.size
-    if m <= 1 or max_buckets <= 1 or cls_hits.sum() == 0:
-        return []
-    C = np.concatenate(([0], np.cumsum(cls_counts[nz].astype(np.float64))))
-    K = np.concatenate(([0], np.cumsum(cls_hits[nz].astype(np.float64))))
-    n_ij = C[None, :] - C[:, None]
-    k_ij = K[None, :] - K[:, None]
-    cost = _entropy_bits(n_ij, k_ij) + _BUCKET_PENALTY_BITS
-    cost[np.tril_indices(m + 1)] = np.inf  # need i < j
-    best = np.full((max_buckets + 1, m + 1), np.inf)
-    arg = np.zeros((max_buckets + 1, m + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    for g in range(1, max_buckets + 1):
-        tot = best[g - 1][:, None] + cost
-        arg[g] = np.argmin(tot, axis=0)
-        best[g] = tot[arg[g], np.arange(m + 1)]
-    g = int(np.argmin(best[1:, m])) + 1
-    cuts, j = [], m
-    while g > 0:
-        i = int(arg[g, j])
-        if i > 0:
-            cuts.append(i)
-        j, g = i, g - 1
-    return sorted(int(nz[i]) << shift for i in cuts)
-
+from .base import Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, write_in_place
 
 # -- subsets of [0, N) -------------------------------------------------------------------
 NONE, DIRECT, COMPLEMENT, BITMAP = 0, 1, 2, 3
@@ -93,39 +52,6 @@ class _SubsetDesc:
     count: int
     mode: int = NONE
     kind: B.Kind = field(default_factory=lambda: B.Kind(B.RICE, 0))
-
-
-def _gaps(s: np.ndarray) -> np.ndarray:
-    return (np.diff(s, prepend=-1) - 1).astype(np.uint64)
-
-
-def encode_subset(s: np.ndarray, n: int, header: list[int], seqs: list[_Seq]) -> None:
-    """Append the description of the sorted subset ``s`` of ``[0, n)`` to ``header`` and ``seqs``."""
-    c = int(s.size)
-    header.append(c)
-    if c == 0:
-        return
-    if c == n:
-        header.append(NONE)
-        return
-    g = _gaps(s)
-    kind, cost = B.best_kind(g)
-    mode, values = DIRECT, g
-    if 2 * c > n:
-        mask = np.ones(n, dtype=bool)
-        mask[s] = False
-        gc = _gaps(np.flatnonzero(mask))
-        kc, cc = B.best_kind(gc)
-        if cc < cost:
-            mode, kind, cost, values = COMPLEMENT, kc, cc, gc
-    if n < cost:
-        mask = np.zeros(n, dtype=np.uint64)
-        mask[s] = 1
-        mode, kind, values = BITMAP, B.Kind(B.FIXED, 1), mask
-    header.append(mode)
-    if mode in (DIRECT, COMPLEMENT):
-        header.append(kind.code())
-    seqs.append(_Seq(values.size, kind, values))
 
 
 def parse_subset(h: _Reader) -> _SubsetDesc:
@@ -222,7 +148,9 @@ def _magnitude(bits: np.ndarray, spec: TensorSpec) -> np.ndarray:
 #: whose change odds depend on the old exponent as bf16's do (positions cost 0.50-0.67x given it, on the traces)
 _MANTISSA = {**MANTISSA_BITS, torch.float8_e4m3fn: 3}
 
-_SAMPLE_ABOVE = 1 << 20  # larger tensors choose thresholds from every 16th element's class
+_SAMPLE_ABOVE = 1 << 16  # larger tensors choose thresholds from every 16th element's class (4096 or more)
+#: the 16-bit floats, encoded whole by one kernel call (the other dtypes: numpy around the kernels)
+_WHOLE_IN_C = (torch.bfloat16, torch.float16)
 
 
 class _Classes:
@@ -242,10 +170,6 @@ class _Classes:
         """class -> bucket for magnitude ``thresholds`` on class boundaries (bucket = thresholds <= magnitude)."""
         cuts = np.array([min(t >> self.shift, self.n) for t in thresholds], dtype=np.int64)
         return np.searchsorted(cuts, np.arange(self.n), side="right").astype(np.int64)
-
-
-def _abs_steps(d: np.ndarray) -> np.ndarray:
-    return np.where(d < 0, -d, d).view(np.uint64)
 
 
 class CtxCodec(Codec):
@@ -291,6 +215,10 @@ class CtxCodec(Codec):
         old = np_bits(u.old_tensor).reshape(-1)
         pos = u.positions.numpy().astype(np.int64, copy=False)
         new = np_bits(u.bits).reshape(-1)
+        if spec.dtype in _WHOLE_IN_C:  # bf16, fp16: the whole tensor in one kernel call (kernels/ctx.py)
+            header, streams = K.encode16(old, np.ascontiguousarray(pos), np.ascontiguousarray(new),
+                                         _MANTISSA[spec.dtype], self.buckets)
+            return header.tolist(), streams
         is_float = spec.dtype in _MANTISSA
         old_at = old[pos]
         mag_at = _magnitude(old_at, spec)
@@ -298,48 +226,84 @@ class CtxCodec(Codec):
         if is_float and self.buckets > 1 and pos.size:
             classes = _Classes(old, spec)
             hits = np.bincount((mag_at >> classes.shift).astype(np.int64), minlength=classes.n)
-            thresholds = choose_thresholds(np.maximum(classes.counts(), hits), hits, self.buckets, classes.shift)
+            thresholds = K.thresholds(np.maximum(classes.counts(), hits), hits, self.buckets, classes.shift)
         d = B.ordered(new, is_float) - B.ordered(old_at, is_float)  # wraps for 64-bit: still a bijection
         if thresholds:
             bucket_of, rank, sizes = R.bucket_ranks(old, pos, classes.mask, classes.shift,
                                                     classes.lut(thresholds), len(thresholds) + 1)
         else:
-            bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, [old.size]
-        header: list[int] = [len(thresholds) + 1, *thresholds]
-        seqs: list[_Seq] = []
-        for b in range(len(thresholds) + 1):
-            sel = np.flatnonzero(bucket_of == b) if thresholds else np.arange(pos.size)
-            if sel.size == 0:
-                header.append(0)
-                continue
-            encode_subset(rank[sel], int(sizes[b]), header, seqs)
-            db = d[sel]
-            a = _abs_steps(db)
-            big = np.flatnonzero(a >= np.uint64(2))
-            encode_subset(big, sel.size, header, seqs)
-            encode_subset(np.flatnonzero(db < 0), sel.size, header, seqs)
-            if big.size:
-                kind, _ = B.best_kind(a[big] - np.uint64(2))
-                header.append(kind.code())
-                seqs.append(_Seq(big.size, kind, a[big] - np.uint64(2)))
-        qs, ws, rs = [], [], []
-        for s in seqs:
-            assert s.values is not None
-            q, w, r = B.split(s.values, s.kind)
-            qs.append(q)
-            ws.append(w)
-            rs.append(r)
-        q = np.concatenate(qs) if qs else np.zeros(0, np.int64)
-        ustream = B.pack_unary(q[q >= 0])
-        rstream = B.pack_raw(np.concatenate(ws) if ws else np.zeros(0, np.int64),
-                             np.concatenate(rs) if rs else np.zeros(0, np.uint64))
-        header += [len(ustream), len(rstream)]
+            bucket_of, rank, sizes = np.zeros(pos.size, np.int64), pos, np.array([old.size], np.int64)
+        # the subsets and magnitudes of every bucket, coded in one kernel call (kernels/ctx.py)
+        coded, ustream, rstream = K.code_tensor(np.ascontiguousarray(bucket_of, np.int64),
+                                                np.ascontiguousarray(rank, np.int64), d.astype(np.int64, copy=False),
+                                                np.asarray(sizes, np.int64))
+        header: list[int] = [len(thresholds) + 1, *thresholds, *coded.tolist(), len(ustream), len(rstream)]
         return header, ustream + rstream
 
     # -- decode --------------------------------------------------------------------------
     def decode(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None) -> dict[str, Update]:
         if old is None:
             raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
+        jobs = self._parse(data, specs)
+
+        def run(job: tuple[TensorSpec, _TensorHeader, bytes, bytes]) -> Update:
+            spec = job[0]
+            o = old(spec.name, None)
+            if o.numel() != spec.numel:
+                raise CorruptObjectError(f"ctx: old tensor {spec.name!r} has {o.numel()} elements, "
+                                         f"expected {spec.numel}")
+            return self.decode_tensor(spec, job[1], job[2], job[3], np_bits(o).reshape(-1))
+
+        return {u.spec.name: u for u in parallel_map(run, jobs)}
+
+    def decode_batch(self, data: bytes, specs: Sequence[TensorSpec], old: OldBits | None = None
+                     ) -> list[UpdateBatch | WrittenBatch]:
+        """:meth:`decode` as batches; where the receiver offers its tensors to be written in place
+        (:func:`~deltastore.codecs.base.write_in_place`) and every tensor of the object is bf16 or fp16 of
+        one element width, each tensor is decoded and written into the target in one kernel call (the new
+        bits only once the whole tensor decoded), its checksum change noted: a :class:`WrittenBatch`."""
+        if old is None:
+            raise ValueError("ctx decoding needs the receiver's old tensors (old(name, None))")
+        jobs = self._parse(data, specs)
+        if jobs and all(j[0].dtype in _WHOLE_IN_C and j[0].bits_dtype == jobs[0][0].bits_dtype for j in jobs):
+            counts = np.array([sum(bk.pos.count for bk in th.buckets) for _, th, _, _ in jobs], np.int64)
+            bounds = np.zeros(len(jobs) + 1, np.int64)
+            np.cumsum(counts, out=bounds[1:])
+            ordered = [j[0] for j in jobs]
+            target = write_in_place(old, [s.name for s in ordered], bounds)
+            if target is not None:
+                self._write_in_place(jobs, target)
+                return [WrittenBatch(ordered, bounds, target)]
+        return Codec.decode_batch(self, data, specs, old)
+
+    def _write_in_place(self, jobs: list[tuple[TensorSpec, _TensorHeader, bytes, bytes]], target: InPlace) -> None:
+        """Every tensor of ``jobs`` decoded into ``target`` (tensor ``i`` at ``target.pointers[i]``): the undo
+        is set first; a tensor is written whole once decoded, then marked done with its checksum change."""
+        undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (target view, positions, old bits)
+
+        def put_back() -> None:
+            for view, pos, before in reversed(undo):
+                view[pos] = before
+
+        target.undo = put_back
+        for i, (spec, th, ustream, rstream) in enumerate(jobs):
+            n = int(target.lengths[i])
+            if n != spec.numel:
+                raise CorruptObjectError(f"ctx: target tensor {spec.name!r} has {n} elements, expected {spec.numel}")
+            view = np.ctypeslib.as_array(ctypes.cast(int(target.pointers[i]), ctypes.POINTER(ctypes.c_uint16)),
+                                         shape=(n,))
+            pos, bits, before = self._decode16(spec, th, ustream, rstream, view, write=True)
+            undo.append((view, pos, before))
+            if pos.size:
+                key = int(target.keys[i])
+                p = torch.from_numpy(pos)
+                delta = sparse_sum(key, p, torch.from_numpy(bits.view(np.int16))) - \
+                    sparse_sum(key, p, torch.from_numpy(before.view(np.int16)))
+                target.sums[i] = np.uint64(delta % (1 << 64))
+            target.done[i] = True
+
+    def _parse(self, data: bytes, specs: Sequence[TensorSpec]) -> list[tuple[TensorSpec, _TensorHeader, bytes, bytes]]:
+        """The object's tensors in name order, each with its parsed header and its two streams."""
         raw, meta = unpack_frames(data, self.codec_id)
         ordered_specs = check_object(meta, specs, self.codec_id)
         hdr, streams = raw.get("header"), raw.get("streams")
@@ -358,16 +322,7 @@ class CtxCodec(Codec):
             offset = end
         if r.i != len(ints) or offset != len(streams):
             raise CorruptObjectError("ctx: trailing data after the last tensor")
-
-        def run(job: tuple[TensorSpec, _TensorHeader, bytes, bytes]) -> Update:
-            spec = job[0]
-            o = old(spec.name, None)
-            if o.numel() != spec.numel:
-                raise CorruptObjectError(f"ctx: old tensor {spec.name!r} has {o.numel()} elements, "
-                                         f"expected {spec.numel}")
-            return self.decode_tensor(spec, job[1], job[2], job[3], np_bits(o).reshape(-1))
-
-        return {u.spec.name: u for u in parallel_map(run, jobs)}
+        return jobs
 
     @staticmethod
     def _header_ints(hdr: bytes) -> list[int]:
@@ -405,6 +360,10 @@ class CtxCodec(Codec):
             classes = _Classes(old, spec)
             if any(t & ((1 << classes.shift) - 1) for t in th.thresholds):
                 raise CorruptObjectError(f"ctx: {spec.name!r} has a threshold inside an exponent class")
+        if spec.dtype in _WHOLE_IN_C:  # bf16, fp16: decoded whole by one kernel call (kernels/ctx.py)
+            pos, bits, _ = self._decode16(spec, th, ustream, rstream, old)
+            return Update(spec, torch.from_numpy(bits.view(np.int16)), torch.from_numpy(pos))
+        if nb > 1:
             buckets = R.Buckets(old, classes.mask, classes.shift, classes.lut(th.thresholds), nb)
             sizes = buckets.sizes
         else:
@@ -458,6 +417,30 @@ class CtxCodec(Codec):
             pos, d = ranks[0], steps[0]
         bits = B.unordered(B.ordered(old[pos], is_float) + d, old.dtype, is_float)
         return Update(spec, to_torch_bits(bits, spec), torch.from_numpy(pos.astype(np.int64, copy=False)))
+
+    @staticmethod
+    def _decode16(spec: TensorSpec, th: _TensorHeader, ustream: bytes, rstream: bytes, old: np.ndarray,
+                  write: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`decode_tensor` of a bf16 / fp16 tensor by :func:`deltastore.kernels.ctx.decode16`: positions,
+        new bits (uint16) and, with ``write`` (the new bits written into ``old`` once all decoded), the old."""
+        plan: list[int] = []
+        for bk in th.buckets:
+            if not bk.pos.count:
+                plan += [0, 0, 0, 0, 0, 0, 0, 0, 0, -1]
+                continue
+            assert bk.big is not None and bk.neg is not None
+            plan += [bk.pos.count, bk.pos.mode, bk.pos.kind.code(), bk.big.count, bk.big.mode, bk.big.kind.code(),
+                     bk.neg.count, bk.neg.mode, bk.neg.kind.code(), bk.mag.code() if bk.mag is not None else -1]
+        m = sum(bk.pos.count for bk in th.buckets)
+        if m > spec.numel:
+            raise CorruptObjectError(f"ctx: {spec.name!r}: {m} changes in {spec.numel} elements")
+        # a threshold past every magnitude (0x8000) is never met, however far past it is
+        cuts = np.array([min(t, 0x8000) for t in th.thresholds], np.int64)
+        status, pos, bits, before = K.decode16(old if write else np.ascontiguousarray(old), _MANTISSA[spec.dtype],
+                                               cuts, np.array(plan, np.int64), ustream, rstream, m, write)
+        if status:
+            raise CorruptObjectError(f"ctx: {spec.name!r}: {K.DECODE_ERRORS.get(status, status)}")
+        return pos, bits, before
 
     @staticmethod
     def _read_streams(seqs: list[_Seq], ustream: bytes, rstream: bytes) -> list[np.ndarray]:

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .._memory import on_release
 from ..errors import CorruptObjectError, UnsupportedFormatError
 from ..kernels import planes as _planes
 from ..kernels.parallel import chunked
@@ -71,35 +72,52 @@ _SAMPLE = 1 << 16
 #: a frame is compressed only if its sample shrinks below this fraction
 _WORTH = 0.97
 
-_tls = threading.local()
+#: compressors by (level, hash_log), idle between the calls that use them: an anchor's frames reuse them, and
+#: they are dropped after each publish (``deltastore._memory.release_memory``), so that the tables of a large
+#: input (megabytes at level 1) do not stay resident between versions
+_idle: dict[tuple[int, int | None], list[zstandard.ZstdCompressor]] = {}
+_idle_lock = threading.Lock()
 
 
-def _cctx(level: int, hash_log: int | None) -> zstandard.ZstdCompressor:
-    """This thread's compressor for ``(level, hash_log)`` (zstd contexts are not shared across threads)."""
-    cache = getattr(_tls, "cctx", None)
-    if cache is None:
-        cache = _tls.cctx = {}
-    c = cache.get((level, hash_log))
-    if c is None:
-        if hash_log is None:
-            c = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        else:
-            params = zstandard.ZstdCompressionParameters.from_level(level, hash_log=hash_log, write_content_size=1)
-            c = zstandard.ZstdCompressor(compression_params=params)
-        cache[(level, hash_log)] = c
-    return c
+def _take_cctx(level: int, hash_log: int | None) -> zstandard.ZstdCompressor:
+    """An idle compressor for ``(level, hash_log)``, or a new one (a context serves one thread at a time)."""
+    with _idle_lock:
+        free = _idle.get((level, hash_log))
+        if free:
+            return free.pop()
+    if hash_log is None:
+        return zstandard.ZstdCompressor(level=level, write_content_size=True)
+    params = zstandard.ZstdCompressionParameters.from_level(level, hash_log=hash_log, write_content_size=1)
+    return zstandard.ZstdCompressor(compression_params=params)
+
+
+def _give_cctx(level: int, hash_log: int | None, c: zstandard.ZstdCompressor) -> None:
+    with _idle_lock:
+        _idle.setdefault((level, hash_log), []).append(c)
+
+
+def drop_contexts() -> None:
+    """Forget the idle compressors (their memory goes back with them)."""
+    with _idle_lock:
+        _idle.clear()
+
+
+on_release(drop_contexts)
 
 
 def _compress_plane(plane: np.ndarray, level: int, hash_log: int | None) -> tuple[str, Any]:
     """``("z", zstd frame)`` or, when zstd would not shrink it, ``("r", plane)``."""
     n = plane.size
-    c = _cctx(level, hash_log)
-    if n > 4 * _SAMPLE:
-        step, part = n // 4, _SAMPLE // 4
-        sample = np.concatenate([plane[i * step:i * step + part] for i in range(4)])
-        if len(c.compress(sample)) > _WORTH * sample.size:
-            return "r", plane
-    z = c.compress(plane)
+    c = _take_cctx(level, hash_log)
+    try:
+        if n > 4 * _SAMPLE:
+            step, part = n // 4, _SAMPLE // 4
+            sample = np.concatenate([plane[i * step:i * step + part] for i in range(4)])
+            if len(c.compress(sample)) > _WORTH * sample.size:
+                return "r", plane
+        z = c.compress(plane)
+    finally:
+        _give_cctx(level, hash_log, c)
     return ("z", z) if len(z) < n else ("r", plane)
 
 

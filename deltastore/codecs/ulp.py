@@ -137,7 +137,7 @@ class UlpCodec(ZstdLevel, Codec):
                                                   np.array([len(stream), nplanes], dtype=np.uint64)]))
 
         def frame(j: int) -> bytes:
-            return zstd_compress(stream if j == 0 else planes[j - 1].tobytes(), self.level)
+            return zstd_compress(stream if j == 0 else planes[j - 1], self.level)
 
         # the streams compress on the kernel threads at once (zstd releases the GIL); small ones (a tensor
         # auto weighs alone) here, where a hand-off to another thread costs more than the compression

@@ -13,6 +13,23 @@ cnp.import_array()
 
 cdef extern from "_simd.h":
     int ds_words_zero(const unsigned char* p, int64_t nw) noexcept nogil
+    int64_t ds_diff_1(uint8_t* o, const uint8_t* n, int64_t a, int64_t b, int64_t* pos, uint8_t* nw, uint8_t* od,
+                      int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_2(uint16_t* o, const uint16_t* n, int64_t a, int64_t b, int64_t* pos, uint16_t* nw,
+                      uint16_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_4(uint32_t* o, const uint32_t* n, int64_t a, int64_t b, int64_t* pos, uint32_t* nw,
+                      uint32_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_8(uint64_t* o, const uint64_t* n, int64_t a, int64_t b, int64_t* pos, uint64_t* nw,
+                      uint64_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int ds_diff_isa() noexcept nogil
+    int64_t ds_diff_on_1(int isa, uint8_t* o, const uint8_t* n, int64_t a, int64_t b, int64_t* pos, uint8_t* nw,
+                         uint8_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_2(int isa, uint16_t* o, const uint16_t* n, int64_t a, int64_t b, int64_t* pos, uint16_t* nw,
+                         uint16_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_4(int isa, uint32_t* o, const uint32_t* n, int64_t a, int64_t b, int64_t* pos, uint32_t* nw,
+                         uint32_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
+    int64_t ds_diff_on_8(int isa, uint64_t* o, const uint64_t* n, int64_t a, int64_t b, int64_t* pos, uint64_t* nw,
+                         uint64_t* od, int64_t cap, int advance, int64_t* next) noexcept nogil
 
 ctypedef fused pos_t:   # a drift table's positions
     int32_t
@@ -28,75 +45,80 @@ cdef enum:
 
 # --- compare ------------------------------------------------------------------------------------------
 
+cdef inline int64_t _diff_range(bits_t* o, const bits_t* n, int64_t a, int64_t b, int64_t* pos, bits_t* new,
+                                bits_t* old, int64_t cap, int advance, int64_t* nxt) noexcept nogil:
+    if bits_t is uint8_t:
+        return ds_diff_1(o, n, a, b, pos, new, old, cap, advance, nxt)
+    elif bits_t is uint16_t:
+        return ds_diff_2(o, n, a, b, pos, new, old, cap, advance, nxt)
+    elif bits_t is uint32_t:
+        return ds_diff_4(o, n, a, b, pos, new, old, cap, advance, nxt)
+    else:
+        return ds_diff_8(o, n, a, b, pos, new, old, cap, advance, nxt)
+
+
 cdef (int64_t, int64_t, int64_t) _diff_items(
         const int64_t* optr, const int64_t* nptr, const int64_t* lens, const uint64_t* keys, const int64_t* iseg,
         const int64_t* istart, const int64_t* istop, int64_t i0, int64_t i1, int64_t e_resume, int64_t* pos,
-        bits_t* new, bits_t* old, int64_t cap, int64_t* counts, uint64_t* sums) noexcept nogil:
-    cdef int64_t width = sizeof(bits_t)
-    cdef int64_t k = 8 // width
-    cdef int64_t c = 0, c0, i, s, a, b, j, nw, w, e, q
-    cdef const bits_t* o
-    cdef const bits_t* n
-    cdef const char* ow
-    cdef const char* vw
+        bits_t* new, bits_t* old, int64_t cap, int64_t* counts, uint64_t* sums, int advance) noexcept nogil:
+    # each item's range by 64-byte blocks (_simd.h ds_diff_*), then its changes' checksum delta
+    cdef int64_t c = 0, got, i, s, a, b, j = 0
     for i in range(i0, i1):
         s = iseg[i]
         a = istart[i]
         if i == i0 and e_resume > a:
             a = e_resume
         b = istop[i]
-        o = <const bits_t*><uintptr_t>optr[s]
-        n = <const bits_t*><uintptr_t>nptr[s]
-        c0 = c
-        j = a
-        if k > 1 and ((optr[s] - nptr[s]) & 7) == 0:
-            while j < b and ((optr[s] + j * width) & 7) != 0:  # head up to an 8-byte boundary
-                if c == cap:
-                    break
-                if o[j] != n[j]:
-                    pos[c] = j
-                    new[c] = n[j]
-                    old[c] = o[j]
-                    c += 1
-                j += 1
-            nw = (b - j) // k
-            if nw > 0 and c + k <= cap:
-                ow = <const char*>(o + j)
-                vw = <const char*>(n + j)
-                w = 0
-                while w < nw:
-                    if ds_load64(ow + 8 * w) != ds_load64(vw + 8 * w):
-                        if c + k > cap:
-                            break
-                        e = j + w * k
-                        for q in range(e, e + k):  # branch-free: store always, advance on a change
-                            pos[c] = q
-                            new[c] = n[q]
-                            old[c] = o[q]
-                            c += o[q] != n[q]
-                    w += 1
-                j += w * k
-        while j < b:  # tail (or everything, when the addresses do not allow words)
-            if c == cap:
-                break
-            if o[j] != n[j]:
-                pos[c] = j
-                new[c] = n[j]
-                old[c] = o[j]
-                c += 1
-            j += 1
-        if c > c0:
-            counts[i] += c - c0
-            sums[i] += mix_sparse(pos, new, c0, c, keys[s]) - mix_sparse(pos, old, c0, c, keys[s])
+        got = _diff_range(<bits_t*><uintptr_t>optr[s], <const bits_t*><uintptr_t>nptr[s], a, b, pos + c, new + c,
+                          old + c, cap - c, advance, &j)
+        if got:
+            counts[i] += got
+            sums[i] += mix_sparse(pos, new, c, c + got, keys[s]) - mix_sparse(pos, old, c, c + got, keys[s])
+            c += got
         if j < b:
             return c, i, j
     return c, i1, 0
 
 
+def compare_isa():
+    """The vector instruction set the compare uses on this CPU: 2 AVX-512BW, 1 AVX2, 0 SSE2 or plain C."""
+    return ds_diff_isa()
+
+
+def compare_range(old, new, int64_t a, int64_t b, pos, new_out, old_out, int isa=-1, bint advance=False):
+    """One range ``[a, b)`` of the compare (``old``/``new``: unsigned arrays of one width) with instruction set
+    ``isa`` (-1: the best; above what the CPU has: the best), for tests. Returns ``(written, next element)``."""
+    cdef int w = old.itemsize if isinstance(old, cnp.ndarray) else 0
+    cdef char* po = arr(old, w, UNSIGNED, advance, "old")
+    cdef const char* pn = arr(new, w, UNSIGNED, False, "new")
+    cdef int64_t* pp = <int64_t*>arr(pos, 8, SIGNED, True, "pos")
+    cdef char* pno = arr(new_out, w, UNSIGNED, True, "new_out")
+    cdef char* poo = arr(old_out, w, UNSIGNED, True, "old_out")
+    cdef int64_t cap = min(size(pos), size(new_out), size(old_out)), nxt = 0, c
+    if not 0 <= a <= b <= min(size(old), size(new)):
+        raise ValueError("compare_range: range outside the arrays")
+    with nogil:
+        if w == 1:
+            c = ds_diff_on_1(isa, <uint8_t*>po, <const uint8_t*>pn, a, b, pp, <uint8_t*>pno, <uint8_t*>poo, cap,
+                             advance, &nxt)
+        elif w == 2:
+            c = ds_diff_on_2(isa, <uint16_t*>po, <const uint16_t*>pn, a, b, pp, <uint16_t*>pno, <uint16_t*>poo, cap,
+                             advance, &nxt)
+        elif w == 4:
+            c = ds_diff_on_4(isa, <uint32_t*>po, <const uint32_t*>pn, a, b, pp, <uint32_t*>pno, <uint32_t*>poo, cap,
+                             advance, &nxt)
+        else:
+            c = ds_diff_on_8(isa, <uint64_t*>po, <const uint64_t*>pn, a, b, pp, <uint64_t*>pno, <uint64_t*>poo, cap,
+                             advance, &nxt)
+    return c, nxt
+
+
 def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, int64_t i0, int64_t i1, int64_t e_resume, pos,
-               new, old, counts, sums):
+               new, old, counts, sums, bint advance=False):
     """Compare items ``i0 .. i1 - 1`` (the first from element ``e_resume``, if above its start); see
-    :mod:`deltastore.kernels.diff`. Returns ``(written, next item, next element)``."""
+    :mod:`deltastore.kernels.diff`. With ``advance``, the new bits are also written over the old ones where they
+    differ (``optr``'s memory: the mirror moves to the new version in the same pass). Returns ``(written, next
+    item, next element)``."""
     cdef int w = width_of(like)
     cdef const int64_t* po = <const int64_t*>arr(optr, 8, ADDRESS, False, "optr")
     cdef const int64_t* pn = <const int64_t*>arr(nptr, 8, ADDRESS, False, "nptr")
@@ -117,16 +139,16 @@ def diff_items(like, optr, nptr, lens, keys, iseg, istart, istop, int64_t i0, in
     with nogil:
         if w == 1:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint8_t*>pnew, <uint8_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         elif w == 2:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint16_t*>pnew, <uint16_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         elif w == 4:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint32_t*>pnew, <uint32_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
         else:
             r = _diff_items(po, pn, pl, pk, ps, pa, pb, i0, i1, e_resume, pp, <uint64_t*>pnew, <uint64_t*>pold, cap,
-                            pc, pu)
+                            pc, pu, advance)
     return r
 
 
@@ -661,4 +683,76 @@ def drift_merge_rows_in_place(like, lpos, p_bounds, pos, anchor, c_bounds, c_pos
             r = _in_place_w(ppb, nrows, <int32_t*>pp, pa, pcb, pcp, pco, pcn, pcl, nparts, pob, w)
         else:
             r = _in_place_w(ppb, nrows, <int64_t*>pp, pa, pcb, pcp, pco, pcn, pcl, nparts, pob, w)
+    return r
+
+
+# --- drift sampling ------------------------------------------------------------------------------------------
+
+cdef int64_t _sample_stream(const int64_t* pos_at, const int64_t* old_at, const int64_t* new_at,
+                            const int64_t* lens, int64_t nparts, const int64_t* bounds, int64_t rows,
+                            int rate_log2, int64_t* out_pos, bits_t* out_old, bits_t* out_new,
+                            int64_t* out_bounds) noexcept nogil:
+    cdef int64_t k, e, q = 0, base = 0, c = 0, idx, p
+    cdef int shift = 64 - rate_log2
+    cdef const int64_t* pp
+    cdef const bits_t* po
+    cdef const bits_t* pn
+    out_bounds[0] = 0
+    for k in range(rows):
+        e = bounds[k]
+        while e < bounds[k + 1]:
+            while e - base >= lens[q]:
+                base += lens[q]
+                q += 1
+            pp = <const int64_t*><uintptr_t>pos_at[q]
+            po = <const bits_t*><uintptr_t>old_at[q]
+            pn = <const bits_t*><uintptr_t>new_at[q]
+            idx = e - base
+            p = pp[idx]
+            # branch-free: written always, kept (c moves) when the position's Fibonacci hash falls in the sample
+            out_pos[c] = p
+            out_old[c] = po[idx]
+            out_new[c] = pn[idx]
+            c += ((<uint64_t>p * <uint64_t>0x9E3779B97F4A7C15ULL) >> shift) == 0
+            e += 1
+        out_bounds[k + 1] = c
+    return c
+
+
+def sample_stream(like, pos_at, old_at, new_at, lens, bounds, int rate_log2, out_pos, out_old, out_new,
+                  out_bounds):
+    """The changes of a stream held in parts (``*_at``: each part's array addresses, ``lens`` their lengths;
+    row ``k`` is stream elements ``bounds[k] .. bounds[k + 1] - 1``) whose position the drift samples at
+    ``rate_log2`` >= 1 (the top ``rate_log2`` bits of ``position * 0x9E3779B97F4A7C15`` zero, as
+    ``deltastore.drift.sampled``), in order, and their row bounds; returns how many were kept. The outputs hold
+    one slot more than the stream."""
+    cdef int w = width_of(like)
+    cdef const int64_t* pp = <const int64_t*>arr(pos_at, 8, ADDRESS, False, "pos_at")
+    cdef const int64_t* po = <const int64_t*>arr(old_at, 8, ADDRESS, False, "old_at")
+    cdef const int64_t* pn = <const int64_t*>arr(new_at, 8, ADDRESS, False, "new_at")
+    cdef const int64_t* pl = <const int64_t*>arr(lens, 8, SIGNED, False, "lens")
+    cdef const int64_t* pb = <const int64_t*>arr(bounds, 8, SIGNED, False, "bounds")
+    cdef int64_t* op = <int64_t*>arr(out_pos, 8, SIGNED, True, "out_pos")
+    cdef char* oo = arr(out_old, w, ANY, True, "out_old")
+    cdef char* on = arr(out_new, w, ANY, True, "out_new")
+    cdef int64_t* ob = <int64_t*>arr(out_bounds, 8, SIGNED, True, "out_bounds")
+    cdef int64_t rows = size(bounds) - 1, nparts = size(lens), total = 0, i, r
+    if not 1 <= rate_log2 <= 63:
+        raise ValueError("sample_stream: rate_log2 must be in 1..63")
+    if size(pos_at) != nparts or size(old_at) != nparts or size(new_at) != nparts or rows < 0:
+        raise ValueError("sample_stream: part arrays of different lengths")
+    for i in range(nparts):
+        total += pl[i]
+    if pb[0] != 0 or pb[rows] != total or size(out_bounds) < rows + 1 or \
+            min(size(out_pos), size(out_old), size(out_new)) < total + 1:
+        raise ValueError("sample_stream: bounds or outputs do not fit the stream")
+    with nogil:
+        if w == 1:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint8_t*>oo, <uint8_t*>on, ob)
+        elif w == 2:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint16_t*>oo, <uint16_t*>on, ob)
+        elif w == 4:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint32_t*>oo, <uint32_t*>on, ob)
+        else:
+            r = _sample_stream(pp, po, pn, pl, nparts, pb, rows, rate_log2, op, <uint64_t*>oo, <uint64_t*>on, ob)
     return r

@@ -52,6 +52,15 @@ cdef extern from "_simd.h":
                          int64_t* src) noexcept nogil
 
 
+    void ds_ranks3b_2(int isa, const uint16_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,
+                      const int64_t* pos, int64_t i0, int64_t i1, int64_t start, int64_t stop, int64_t g1,
+                      int64_t g2, int64_t g3, int64_t* rank, int64_t* bucket, int64_t* gend) noexcept nogil
+    int64_t ds_select3b_2(int isa, const uint16_t* bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,
+                          int64_t start, int64_t stop, const int64_t* ranks, const int64_t* off, const int64_t* lo,
+                          const int64_t* hi, int64_t g1, int64_t g2, int64_t g3, int64_t base, int64_t* outpos,
+                          int64_t* src, const int64_t* steps, uint16_t* newbits, int* bad) noexcept nogil
+
+
 cdef const char* _bits(object bits, int64_t mask, int* w) except NULL:
     cdef const char* p = arr(bits, 0, ANY, False, "bits")
     w[0] = bits.itemsize
@@ -181,19 +190,24 @@ def _count3(bits, int64_t start, int64_t stop, int64_t mask, int64_t t1, int64_t
 
 
 def _ranks3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, pos, int64_t i0, int64_t i1, int64_t start,
-            int64_t g1, int64_t g2, int64_t g3, rank, bucket):
+            int64_t stop, int64_t g1, int64_t g2, int64_t g3, rank, bucket, int isa=-1):
+    """Ranks and buckets of ``pos[i0:i1]`` (inside ``[start, stop)``, ``stop`` at most the array's end), the
+    counts before ``start`` being ``g1 .. g3``; 16-bit elements by 32-element blocks (``isa``: at most that
+    instruction set, for tests)."""
     cdef int w
     cdef const char* pb = _bits(bits, mask, &w)
     cdef const int64_t* pp = <const int64_t*>arr(pos, 8, SIGNED, False, "pos")
     cdef int64_t* pk = <int64_t*>arr(rank, 8, SIGNED, True, "rank")
     cdef int64_t* pu = <int64_t*>arr(bucket, 8, SIGNED, True, "bucket")
-    with nogil:  # the loop is _simd.h's ds_ranks3_*
-        if w == 1:
+    if not 0 <= start <= stop <= size(bits) or (i1 > i0 and (pp[i0] < start or pp[i1 - 1] >= stop)):
+        raise ValueError("_ranks3: positions outside [start, stop) or stop past the array")
+    with nogil:  # the loops are _simd.h's ds_ranks3b_2 (16-bit) and ds_ranks3_*
+        if w == 2:
+            ds_ranks3b_2(isa, <const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, pp, i0, i1,
+                         start, stop, g1, g2, g3, pk, pu, NULL)
+        elif w == 1:
             ds_ranks3_1(<const uint8_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, pp, i0, i1, start,
                         g1, g2, g3, pk, pu)
-        elif w == 2:
-            ds_ranks3_2(<const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, pp, i0, i1,
-                        start, g1, g2, g3, pk, pu)
         elif w == 4:
             ds_ranks3_4(<const uint32_t*>pb, mask, t1, t2, t3, pp, i0, i1, start, g1, g2, g3, pk, pu)
         else:
@@ -250,7 +264,7 @@ def _select(bits, int64_t mask, int64_t shift, lut, int64_t start, int64_t stop,
 
 
 def _select3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t start, int64_t stop, ranks, off, lo,
-             hi, int64_t g1, int64_t g2, int64_t g3, int64_t base, outpos, src):
+             hi, int64_t g1, int64_t g2, int64_t g3, int64_t base, outpos, src, int isa=-1):
     cdef int w
     cdef const char* pb = _bits(bits, mask, &w)
     cdef const int64_t* pr = <const int64_t*>arr(ranks, 8, SIGNED, False, "ranks")
@@ -262,12 +276,14 @@ def _select3(bits, int64_t mask, int64_t t1, int64_t t2, int64_t t3, int64_t sta
     cdef int64_t r
     if size(lo) < 4 or size(hi) < 4 or size(off) < 4:
         raise ValueError("_select3: four buckets")
-    with nogil:  # the loop is _simd.h's ds_select3_*
-        if w == 1:
+    if not 0 <= start <= stop <= size(bits):
+        raise ValueError("_select3: stop past the array")
+    with nogil:  # the loops are _simd.h's ds_select3b_2 (16-bit) and ds_select3_*
+        if w == 2:
+            r = ds_select3b_2(isa, <const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start,
+                              stop, pr, po, pl, ph, g1, g2, g3, base, pp, ps, NULL, NULL, NULL)
+        elif w == 1:
             r = ds_select3_1(<const uint8_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start, stop,
-                             pr, po, pl, ph, g1, g2, g3, base, pp, ps)
-        elif w == 2:
-            r = ds_select3_2(<const uint16_t*>pb, <int32_t>mask, <int32_t>t1, <int32_t>t2, <int32_t>t3, start, stop,
                              pr, po, pl, ph, g1, g2, g3, base, pp, ps)
         elif w == 4:
             r = ds_select3_4(<const uint32_t*>pb, mask, t1, t2, t3, start, stop, pr, po, pl, ph, g1, g2, g3, base,

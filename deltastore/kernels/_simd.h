@@ -323,4 +323,403 @@ DS_FN int ds_words_zero(const unsigned char *p, int64_t nw) {
     return 1;
 }
 
+/* --- the compare (kernels/diff.py diff_items): changed elements of o[a:b] against n[a:b] ---------------------
+   Blocks of 64 bytes are compared whole and give a mask of the changed elements (AVX-512BW: one compare into
+   a mask register; AVX2 / SSE2: byte compares and movemask, folded to one bit per element); the changes are
+   then taken bit by bit (count trailing zeros), so an unchanged block costs a compare and a test, a change a
+   few stores. The ISA is picked once, at the first call, from what the CPU supports (target_clones cannot
+   select intrinsics per clone). Each call writes at most cap changes: pos (element index), new and old bits;
+   with advance != 0 it also writes n's bits over o's in every block that changed (the mirror moves to the new
+   version in the same pass). Returns the changes written; *next is where the scan stopped (b: the end). */
+
+#define DS_DIFF_SCALAR(T)                                                                                     \
+    for (; j < b; j++) {                                                                                      \
+        if (o[j] != n[j]) {                                                                                   \
+            if (c == cap) break;                                                                              \
+            pos[c] = j;                                                                                       \
+            nw[c] = n[j];                                                                                     \
+            od[c] = o[j];                                                                                     \
+            if (advance) o[j] = n[j];                                                                         \
+            c++;                                                                                              \
+        }                                                                                                     \
+    }
+
+DS_UNUSED static inline int ds_ctz64(uint64_t m) { /* m != 0 */
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(m);
+#else
+    int k = 0;
+    while (!(m & 1)) { m >>= 1; k++; }
+    return k;
+#endif
+}
+
+/* one element bit per element of a 64-byte-block byte mask (bit k: byte k differs), for W-byte elements */
+DS_UNUSED static inline uint64_t ds_fold_mask(uint64_t m, int w) {
+    if (w == 1) return m;
+    if (w == 2) { m |= m >> 1; return m & 0x5555555555555555ULL; }
+    if (w == 4) { m |= m >> 1; m |= m >> 2; return m & 0x1111111111111111ULL; }
+    m |= m >> 1; m |= m >> 2; m |= m >> 4; return m & 0x0101010101010101ULL;
+}
+
+#define DS_DIFF_FN(NAME, ATTR, T, W, SHIFT, MASK)                                                             \
+    ATTR DS_UNUSED static int64_t NAME(T *o, const T *n, int64_t a, int64_t b, int64_t *pos, T *nw, T *od,    \
+                                       int64_t cap, int advance, int64_t *next) {                             \
+        const int64_t per = 64 / W;                                                                           \
+        int64_t c = 0, j = a;                                                                                 \
+        for (; j + per <= b && c + per <= cap; j += per) {                                                    \
+            uint64_t m = MASK;                                                                                \
+            if (!m) continue;                                                                                 \
+            do {                                                                                              \
+                int64_t q = j + (int64_t)(ds_ctz64(m) >> SHIFT);                                              \
+                pos[c] = q;                                                                                   \
+                nw[c] = n[q];                                                                                 \
+                od[c] = o[q];                                                                                 \
+                c++;                                                                                          \
+                m &= m - 1;                                                                                   \
+            } while (m);                                                                                      \
+            if (advance) memcpy(o + j, n + j, 64);                                                            \
+        }                                                                                                     \
+        DS_DIFF_SCALAR(T)                                                                                     \
+        *next = j;                                                                                            \
+        return c;                                                                                             \
+    }
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DELTASTORE_NO_CLONES)
+#include <immintrin.h>
+#define DS_X86_DISPATCH 1
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,bmi,popcnt")))
+#define DS_AVX2 __attribute__((target("avx2,bmi,popcnt")))
+/* AVX-512BW: one compare of the right width gives the element mask itself */
+#define DS_M512(F) (uint64_t)F(_mm512_loadu_si512((const void *)(o + j)), _mm512_loadu_si512((const void *)(n + j)))
+/* AVX2 / SSE2: equal-byte masks, inverted, folded to one bit per element */
+#define DS_M256                                                                                               \
+    ds_fold_mask(~((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(                               \
+                       _mm256_loadu_si256((const __m256i *)(const void *)(o + j)),                            \
+                       _mm256_loadu_si256((const __m256i *)(const void *)(n + j))))                           \
+                   | ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(                             \
+                       _mm256_loadu_si256((const __m256i *)((const char *)(o + j) + 32)),                     \
+                       _mm256_loadu_si256((const __m256i *)((const char *)(n + j) + 32)))) << 32)),          \
+                 (int)sizeof(*o))
+#define DS_SSE_Q(k)                                                                                           \
+    ((uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(                                                    \
+         _mm_loadu_si128((const __m128i *)((const char *)(o + j) + 16 * k)),                                  \
+         _mm_loadu_si128((const __m128i *)((const char *)(n + j) + 16 * k)))) << (16 * k))
+#define DS_M128 ds_fold_mask(~(DS_SSE_Q(0) | DS_SSE_Q(1) | DS_SSE_Q(2) | DS_SSE_Q(3)), (int)sizeof(*o))
+#define DS_DIFF_ISAS(T, W, SHIFT, CMP512)                                                                     \
+    DS_DIFF_FN(ds_diff_avx512_##W, DS_AVX512, T, W, 0, DS_M512(CMP512))                                       \
+    DS_DIFF_FN(ds_diff_avx2_##W, DS_AVX2, T, W, SHIFT, DS_M256)                                               \
+    DS_DIFF_FN(ds_diff_sse2_##W, , T, W, SHIFT, DS_M128)
+DS_DIFF_ISAS(uint8_t, 1, 0, _mm512_cmpneq_epi8_mask)
+DS_DIFF_ISAS(uint16_t, 2, 1, _mm512_cmpneq_epi16_mask)
+DS_DIFF_ISAS(uint32_t, 4, 2, _mm512_cmpneq_epi32_mask)
+DS_DIFF_ISAS(uint64_t, 8, 3, _mm512_cmpneq_epi64_mask)
+/* AVX-512 with VBMI2 (16-bit elements): each block's changes are compressed into place (vpcompressw for the
+   bits and for the lane numbers, which are widened to positions), with no branch per change: the outputs get
+   32 slots written per block (c + 32 <= cap keeps them inside) and c moves by the changes. Runs of 64 blocks
+   where few blocks change skip the unchanged ones (a predictable branch); where many do, every block goes
+   through the same instructions (a branch on it would be mispredicted about every other block). */
+#define DS_AVX512V __attribute__((target("avx512f,avx512bw,avx512vbmi2,popcnt")))
+#define DS_VBMI2_BLOCK(SKIP)                                                                                  \
+    {                                                                                                         \
+        __m512i vo = _mm512_loadu_si512((const void *)(o + j)), vn = _mm512_loadu_si512((const void *)(n + j)); \
+        __mmask32 m = _mm512_cmpneq_epi16_mask(vo, vn);                                                       \
+        if (SKIP && !m) continue;                                                                             \
+        __m512i lanes = _mm512_maskz_compress_epi16(m, iota), base = _mm512_set1_epi64(j);                    \
+        _mm512_storeu_si512((void *)(nw + c), _mm512_maskz_compress_epi16(m, vn));                            \
+        _mm512_storeu_si512((void *)(od + c), _mm512_maskz_compress_epi16(m, vo));                            \
+        _mm512_storeu_si512((void *)(pos + c),                                                                \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_castsi512_si128(lanes))));    \
+        _mm512_storeu_si512((void *)(pos + c + 8),                                                            \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 1)))); \
+        _mm512_storeu_si512((void *)(pos + c + 16),                                                           \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 2)))); \
+        _mm512_storeu_si512((void *)(pos + c + 24),                                                           \
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(lanes, 3)))); \
+        if (advance) _mm512_mask_storeu_epi16((void *)(o + j), m, vn);                                        \
+        c += __builtin_popcount((unsigned)m);                                                                 \
+        hit += m != 0;                                                                                        \
+    }
+DS_AVX512V DS_UNUSED static int64_t ds_diff_vbmi2_2(uint16_t *o, const uint16_t *n, int64_t a, int64_t b,
+                                                   int64_t *pos, uint16_t *nw, uint16_t *od, int64_t cap,
+                                                   int advance, int64_t *next) {
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
+                                          14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int64_t c = 0, j = a, hit = 0;
+    int dense = 0;
+    while (j + 32 <= b && c + 32 <= cap) {
+        int64_t end = j + 64 * 32 < b ? j + 64 * 32 : b;
+        hit = 0;
+        if (dense) {
+            for (; j + 32 <= end && c + 32 <= cap; j += 32) DS_VBMI2_BLOCK(0)
+        } else {
+            for (; j + 32 <= end && c + 32 <= cap; j += 32) DS_VBMI2_BLOCK(1)
+        }
+        dense = hit >= 16; /* a quarter of this run's blocks changed: the next run takes every block */
+    }
+    DS_DIFF_SCALAR(uint16_t)
+    *next = j;
+    return c;
+}
+/* other widths: the plain AVX-512 loop */
+#define ds_diff_vbmi2_1 ds_diff_avx512_1
+#define ds_diff_vbmi2_4 ds_diff_avx512_4
+#define ds_diff_vbmi2_8 ds_diff_avx512_8
+/* the best ISA this CPU has: 2: AVX-512BW, 1: AVX2, 0: SSE2 (every x86-64 CPU) */
+DS_UNUSED static int ds_diff_isa(void) {
+    static int isa = -1;
+    if (isa < 0) {
+        __builtin_cpu_init();
+        isa = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                  ? (__builtin_cpu_supports("avx512vbmi2") ? 3 : 2)
+                  : __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return isa;
+}
+/* ds_diff_on_W: with a given ISA (at most the CPU's; tests run every one); ds_diff_W: with the best */
+#define DS_DIFF_DISPATCH(T, W)                                                                                \
+    DS_UNUSED static int64_t ds_diff_on_##W(int isa, T *o, const T *n, int64_t a, int64_t b, int64_t *pos,   \
+                                            T *nw, T *od, int64_t cap, int advance, int64_t *next) {          \
+        if (isa < 0 || isa > ds_diff_isa()) isa = ds_diff_isa();                                              \
+        if (isa == 3) return ds_diff_vbmi2_##W(o, n, a, b, pos, nw, od, cap, advance, next);                 \
+        return isa == 2 ? ds_diff_avx512_##W(o, n, a, b, pos, nw, od, cap, advance, next)                    \
+               : isa == 1 ? ds_diff_avx2_##W(o, n, a, b, pos, nw, od, cap, advance, next)                    \
+                          : ds_diff_sse2_##W(o, n, a, b, pos, nw, od, cap, advance, next);                   \
+    }                                                                                                         \
+    DS_UNUSED static int64_t ds_diff_##W(T *o, const T *n, int64_t a, int64_t b, int64_t *pos, T *nw, T *od,  \
+                                         int64_t cap, int advance, int64_t *next) {                           \
+        return ds_diff_on_##W(-1, o, n, a, b, pos, nw, od, cap, advance, next);                               \
+    }
+#else
+/* elsewhere: the same blocks, their element mask built by plain compares */
+#define DS_MASK_PLAIN(T, W)                                                                                   \
+    DS_UNUSED static inline uint64_t ds_mask_plain_##W(const T *o, const T *n) {                              \
+        uint64_t m = 0;                                                                                       \
+        for (int e = 0; e < 64 / W; e++) m |= (uint64_t)(o[e] != n[e]) << e;                                  \
+        return m;                                                                                             \
+    }
+DS_MASK_PLAIN(uint8_t, 1)
+DS_MASK_PLAIN(uint16_t, 2)
+DS_MASK_PLAIN(uint32_t, 4)
+DS_MASK_PLAIN(uint64_t, 8)
+DS_UNUSED static int ds_diff_isa(void) { return 0; }
+#define DS_DIFF_DISPATCH(T, W)                                                                                \
+    DS_DIFF_FN(ds_diff_##W, , T, W, 0, ds_mask_plain_##W(o + j, n + j))                                      \
+    DS_UNUSED static int64_t ds_diff_on_##W(int isa, T *o, const T *n, int64_t a, int64_t b, int64_t *pos,   \
+                                            T *nw, T *od, int64_t cap, int advance, int64_t *next) {          \
+        (void)isa;                                                                                            \
+        return ds_diff_##W(o, n, a, b, pos, nw, od, cap, advance, next);                                      \
+    }
+#endif
+DS_DIFF_DISPATCH(uint8_t, 1)
+DS_DIFF_DISPATCH(uint16_t, 2)
+DS_DIFF_DISPATCH(uint32_t, 4)
+DS_DIFF_DISPATCH(uint64_t, 8)
+
+/* --- ranks by 64-element blocks (16-bit elements: bf16, fp16) -------------------------------------------------
+   masks3: for the elements x[0..n) (n <= 64) whose magnitude (x & mask) is >= t1, t2, t3, one bit each (bit e:
+   element e; lanes at or past n are 0). ranks3b / select3b: ds_ranks3 / ds_select3 by whole blocks of 64: a block's
+   three masks give every element's bucket (the masks set at it) and, by a popcount below it, its rank, so an
+   element costs a few instructions whatever the changes' density. The ISA is picked at the first call, as for
+   the compare. */
+#define DS_MASKS3_PLAIN                                                                                       \
+    {                                                                                                         \
+        uint64_t a1 = 0, a2 = 0, a3 = 0;                                                                      \
+        for (int e = 0; e < n; e++) {                                                                         \
+            int32_t m = (int32_t)(x[e] & (uint16_t)mask);                                                     \
+            a1 |= (uint64_t)(m >= t1) << e;                                                                   \
+            a2 |= (uint64_t)(m >= t2) << e;                                                                   \
+            a3 |= (uint64_t)(m >= t3) << e;                                                                   \
+        }                                                                                                     \
+        *m1 = a1;                                                                                             \
+        *m2 = a2;                                                                                             \
+        *m3 = a3;                                                                                             \
+    }
+DS_UNUSED static inline void ds_masks3_plain(const uint16_t *x, int n, int32_t mask, int32_t t1, int32_t t2,
+                                             int32_t t3, uint64_t *m1, uint64_t *m2, uint64_t *m3)
+    DS_MASKS3_PLAIN
+#ifdef DS_X86_DISPATCH
+/* AVX-512BW: masked loads (lanes past n are never read) and unsigned compares into mask registers.
+   Thresholds above 0xFFFF cannot be met by a 16-bit magnitude: they give an empty mask. */
+DS_AVX512 DS_UNUSED static inline uint32_t ds_mask32_ge(__m512i v, __mmask32 valid, int32_t t) {
+    return t > 0xFFFF ? 0 : (uint32_t)_mm512_mask_cmpge_epu16_mask(valid, v, _mm512_set1_epi16((short)t));
+}
+DS_AVX512 DS_UNUSED static inline void ds_masks3_avx512(const uint16_t *x, int n, int32_t mask, int32_t t1,
+                                                        int32_t t2, int32_t t3, uint64_t *m1, uint64_t *m2,
+                                                        uint64_t *m3) {
+    int n0 = n < 32 ? n : 32, n1 = n - n0;
+    __mmask32 v0 = n0 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n0) - 1);
+    __mmask32 v1 = n1 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n1) - 1);
+    __m512i k = _mm512_set1_epi16((short)mask);
+    __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi16(v0, (const void *)x), k);
+    __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi16(v1, (const void *)(x + 32)), k);
+    *m1 = ds_mask32_ge(a, v0, t1) | (uint64_t)ds_mask32_ge(b, v1, t1) << 32;
+    *m2 = ds_mask32_ge(a, v0, t2) | (uint64_t)ds_mask32_ge(b, v1, t2) << 32;
+    *m3 = ds_mask32_ge(a, v0, t3) | (uint64_t)ds_mask32_ge(b, v1, t3) << 32;
+}
+#endif
+
+#define DS_RANKS3B(NAME, ATTR, MASKS)                                                                         \
+    ATTR DS_UNUSED static void NAME(const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,   \
+                                    const int64_t *pos, int64_t i0, int64_t i1, int64_t start, int64_t stop,  \
+                                    int64_t g1, int64_t g2, int64_t g3, int64_t *rank, int64_t *bucket,       \
+                                    int64_t *gend) {                                                          \
+        int64_t cur = start, j = i0;                                                                          \
+        uint64_t m1, m2, m3;                                                                                  \
+        while (j < i1) {                                                                                      \
+            int64_t p = pos[j];                                                                               \
+            while (cur + 64 <= p) { /* whole blocks without a change: counted */                              \
+                MASKS(bits + cur, 64, mask, t1, t2, t3, &m1, &m2, &m3);                                       \
+                g1 += __builtin_popcountll(m1);                                                                 \
+                g2 += __builtin_popcountll(m2);                                                                 \
+                g3 += __builtin_popcountll(m3);                                                                 \
+                cur += 64;                                                                                    \
+            }                                                                                                 \
+            int64_t end = cur + 64 < stop ? cur + 64 : stop;                                                  \
+            MASKS(bits + cur, (int)(end - cur), mask, t1, t2, t3, &m1, &m2, &m3);                             \
+            do { /* every change in this block */                                                            \
+                int e = (int)(p - cur);                                                                       \
+                uint64_t below = (1ull << e) - 1;                                                 \
+                int64_t b = ((m1 >> e) & 1) + ((m2 >> e) & 1) + ((m3 >> e) & 1);                              \
+                /* G_k before p (G_0 = p, G_4 = 0): the rank in bucket b is G_b - G_(b+1), no branch on b */     \
+                int64_t G[5] = {p, g1 + __builtin_popcountll(m1 & below), g2 + __builtin_popcountll(m2 & below),  \
+                                g3 + __builtin_popcountll(m3 & below), 0};                                      \
+                rank[j] = G[b] - G[b + 1];                                                                    \
+                bucket[j] = b;                                                                                \
+                j++;                                                                                          \
+            } while (j < i1 && (p = pos[j]) < end);                                                           \
+            g1 += __builtin_popcountll(m1);                                                                     \
+            g2 += __builtin_popcountll(m2);                                                                     \
+            g3 += __builtin_popcountll(m3);                                                                     \
+            cur = end;                                                                                        \
+        }                                                                                                     \
+        if (!gend) return;                                                                                    \
+        for (; cur < stop; cur += 64) { /* on to the end: the totals */                                       \
+            MASKS(bits + cur, (int)(stop - cur < 64 ? stop - cur : 64), mask, t1, t2, t3, &m1, &m2, &m3);     \
+            g1 += __builtin_popcountll(m1);                                                                     \
+            g2 += __builtin_popcountll(m2);                                                                     \
+            g3 += __builtin_popcountll(m3);                                                                     \
+        }                                                                                                     \
+        gend[0] = g1;                                                                                         \
+        gend[1] = g2;                                                                                         \
+        gend[2] = g3;                                                                                         \
+    }
+
+/* the bit of x holding its r-th set bit (r < popcount(x)) */
+DS_UNUSED static inline int ds_select_bit(uint64_t x, int64_t r) {
+    while (r-- > 0) x &= x - 1;
+    return ds_ctz64(x);
+}
+#ifdef DS_X86_DISPATCH
+__attribute__((target("bmi,bmi2"))) DS_UNUSED static inline int ds_select_bit_bmi2(uint64_t x, int64_t r) {
+    return ds_ctz64((uint64_t)_pdep_u64(1ull << r, x));
+}
+#endif
+
+#define DS_SELECT3B(NAME, ATTR, MASKS, SELECT_BIT)                                                            \
+    ATTR DS_UNUSED static int64_t NAME(const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3, \
+                                       int64_t start, int64_t stop, const int64_t *ranks, const int64_t *off,  \
+                                       const int64_t *lo, const int64_t *hi, int64_t g1, int64_t g2,           \
+                                       int64_t g3, int64_t base, int64_t *outpos, int64_t *src,                \
+                                       const int64_t *steps, uint16_t *newbits, int *bad) {                    \
+        int64_t ptr[4], want[4], remaining = 0, o = base, idx = start;                                        \
+        for (int b = 0; b < 4; b++) {                                                                         \
+            ptr[b] = lo[b];                                                                                   \
+            want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                           \
+            remaining += hi[b] - ptr[b];                                                                      \
+        }                                                                                                     \
+        uint64_t m1, m2, m3;                                                                                  \
+        int64_t at[64];                                                                                       \
+        while (remaining > 0 && idx < stop) {                                                                 \
+            int64_t end = idx + 64 < stop ? idx + 64 : stop;                                                  \
+            int len = (int)(end - idx);                                                                       \
+            MASKS(bits + idx, len, mask, t1, t2, t3, &m1, &m2, &m3);                                          \
+            /* thresholds do not decrease, so m3 is within m2 within m1: the buckets' counts need three popcounts */ \
+            int p1 = __builtin_popcountll(m1), p2 = __builtin_popcountll(m2), p3 = __builtin_popcountll(m3);        \
+            int64_t cnt[4] = {len - p1, p1 - p2, p2 - p3, p3};                                                \
+            /* bucket b's elements before this block: G_b - G_(b+1) (G_0: idx, G_4: 0) */                     \
+            int64_t before[4] = {idx - g1, g1 - g2, g2 - g3, g3};                                             \
+            g1 += p1;                                                                                         \
+            g2 += p2;                                                                                         \
+            g3 += p3;                                                                                         \
+            /* the buckets with a wanted rank in this block (none left: -1, a rank below: huge unsigned) */   \
+            uint32_t hit = (uint32_t)((uint64_t)(want[0] - before[0]) < (uint64_t)cnt[0])                     \
+                           | (uint32_t)((uint64_t)(want[1] - before[1]) < (uint64_t)cnt[1]) << 1              \
+                           | (uint32_t)((uint64_t)(want[2] - before[2]) < (uint64_t)cnt[2]) << 2              \
+                           | (uint32_t)((uint64_t)(want[3] - before[3]) < (uint64_t)cnt[3]) << 3;             \
+            if (!hit) {                                                                                       \
+                idx = end;                                                                                    \
+                continue;                                                                                     \
+            }                                                                                                 \
+            uint64_t valid = len >= 64 ? ~0ull : (1ull << len) - 1;                           \
+            uint64_t mb[4] = {valid & ~m1, m1 & ~m2, m2 & ~m3, m3};                                           \
+            uint64_t found = 0;                                                                               \
+            while (hit) {                                                                                     \
+                int b = ds_ctz64((uint64_t)hit);                                                              \
+                hit &= hit - 1;                                                                               \
+                do {                                                                                          \
+                    int e = SELECT_BIT(mb[b], want[b] - before[b]);                                           \
+                    found |= 1ull << e;                                                                         \
+                    at[e] = off[b] + ptr[b];                                                                  \
+                    ptr[b]++;                                                                                 \
+                    remaining--;                                                                              \
+                    want[b] = ptr[b] < hi[b] ? ranks[off[b] + ptr[b]] : -1;                                   \
+                } while ((uint64_t)(want[b] - before[b]) < (uint64_t)cnt[b]);                                 \
+            }                                                                                                 \
+            while (found) { /* in position order */                                                           \
+                int e = ds_ctz64(found);                                                            \
+                outpos[o] = idx + e;                                                                          \
+                src[o] = at[e];                                                                               \
+                if (steps) { /* the element's new bits: its ordered value plus its step (a 16-bit float) */   \
+                    int64_t x = (int16_t)bits[idx + e], mag = x & 0x7FFF;                                     \
+                    int64_t v = (x < 0 ? ~mag : mag) + steps[at[e]];                                          \
+                    *bad |= v < -32768 || v > 32767;                                                          \
+                    newbits[o] = (uint16_t)(v < 0 ? ((~v) | 0x8000) : v);                                     \
+                }                                                                                             \
+                o++;                                                                                          \
+                found &= found - 1;                                                                           \
+            }                                                                                                 \
+            idx = end;                                                                                        \
+        }                                                                                                     \
+        return remaining;                                                                                     \
+    }
+
+DS_RANKS3B(ds_ranks3b_plain, , ds_masks3_plain)
+DS_SELECT3B(ds_select3b_plain, , ds_masks3_plain, ds_select_bit)
+#ifdef DS_X86_DISPATCH
+#define DS_AVX512B2 __attribute__((target("avx512f,avx512bw,bmi,bmi2,popcnt")))
+DS_RANKS3B(ds_ranks3b_avx512, DS_AVX512, ds_masks3_avx512)
+DS_SELECT3B(ds_select3b_avx512, DS_AVX512B2, ds_masks3_avx512, ds_select_bit_bmi2)
+#endif
+/* the best for this CPU (isa >= 0: at most that one, for tests; 0 is plain C) */
+DS_UNUSED static void ds_ranks3b_2(int isa, const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2, int32_t t3,
+                                   const int64_t *pos, int64_t i0, int64_t i1, int64_t start, int64_t stop,
+                                   int64_t g1, int64_t g2, int64_t g3, int64_t *rank, int64_t *bucket,
+                                   int64_t *gend) {
+#ifdef DS_X86_DISPATCH
+    if ((isa < 0 || isa >= 2) && ds_diff_isa() >= 2) {
+        ds_ranks3b_avx512(bits, mask, t1, t2, t3, pos, i0, i1, start, stop, g1, g2, g3, rank, bucket, gend);
+        return;
+    }
+#endif
+    (void)isa;
+    ds_ranks3b_plain(bits, mask, t1, t2, t3, pos, i0, i1, start, stop, g1, g2, g3, rank, bucket, gend);
+}
+/* steps / newbits / bad (NULL for none): the new bits of each found element, its step (indexed like ranks)
+   added to its ordered value as a 16-bit float; *bad set when one leaves the dtype's range */
+DS_UNUSED static int64_t ds_select3b_2(int isa, const uint16_t *bits, int32_t mask, int32_t t1, int32_t t2,
+                                       int32_t t3, int64_t start, int64_t stop, const int64_t *ranks,
+                                       const int64_t *off, const int64_t *lo, const int64_t *hi, int64_t g1,
+                                       int64_t g2, int64_t g3, int64_t base, int64_t *outpos, int64_t *src,
+                                       const int64_t *steps, uint16_t *newbits, int *bad) {
+#ifdef DS_X86_DISPATCH
+    if ((isa < 0 || isa >= 2) && ds_diff_isa() >= 2)
+        return ds_select3b_avx512(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base,
+                                  outpos, src, steps, newbits, bad);
+#endif
+    (void)isa;
+    return ds_select3b_plain(bits, mask, t1, t2, t3, start, stop, ranks, off, lo, hi, g1, g2, g3, base, outpos,
+                             src, steps, newbits, bad);
+}
+
 #endif

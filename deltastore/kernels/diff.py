@@ -19,6 +19,7 @@ takes a contiguous run of items (:func:`split_items`).
 * :func:`check_segments` — positions strictly increasing and in range, per segment.
 * :func:`take_stream` — chosen segments of a stream held in parts, in any order, back to back
   (a reorder or a subset with no index array).
+* :func:`sample_stream` — the changes whose position a sampled drift keeps (its Fibonacci hash), in one pass.
 * :func:`drift_merge_rows` / :func:`drift_merge_rows_in_place` — a version's changes merged into the
   drift tracker's rows (:mod:`deltastore.publish.drift`), branch-free; :func:`merge_runs` cuts the rows into
   runs for several threads.
@@ -34,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._diff import (  # noqa: F401 - the kernels of this module
-    all_zero, check_segments, copy_items, diff_items, drift_merge_rows, drift_merge_rows_in_place, gather_items,
-    mix_delta_segments, mix_full_items, scatter_items, take_stream, zero_flags)
+    all_zero, check_segments, compare_isa, compare_range, copy_items, diff_items, drift_merge_rows, drift_merge_rows_in_place, gather_items,
+    mix_delta_segments, mix_full_items, sample_stream, scatter_items, take_stream, zero_flags)
 
 
 def merge_runs(p_bounds: np.ndarray, c_bounds: np.ndarray, c_lens: np.ndarray, pieces: int,

@@ -107,7 +107,7 @@ def bucket_ranks(bits: np.ndarray, pos: np.ndarray, mask: int, shift: int, lut: 
 
         def fast(c: int) -> None:
             _ranks3(bits, T(mask), *map(T, bk.cuts), pos, int(cut[c]), int(cut[c + 1]), bk.parts[c][0],
-                    *map(int, bk.g[c]), rank, bucket)
+                    bk.parts[c][1], *map(int, bk.g[c]), rank, bucket)
 
         each(len(bk.parts), fast)
     else:

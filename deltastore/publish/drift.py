@@ -42,7 +42,7 @@ import torch
 
 from .. import segments
 from .._memory import discard
-from ..kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs
+from ..kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs, sample_stream
 from ..kernels.parallel import each, threads
 from ..segments import Change, FlatChanges
 
@@ -120,13 +120,25 @@ def _sample_table(t: _Table, rate_log2: int) -> _Table:
 
 
 def _sample_rows(rows: _Rows, rate_log2: int) -> _Rows:
-    """A version's changes with only the positions sampled at ``rate_log2`` (copies of those)."""
+    """A version's changes with only the positions sampled at ``rate_log2`` (copies of those, in one part: one
+    kernel pass over the changes, :func:`~deltastore.kernels.diff.sample_stream`)."""
     if rate_log2 <= 0:
         return rows
     names, index, c_bounds, parts = rows
-    masks = [sampled(pos, rate_log2) for pos, _, _ in parts]
-    return names, index, _kept_bounds(c_bounds, masks), [(pos[m], old[m], new[m])
-                                                          for (pos, old, new), m in zip(parts, masks)]
+    parts = [(np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(old), np.ascontiguousarray(new))
+             for pos, old, new in parts]
+    total = sum(p.size for p, _, _ in parts)
+    bits = parts[0][1].dtype if parts else np.dtype(np.uint16)
+    # room for every change (pages never written cost nothing), shrunk in place to the sample
+    pos, old, new = np.empty(total + 1, np.int64), np.empty(total + 1, bits), np.empty(total + 1, bits)
+    bounds = np.empty(len(c_bounds), np.int64)
+    at = [np.fromiter((a[j].ctypes.data for a in parts), np.int64, len(parts)) for j in range(3)]
+    kept = sample_stream(old[:0], at[0], at[1], at[2],
+                         np.fromiter((p.size for p, _, _ in parts), np.int64, len(parts)),
+                         np.ascontiguousarray(c_bounds, np.int64), rate_log2, pos, old, new, bounds)
+    for a in (pos, old, new):
+        a.resize(kept, refcheck=False)
+    return names, index, bounds, [(pos, old, new)]
 
 
 class Drift:

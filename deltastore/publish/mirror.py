@@ -76,12 +76,15 @@ class Diff:
     """
 
     def __init__(self, sums: dict[str, int], flat: Sequence[tuple[list[str], segments.FlatChanges]] = (),
-                 loose: dict[str, Change] | None = None, changes: dict[str, Change] | None = None):
+                 loose: dict[str, Change] | None = None, changes: dict[str, Change] | None = None,
+                 advanced: bool = False):
         self.sums = sums
         self.flat = list(flat)
         self.loose = loose if loose is not None else {}
         self._changes = changes
         self._where: dict[str, tuple[int, int]] | None = None
+        #: the compare already wrote these changes into the mirror (``Mirror.diff(advance=True)``)
+        self.advanced = advanced
 
     @property
     def changes(self) -> dict[str, Change]:
@@ -277,14 +280,19 @@ class Mirror:
 
     # -- compare -------------------------------------------------------------------
     def diff(self, tensors: Mapping[str, torch.Tensor], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-             pending: Pending | None = None, only: Collection[str] | None = None) -> Diff:
+             pending: Pending | None = None, only: Collection[str] | None = None, advance: bool = False) -> Diff:
         """Changes of ``tensors`` (same names and specs as the mirror) against the last published bits.
 
         With ``pending`` (background mode), the result is against the last
         *captured* version: the mirror plus the pending overlay. With ``only``,
         just those tensors are compared (``tensors`` needs no others) and the
         Diff holds just them (a streamed capture diffs a model piece by piece).
+        With ``advance`` (not with ``pending``), the mirror is moved to the new
+        bits in the same pass (the Diff says so: ``advanced``; :meth:`revert`
+        moves it back); a compare that fails leaves the mirror as it was.
         """
+        if advance and pending is not None:
+            raise ValueError("Mirror.diff: advance cannot be combined with a pending overlay")
         # taken before the compare: the writer may advance the mirror and prune what it wrote meanwhile
         overlay = pending.snapshot() if pending is not None else ()
         loose: dict[str, Change] = {}  # the tensors compared one by one
@@ -309,21 +317,34 @@ class Mirror:
                 else:
                     slow.append(name)
             if fast_names:
-                fc = segments.diff_segments(olds, news, np.array(keys, dtype=np.uint64), hint=self._hint)
+                try:
+                    fc = segments.diff_segments(olds, news, np.array(keys, dtype=np.uint64), hint=self._hint,
+                                                advance=advance)
+                except BaseException:
+                    if advance and flat:  # another width's tensors were advanced already
+                        self.revert(Diff({}, flat))
+                    raise
                 flat.append((fast_names, fc))
                 sums.update(zip(fast_names, fc.sums.tolist()))
                 changed += int(fc.bounds[-1])
                 total += sum(o.numel() for o in olds)
-        for name in slow:
-            spec = self.specs[name]
-            ch = find_changes(self._views[name], tensors[name], chunk_elems=chunk_elems, dtype=spec.dtype)
-            loose[name] = ch
-            sums[name] = _sum_delta(name, ch)
-            changed += ch.count
-            total += spec.numel
+        try:
+            for name in slow:
+                spec = self.specs[name]
+                ch = find_changes(self._views[name], tensors[name], chunk_elems=chunk_elems, dtype=spec.dtype)
+                loose[name] = ch
+                sums[name] = _sum_delta(name, ch)
+                changed += ch.count
+                total += spec.numel
+            if advance and loose:
+                self._write(Diff({}, loose=loose), new=True)
+        except BaseException:
+            if advance and flat:
+                self.revert(Diff({}, flat))
+            raise
         # keep the tensor order of the specs (the manifest's order)
         order = self.specs if only is None else sorted(only, key=self._order.__getitem__)
-        out = Diff({n: sums[n] for n in order}, flat, loose)
+        out = Diff({n: sums[n] for n in order}, flat, loose, advanced=advance)
         if total:
             self._hint = min(1.0, max(1 / 4096, 1.5 * changed / total))
         if overlay:
@@ -338,8 +359,40 @@ class Mirror:
 
     # -- moving ----------------------------------------------------------------------
     def advance(self, diff: Diff) -> None:
-        """Write the changes' new bits in."""
-        self._write(diff, new=True)
+        """Write the changes' new bits in (nothing when the compare did: ``diff.advanced``)."""
+        if not diff.advanced:
+            self._write(diff, new=True)
+
+    def write_changes(self, diff: Diff, names: Sequence[str], *, new: bool) -> None:
+        """Write the new (``new``) or old bits of the changes of ``names`` only: an advanced compare's tensors
+        moved back to the parent while a codec reads them whole, then forward again (O(their changes); one
+        kernel call per flat group of the compare on the host)."""
+        rest = list(names)
+        if self.device.type == "cpu" and diff.flat:
+            by_group: dict[int, list[str]] = {}
+            where = {n: g for g, (group, _) in enumerate(diff.flat) for n in group}
+            rest = []
+            for n in names:
+                (by_group.setdefault(where[n], []) if n in where else rest).append(n)
+            for g, group in by_group.items():
+                batch = diff.batch([self.specs[n] for n in sorted(group)])
+                if batch is None:  # not one flat group after all: tensor by tensor below
+                    rest += group
+                    continue
+                segments.scatter([self._views[s.name] for s in batch.specs], batch.positions, batch.bounds,
+                                 batch.bits if new else batch.old_bits)
+        chs = diff.changes if rest else {}
+        with torch.no_grad():
+            for name in rest:
+                ch = chs.get(name)
+                if ch is None or not ch.count:
+                    continue
+                v = self._views[name]
+                if v.is_cpu:
+                    segments.scatter([v], ch.positions, np.array([0, ch.count], np.int64),
+                                     ch.new_bits if new else ch.old_bits)
+                else:
+                    v[ch.positions.to(v.device)] = (ch.new_bits if new else ch.old_bits).to(v.device)
 
     def revert(self, diff: Diff) -> None:
         """Write the changes' old bits back (undo :meth:`advance`)."""

@@ -62,11 +62,12 @@ class ObjectPlanner:
 
     def sparse_jobs(self, specs: Mapping[str, TensorSpec], changes: Mapping[str, Change] | Diff, mirror: Mirror,
                     index_of: dict[str, list[Part]], whole: Whole, base: Any = None,
-                    limit: int | None = None) -> list[Job]:
+                    limit: int | None = None, reads_parent: list[str] | None = None) -> list[Job]:
         """Jobs that encode ``changes`` against the parent's bits (``base`` None) or against the anchor.
 
-        For a delta ``mirror`` still holds the parent version; for a
-        differential (``base``: the drift) it holds this version. A tensor whose
+        For a delta ``mirror`` holds the parent version (at least in the
+        tensors listed in ``reads_parent``, see below); for a differential
+        (``base``: the drift) it holds this version. A tensor whose
         sparse form would be larger than the whole tensor is added to
         ``whole`` instead (stored with the anchor codec once the mirror holds
         this version). A group of tensors that lie in one flat group of
@@ -74,7 +75,9 @@ class ObjectPlanner:
         drift) is handed to the codec as one :class:`UpdateBatch`
         (:meth:`Codec.encode_batch`) with the old tensors only of those whose
         encoding reads them, not as an :class:`Update` per tensor. ``limit``: the estimated bytes
-        of one object (default ``max_object_bytes``).
+        of one object (default ``max_object_bytes``). ``reads_parent``: where the names of the
+        tensors whose encoding reads the whole old tensor are added (for a delta whose compare
+        advanced the mirror, the caller moves those back to the parent while the jobs run).
         """
         diff = changes if isinstance(changes, Diff) else None
         counts = diff.counts() if diff is not None else {n: ch.count for n, ch in changes.items()}
@@ -101,6 +104,8 @@ class ObjectPlanner:
         def needs_old(name: str) -> bool:  # what the encoder reads for this tensor (auto: only some)
             return codec.needs_for(specs[name], counts[name]) == "old_tensor"
 
+        if reads_parent is not None:
+            reads_parent += [n for _, n in sparse if needs_old(n)]
         jobs: list[Job] = []
         # an object per compare buffer only where the copy it saves outweighs an object's fixed bytes
         breaks = diff.part_breaks() if diff is not None and diff.changed >= SPLIT_AT_BUFFERS_ABOVE else set()

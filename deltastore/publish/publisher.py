@@ -290,7 +290,10 @@ class Publisher:
             captured = Captured(step, specs, aliases, fresh, diff, time.time(), (new, dropped))
         elif same_layout:
             assert mirror is not None
-            diff = mirror.diff(tensors, chunk_elems=self.chunk_elems, pending=self._pending if background else None)
+            # synchronous: the mirror moves to this version in the compare's own pass (the write moves it
+            # back if the version fails); background: the writer advances it after each commit
+            diff = mirror.diff(tensors, chunk_elems=self.chunk_elems, pending=self._pending if background else None,
+                               advance=not background)
             captured = Captured(step, specs, aliases, mirror, diff, time.time())
         else:  # a new chain: a private copy of every tensor, which becomes the mirror
             if background:

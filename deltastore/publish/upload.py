@@ -47,11 +47,17 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
         record = ObjectRecord(store.put_object(data), len(data), codec.describe())
         return record, parts
 
+    bar = progress.current()  # read here: the done-callbacks run on the workers
+    progress.grow(bar, len(jobs))
+    if len(jobs) == 1 or inflight <= 1:  # one at a time anyway: on this thread, no hand-off to a worker
+        results = []
+        for job in jobs:
+            results.append(run(job))
+            progress.advance(bar)
+        return _records(jobs, results, first_index)
     slots = threading.BoundedSemaphore(max(1, inflight))
     failed = threading.Event()
     futures: list[Future] = []
-    bar = progress.current()  # read here: the done-callbacks run on the workers
-    progress.grow(bar, len(jobs))
 
     def release(f: Future) -> None:
         if f.exception() is not None:
@@ -78,6 +84,12 @@ def store_jobs(pool: ThreadPoolExecutor, store: DeltaStore, jobs: Sequence[Job],
                 error = e
     if error is not None:
         raise error
+    return _records(jobs, results, first_index)
+
+
+def _records(jobs: Sequence[Job], results: list[tuple[ObjectRecord, list[tuple[str, int, int]]]],
+             first_index: int) -> list[ObjectRecord]:
+    """The object records of ``results`` (one per job, in order), each job's parts noted in its index."""
     objects = []
     touched: dict[int, dict[str, list[Part]]] = {}
     for (_, _, index_of), (record, parts) in zip(jobs, results):

@@ -69,33 +69,41 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
     upload or the commit raise (:class:`~deltastore.errors.VersionExistsError` for a step another writer
     took), with the mirror and the head as they were."""
     step, specs, aliases, mirror = c.step, c.specs, c.aliases, c.mirror
-    same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
-    new, dropped = c.layout if c.layout is not None else ((), ())
-    relaid = set(new)
-    counts = c.diff.counts() if c.diff is not None else {}
-    total = sum(s.numel for s in specs.values())
-    # drift and differentials are measured against the anchor's layout: off from a layout change to the next anchor
-    head = stages.head
-    proposed = head.drift.propose(c.diff, budget_bytes=head.drift_budget(specs)) \
-        if c.diff is not None and head.tracks_drift(c.layout is not None) else None
-    drift_elements = DriftTracker.count(proposed)
-    decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
-                           tracking=proposed is not None)
-    is_anchor, with_diff = decision.is_anchor, decision.with_diff
-    planner = stages.planner
-
-    delta_of: dict[str, list[Part]] = {}
-    full_of: dict[str, list[Part]] = {}
-    diff_of: dict[str, list[Part]] = {}
-    diff_counts: dict[str, int] = {}
-    whole: Whole = []  # tensors stored whole, and in which role
-    jobs: list[Job] = []
-    if same_layout:
-        jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None)
-    objects = stages.uploader.run(jobs)
-    advanced = False
+    # a compare that advanced the mirror (a synchronous publish) has it hold this version already: from here
+    # on, any failure before the commit moves it back
+    advanced = c.diff is not None and c.diff.advanced
     try:
-        if c.diff is not None:
+        same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
+        new, dropped = c.layout if c.layout is not None else ((), ())
+        relaid = set(new)
+        counts = c.diff.counts() if c.diff is not None else {}
+        total = sum(s.numel for s in specs.values())
+        # drift and differentials are measured against the anchor's layout: off from a layout change to the
+        # next anchor
+        head = stages.head
+        proposed = head.drift.propose(c.diff, budget_bytes=head.drift_budget(specs)) \
+            if c.diff is not None and head.tracks_drift(c.layout is not None) else None
+        drift_elements = DriftTracker.count(proposed)
+        decision = head.decide(same_layout=same_layout, drift_elements=drift_elements, total=total,
+                               tracking=proposed is not None)
+        is_anchor, with_diff = decision.is_anchor, decision.with_diff
+        planner = stages.planner
+
+        delta_of: dict[str, list[Part]] = {}
+        full_of: dict[str, list[Part]] = {}
+        diff_of: dict[str, list[Part]] = {}
+        diff_counts: dict[str, int] = {}
+        whole: Whole = []  # tensors stored whole, and in which role
+        jobs: list[Job] = []
+        reads_parent: list[str] = []
+        if same_layout:  # against the parent's bits
+            jobs += planner.sparse_jobs(specs, c.diff, mirror, delta_of, whole, base=None, reads_parent=reads_parent)
+        if advanced and reads_parent:  # those tensors back to the parent while a codec reads them whole
+            mirror.write_changes(c.diff, reads_parent, new=False)
+        objects = stages.uploader.run(jobs)
+        if advanced and reads_parent:
+            mirror.write_changes(c.diff, reads_parent, new=True)
+        if c.diff is not None and not advanced:
             mirror.advance(c.diff)  # from here on the mirror holds this version
             advanced = True
         later: list[Job] = []
