@@ -143,6 +143,31 @@ def test_block_locate_rejects_positions_outside():
         Block("p", (3, 4), 0, (2, 1), 0, (4, 1)).check()  # overlapping rows
 
 
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_locate_agrees_with_every_position_of_the_block(tp, rank):
+    """Every block the probe finds (whole, fused, padded, sharded by rows or by columns) locates random
+    positions, in and out of it, where its own enumeration of positions says they are; shifted copies take
+    the arithmetic shortcut only when every position lies in the block."""
+    model = FakeVllmModel(tp, rank)
+    params = dict(model.named_parameters())
+    pmap = probe(model.load_weights, params, {n: s for n, s in checkpoint_specs().items()})
+    g = torch.Generator().manual_seed(5)
+    shortcut = 0
+    for name, blocks in pmap.blocks.items():
+        n = pmap.numel(name)
+        for b in blocks:
+            hf = torch.cat(list(b.hf_positions()))
+            p_of = dict(zip(hf.tolist(), b.views(torch.arange(n), torch.arange(params[b.param].numel()))[1]
+                            .reshape(-1).tolist()))
+            inside = hf[torch.randperm(hf.numel(), generator=g)[:50]]
+            for positions in (inside, torch.randint(-3, n + 3, (200,), generator=g)):
+                sel, ppos = b.locate(positions)
+                want = [(i, p_of[int(q)]) for i, q in enumerate(positions.tolist()) if int(q) in p_of]
+                assert list(zip(sel.tolist(), ppos.tolist())) == want, (name, b)
+            shortcut += b._shifted_copy
+    assert shortcut > 0
+
+
 def test_reload_groups_send_fused_partners_together():
     names = list(checkpoint_specs())
     groups = reload_groups(names, FakeVllmModel.packed_modules_mapping)
