@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import scale  # noqa: E402
 import deltastore as ds  # noqa: E402
-from deltastore import drift  # noqa: E402
+from deltastore.publish import drift  # noqa: E402
 
 
 def _timed(log: dict[str, float], name: str):

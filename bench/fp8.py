@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _trace import RUNS, load  # noqa: E402
 
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
-from deltastore.quantize.fp8 import BLOCK, SCALE_SUFFIX, default_rule, quantize_block128  # noqa: E402
+from deltastore.quantization import BLOCK, SCALE_SUFFIX  # noqa: E402
+from deltastore.quantize.fp8 import default_rule, quantize_block128  # noqa: E402
 from deltastore.tensors import bits_view  # noqa: E402
 
 CODECS = ["raw", "zstd", "ulp", "ctx", "auto"]

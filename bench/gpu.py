@@ -32,7 +32,7 @@ delta steps (step 1 is a warm-up whenever there are two or more):
   (the first run's starting state, loaded before its publishers exist so that it fits beside the model on
   an 80 GB card; page cache dropped for the file first with ``posix_fadvise``; a warm load is recorded too);
 * the vLLM-style fused/sharded mapping on device parameters (``tests/test_vllm/fake_vllm_model.py`` +
-  ``deltastore.integrations.vllm_mapping``): TP=1 through ``VllmApplier`` (sparse path) and a simulated
+  ``deltastore.integrations.vllm.mapping``): TP=1 through ``VllmApplier`` (sparse path) and a simulated
   TP=2 (two rank shards, probed separately, staged once, written per rank), bit-exact after each of 10
   versions, against a dense copy of the served parameters;
 * codec encode/decode GB/s (deltastore's codecs run on the host CPU; no GPU codec kernels exist) vs
@@ -84,7 +84,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import _trace  # noqa: E402
 from _rss import Rss, baseline  # noqa: E402
 import deltastore as ds  # noqa: E402
-from deltastore import tracking  # noqa: E402
+from deltastore.pull import tracking  # noqa: E402
 from deltastore.codecs import TensorSpec, Update, get_codec  # noqa: E402
 
 GB = 1e9
@@ -507,8 +507,8 @@ def _fake_module(preset: str):
 def phase_vllm(rep: Report, a, dev: Dev, work: Path) -> None:
     """The vLLM-style fused/sharded mapping on device parameters, bit-exact after each of 10 versions."""
     from deltastore.integrations.vllm import VllmApplier
-    from deltastore.integrations.vllm_mapping import probe
-    from deltastore.integrations.vllm_stage import stage
+    from deltastore.integrations.vllm.mapping import probe
+    from deltastore.integrations.vllm.stage import stage
 
     fake = _fake_module(a.vllm)
     specs = fake.checkpoint_specs()
@@ -615,20 +615,20 @@ def phase_vllm(rep: Report, a, dev: Dev, work: Path) -> None:
     scratch = [{n: torch.empty_like(p) for n, p in m.named_parameters()} for m in ranks]
     for s in range(11):
         def step():
-            st = stage(sub, current, reader if current is not None else None, s, specs=specs)
-            with torch.no_grad():
-                for pm in maps:
-                    if st.route == "anchor":
-                        for name, bits in st.full.items():
-                            pm.write_full(name, bits)
-                    else:
-                        for name, (pos, bits, _orig) in st.pending.items():
-                            pm.write(name, pos, bits)
+            for st in stage(sub.reader, current, reader if current is not None else None, s, specs=specs):
+                with torch.no_grad():
+                    for pm in maps:
+                        if st.path == "anchor":
+                            for name, bits in st.state.bits.items():
+                                pm.write_full(name, bits)
+                        else:
+                            for name, (pos, bits, _orig) in st.changes().items():
+                                pm.write(name, pos, bits)
             return st
 
         st, w = dev.timed(step)
-        if st.route != ("anchor" if s == 0 else "delta"):
-            raise BitMismatch(f"vLLM TP=2 version {s}: route {st.route}")
+        if st.path != ("anchor" if s == 0 else "delta"):
+            raise BitMismatch(f"vLLM TP=2 version {s}: route {st.path}")
         current = st.ref
         _, wc = dev.timed(lambda: [dense_copy(scratch[k], params(m)) for k, m in enumerate(ranks)])
         for k, m in enumerate(ranks):

@@ -37,9 +37,10 @@ import torch  # noqa: E402
 
 import scale  # noqa: E402
 from deltastore import checksum as cs  # noqa: E402
-from deltastore import drift, segments  # noqa: E402
+from deltastore import segments  # noqa: E402
+from deltastore.publish import drift  # noqa: E402
 from deltastore.codecs import _bits, _common, ctx, dense, ulp  # noqa: E402
-from deltastore.diff import Change  # noqa: E402
+from deltastore.segments import Change  # noqa: E402
 from deltastore.kernels import bitstream, checksum, diff, merge, planes, ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,12 +37,12 @@ import scale  # noqa: E402
 
 #: (module, qualified name) of the stages timed
 STAGES = [
-    ("deltastore.publisher", "Publisher._publish"),
+    ("deltastore.publish.publisher", "Publisher._publish"),
     ("deltastore.publish.mirror", "Mirror.diff"),
     ("deltastore.segments", "diff_segments"),
     ("deltastore.publish.version", "write_version"),
-    ("deltastore.drift", "DriftTracker.propose"),
-    ("deltastore.drift", "DriftTracker.commit"),
+    ("deltastore.publish.drift", "DriftTracker.propose"),
+    ("deltastore.publish.drift", "DriftTracker.commit"),
     ("deltastore.publish.chain", "ChainHead.decide"),
     ("deltastore.publish.chain", "ChainHead.advance"),
     ("deltastore.publish.objects", "ObjectPlanner.sparse_jobs"),
@@ -70,7 +70,7 @@ STAGES = [
     ("deltastore.store", "DeltaStore.commit"),
     ("deltastore._memory", "release_memory"),
     ("deltastore.tensors", "named_tensors"),
-    ("deltastore.publisher", "Publisher._normalise"),
+    ("deltastore.publish.publisher", "Publisher._normalise"),
 ]
 
 

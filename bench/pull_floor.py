@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import pull_stages  # noqa: E402
 import scale  # noqa: E402
 import deltastore as ds  # noqa: E402
-from deltastore import tracking  # noqa: E402
+from deltastore.pull import tracking  # noqa: E402
 from deltastore.checksum import tensor_keys  # noqa: E402
 from deltastore.codecs._common import read_header, unpack_frames, zstd_decompress  # noqa: E402
 from deltastore.kernels.bitstream import _gap_offsets, _step_range  # noqa: E402

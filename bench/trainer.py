@@ -55,7 +55,7 @@ def _rank(rank, world, port, uri, run, scale, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from deltastore.distributed import ShardedPublisher
+    from deltastore.publish.sharded import ShardedPublisher
 
     tr = _trace.load(run)
     pub = ShardedPublisher(uri, anchor_every=10**6)

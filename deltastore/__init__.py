@@ -15,25 +15,25 @@ from ._version import __version__
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API docs) see
     from . import errors
-    from .anchors import AnchorPolicy, Every, every
     from .codecs import Codec, TensorSpec, Update, get_codec, register_codec
     from .manifest import Manifest, VersionRef
-    from .publisher import Publisher, VersionInfo
+    from .publish.anchors import AnchorPolicy, Every, every
+    from .publish.publisher import Publisher, VersionInfo
+    from .pull.subscriber import PullResult, Subscriber
     from .registry import Registry
     from .store import DeltaStore, open_store
     from .store_mirror import MirrorReport, mirror_store
-    from .subscriber import PullResult, Subscriber
 
 #: public name -> the module that defines it
 _LAZY = {
-    "AnchorPolicy": "anchors", "Every": "anchors", "every": "anchors",
+    "AnchorPolicy": "publish.anchors", "Every": "publish.anchors", "every": "publish.anchors",
     "Codec": "codecs", "TensorSpec": "codecs", "Update": "codecs", "get_codec": "codecs", "register_codec": "codecs",
     "Manifest": "manifest", "VersionRef": "manifest",
-    "Publisher": "publisher", "VersionInfo": "publisher",
+    "Publisher": "publish.publisher", "VersionInfo": "publish.publisher",
     "Registry": "registry",
     "DeltaStore": "store", "open_store": "store",
     "MirrorReport": "store_mirror", "mirror_store": "store_mirror",
-    "PullResult": "subscriber", "Subscriber": "subscriber",
+    "PullResult": "pull.subscriber", "Subscriber": "pull.subscriber",
 }
 
 __all__ = sorted([*_LAZY, "__version__", "errors"])

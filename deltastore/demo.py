@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .publisher import Publisher
-from .subscriber import Subscriber
+from .publish.publisher import Publisher
+from .pull.subscriber import Subscriber
 from .tensors import named_tensors
 
 TEXT = (

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 
-from .codecs import TensorSpec
+from .tensor_spec import TensorSpec
 from .errors import ManifestError
 from .manifest import Manifest
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import numpy as np
 
 from .errors import ManifestError, UnsupportedFormatError
-from .quantize import check_record as check_quantization
+from .quantization import check_record as check_quantization
 from .tensor_spec import DTYPE_SIZES, TensorSpec, spec_from_name, torch_dtypes_if_loaded
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Progress reporting for long operations, in fsspec's ``Callback`` convention.
 
-:meth:`Publisher.publish <deltastore.publisher.Publisher.publish>` and
-:meth:`Subscriber.pull <deltastore.subscriber.Subscriber.pull>` take
+:meth:`Publisher.publish <deltastore.publish.publisher.Publisher.publish>` and
+:meth:`Subscriber.pull <deltastore.pull.subscriber.Subscriber.pull>` take
 ``progress=``:
 
 * ``None`` / ``False``: nothing is reported (the default);

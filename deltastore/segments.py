@@ -12,7 +12,7 @@ contiguous CPU tensors of one element width and trusts the caller on sizes
 Changes of many tensors come back *flat* (:class:`FlatChanges`): one
 positions / new bits / old bits array for all of them, in tensor order, with
 per-tensor bounds; :meth:`FlatChanges.change` slices one tensor's
-:class:`~deltastore.diff.Change` out of it (views, no copy).
+:class:`Change` out of it (views, no copy).
 """
 
 from __future__ import annotations
@@ -78,6 +78,27 @@ def one_range(bounds: np.ndarray, idx: np.ndarray) -> tuple[int, int, np.ndarray
 
 
 @dataclass
+class Change:
+    """The elements of one tensor whose bits changed.
+
+    positions: int64, 1-D, strictly increasing flat positions (CPU).
+    new_bits: the new raw bits at those positions (integer view dtype, CPU).
+    old_bits: the previous raw bits at those positions (CPU).
+    """
+
+    positions: torch.Tensor
+    new_bits: torch.Tensor
+    old_bits: torch.Tensor
+
+    @property
+    def count(self) -> int:  # asked several times per tensor on the publish path: cached (a Change is never modified)
+        got = self.__dict__.get("_count")
+        if got is None:
+            got = self.__dict__["_count"] = int(self.positions.numel())
+        return got
+
+
+@dataclass
 class FlatChanges:
     """The changed elements of several tensors, back to back in tensor order.
 
@@ -96,9 +117,7 @@ class FlatChanges:
     def count(self, i: int) -> int:
         return int(self.bounds[i + 1] - self.bounds[i])
 
-    def change(self, i: int):  # noqa: ANN201 - Change (import cycle)
-        from .diff import Change
-
+    def change(self, i: int) -> Change:
         a, b = int(self.bounds[i]), int(self.bounds[i + 1])
         k = int(np.searchsorted(self.starts, a, side="right")) - 1
         base = int(self.starts[k])
@@ -115,10 +134,8 @@ class FlatChanges:
         return Change(cat([p for p, _, _ in pieces]), cat([q for _, q, _ in pieces]),
                       cat([o for _, _, o in pieces]))
 
-    def changes(self) -> list:  # noqa: ANN201 - list[Change]
-        """Every tensor's :class:`~deltastore.diff.Change` (views into the parts; ``torch.split`` per part)."""
-        from .diff import Change
-
+    def changes(self) -> list[Change]:
+        """Every tensor's :class:`Change` (views into the parts; ``torch.split`` per part)."""
         counts = np.diff(self.bounds)
         if len(self.parts) == 1:
             pos, new, old = self.parts[0]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -189,3 +190,47 @@ def _distinct_tensors(state: Mapping[Any, Any]) -> dict[str, torch.Tensor] | Non
 
 def _layout_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def plain_cpu(t: torch.Tensor) -> bool:
+    """Whether the kernels may read and write ``t`` by address: a plain (not subclassed) CPU tensor.
+
+    Subclasses (DTensor, fakes, instrumented tensors) always go through torch
+    ops, so whatever they intercept still sees every write. Never cached: a cache keyed by the tensor
+    would keep every tensor ever asked about (a whole model's targets) alive.
+    """
+    return type(t) in _PLAIN and t.is_cpu
+
+
+def all_plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` is :func:`plain_cpu` (two C-level passes, no call per tensor)."""
+    return set(map(type, tensors)).issubset(_PLAIN) and all(map(_IS_CPU, tensors))
+
+
+def plain_cpu_groups(tensors: Sequence[torch.Tensor]) -> tuple[dict[int, list[int]], list[int]]:
+    """The positions in ``tensors`` of the :func:`plain_cpu` ones, grouped by element width, and of the
+    others, each in order; when all are plain CPU tensors of one width (the common case), by C-level
+    passes with no call per tensor."""
+    if all_plain_cpu(tensors):
+        widths = set(map(torch.Tensor.element_size, tensors))
+        if len(widths) == 1:
+            return {widths.pop(): list(range(len(tensors)))}, []
+    groups: dict[int, list[int]] = {}
+    others: list[int] = []
+    for i, t in enumerate(tensors):
+        if plain_cpu(t):
+            groups.setdefault(t.element_size(), []).append(i)
+        else:
+            others.append(i)
+    return groups, others
+
+
+def plain_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of ``tensors`` that are :func:`plain_cpu`, in order."""
+    if all_plain_cpu(list(tensors.values())):
+        return dict(tensors)
+    return {n: t for n, t in tensors.items() if plain_cpu(t)}

@@ -14,6 +14,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -83,20 +84,6 @@ def store_uri(tmp_path):
 def memory_uri():
     """A fresh in-memory store."""
     return f"memory://{uuid.uuid4().hex}"
-
-
-def bits_equal(a: dict, b: dict) -> bool:
-    """Bit-exact equality of two state dicts (integer views, never allclose)."""
-    if set(a) != set(b):
-        return False
-    for k in a:
-        x, y = a[k].detach().cpu(), b[k].detach().cpu()
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        w = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-        if not torch.equal(x.contiguous().view(w), y.contiguous().view(w)):
-            return False
-    return True
 
 
 def step_bits(bits: torch.Tensor, where: torch.Tensor, g: torch.Generator) -> None:
@@ -173,3 +160,58 @@ def follower_at(uri: str, step: int):
     target = sub.pull(step=0).state
     sub.pull(target, step=step)
     return sub, target
+
+
+def chain_states(n: int, shapes: dict[str, tuple[int, ...]] | None = None, *, changes: float | int = 0.02,
+                 seed: int = 0, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0,
+                 every_step: dict[int, float | int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """``n`` states of a model as a trainer would publish them: the first drawn at random (``shapes``: name ->
+    shape, default ``{"a": (64, 48), "b": (48,)}``; ``scale`` times a standard normal, in ``dtype``), each
+    next one with some of every tensor's elements one bit-step up (integer view + 1): ``changes`` of them
+    when a float (each element with that probability), exactly ``changes`` when an int (at distinct
+    positions); ``every_step`` overrides it for given steps. Seeded: the same arguments give the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"a": (64, 48), "b": (48,)} if shapes is None else shapes
+    state = {k: (torch.randn(shape, generator=g) * scale).to(dtype) for k, shape in shapes.items()}
+    out = [state]
+    for step in range(1, n):
+        many = (every_step or {}).get(step, changes)
+        state = {k: v.clone() for k, v in state.items()}
+        for v in state.values():
+            bits = v.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[v.element_size()]).view(-1)
+            if isinstance(many, float):
+                bits[torch.rand(bits.shape, generator=g) < many] += 1
+            else:
+                bits[torch.randperm(bits.numel(), generator=g)[:many]] += 1
+        out.append(state)
+    return out
+
+
+class Published(NamedTuple):
+    """What the ``published`` fixture made: the store, its versions' states, and (with ``follower``) a
+    Subscriber with the dict target it pulled to that step."""
+
+    uri: str
+    states: list[dict[str, torch.Tensor]]
+    sub: Any = None
+    target: Any = None
+
+
+@pytest.fixture
+def published(request, store_uri) -> Published:
+    """A local store holding :func:`chain_states` as versions 0, 1, ... (an anchor at 0 only:
+    ``anchor_every=100``). A test module sets ``PUBLISHED = {...}``: :func:`chain_states` arguments (``n``
+    default 5), ``publisher`` (more Publisher arguments) and ``follower`` (a step: a Subscriber and the dict
+    target it pulled to that step, the anchor at 0 then deltas, checked bit-exact)."""
+    cfg = dict(getattr(request.module, "PUBLISHED", {}))
+    follower = cfg.pop("follower", None)
+    publisher = {"anchor_every": 100, **cfg.pop("publisher", {})}
+    states = chain_states(cfg.pop("n", 5), **cfg)
+    publish_all(store_uri, states, **publisher)
+    if follower is None:
+        return Published(store_uri, states)
+    from deltastore.testing import bits_equal
+
+    sub, target = follower_at(store_uri, follower)
+    assert bits_equal(target, states[follower])
+    return Published(store_uri, states, sub, target)

@@ -12,16 +12,16 @@ import numpy as np
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
-from deltastore import tracking
+from deltastore.testing import bits_equal
+from deltastore.pull import tracking
 from deltastore.codecs import TensorSpec, Update, get_codec
 from deltastore.codecs import dense as dense_mod
 from deltastore.codecs.base import decode_placed
 from deltastore.codecs.dense import DenseCodec
 from deltastore.errors import ApplyError, ChecksumMismatchError, CorruptObjectError
 from deltastore.tensors import bits_view
-from deltastore import undo as undo_mod
-from deltastore.undo import UndoJournal
+from deltastore.pull import undo as undo_mod
+from deltastore.pull.undo import UndoJournal
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool, torch.int8]
 

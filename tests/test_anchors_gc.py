@@ -11,13 +11,15 @@ import torch
 
 import deltastore as ds
 import deltastore.publish.chain as chain_mod
-from conftest import bits_equal, quick_gc_store
-from deltastore.anchors import Adaptive, ChainState, Every, get_anchor_policy
+from conftest import quick_gc_store
+from deltastore.testing import bits_equal
+from deltastore.publish.anchors import Adaptive, ChainState, Every, get_anchor_policy
 from deltastore.chains import extend_trace, trace_steps
 from deltastore.cli import main
 from deltastore.errors import (ObjectNotFoundError, StaleVersionError, UnknownPluginError, VersionNotFoundError)
 from deltastore.gc import Retention, collect_garbage, plan_gc
-from deltastore.verify import verify_store
+from deltastore.pull.reader import VersionReader
+from deltastore.pull.verify import verify_store
 
 NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
 
@@ -236,8 +238,8 @@ class _Rendezvous:
     def subscriber(self, uri):
         rv = self
 
-        class Parking(ds.Subscriber):
-            def _prefetch(self, plan, **kw):
+        class Parking(VersionReader):
+            def prefetch(self, plan, **kw):
                 if rv.wanted.is_set() and rv.lock.acquire(blocking=False):
                     try:
                         if rv.wanted.is_set():
@@ -247,9 +249,11 @@ class _Rendezvous:
                             rv.release.clear()
                     finally:
                         rv.lock.release()
-                super()._prefetch(plan, **kw)
+                super().prefetch(plan, **kw)
 
-        return Parking(uri)
+        sub = ds.Subscriber(uri)
+        sub.reader = Parking(sub.store)
+        return sub
 
 
 def test_gc_while_subscribers_pull_never_gives_wrong_weights(chain64, tmp_path):
@@ -336,22 +340,23 @@ def test_pull_replans_when_gc_removes_its_path(chain64, tmp_path):
         for i in range(10):
             pub.publish(chain64[i], step=i)
 
-    class RacingSubscriber(ds.Subscriber):
+    class RacingReader(VersionReader):
         """Runs GC right after planning, before the objects are fetched."""
 
         armed = False
 
-        def _prefetch(self, plan, **kw):
+        def prefetch(self, plan, **kw):
             if self.armed:
                 self.armed = False
                 collect_garbage(quick_gc_store(uri), Retention(keep_last=2, keep_anchors=1), grace=0)
-            super()._prefetch(plan, **kw)
+            super().prefetch(plan, **kw)
 
-    sub = RacingSubscriber(uri)
+    sub = ds.Subscriber(uri)
+    sub.reader = RacingReader(sub.store)
     target = sub.pull(step=1).state
     sub.pull(target, step=1)
     assert sub.plan(9, sub.version_of(target)).anchor is None  # deltas 2..9 planned first
-    sub.armed = True
+    sub.reader.armed = True
     res = sub.pull(target, step=9)
     assert sub.replans == 1 and res.path == "anchor" and res.versions_applied == [8, 9]
     assert bits_equal(target, chain64[9])

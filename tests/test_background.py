@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.testing import bits_equal
 from deltastore.backends.memory import MemoryBackend
 from deltastore.publish.mirror import Diff
 from deltastore.store import DeltaStore
@@ -57,17 +58,7 @@ class GatedBackend(MemoryBackend):
 
 
 def _states(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"w": torch.randn(128, 64, generator=g).bfloat16(), "b": torch.randn(64, generator=g).bfloat16()}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < 0.02] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {"w": (128, 64), "b": (64,)}, changes=0.02, seed=seed)
 
 
 def test_background_publish_keeps_order_and_loses_nothing():

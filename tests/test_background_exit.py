@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import StoreFullError, VersionDroppedError
 from deltastore.store import DeltaStore
 from deltastore.testing.faults import Fault, FaultyBackend

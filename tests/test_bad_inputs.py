@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal, edit_tensor_columns, follower_at, publish_all
+from conftest import chain_states, edit_tensor_columns, follower_at, publish_all
+from deltastore.testing import bits_equal
 from deltastore.errors import (ApplyError, ChecksumMismatchError, CorruptObjectError, DeltaStoreError,
                                InvalidStepError, ManifestError, ObjectNotFoundError, ParentMismatchError, TargetMismatchError,
                                UnknownBackendError, UnknownCodecError, UnsupportedFormatError,
@@ -20,27 +21,10 @@ from deltastore.store import object_key, version_key
 
 
 def _states(n, shape=(64, 48), frac=0.02, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"a": torch.randn(*shape, generator=g).bfloat16(), "b": torch.randn(shape[1], generator=g).bfloat16()}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < frac] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {"a": shape, "b": (shape[1],)}, changes=frac, seed=seed)
 
 
-@pytest.fixture
-def published(store_uri):
-    """A local store with versions 0..4 (anchor at 0) and a follower at version 3."""
-    states = _states(5)
-    publish_all(store_uri, states, anchor_every=100)
-    sub, target = follower_at(store_uri, 3)
-    assert bits_equal(target, states[3])
-    return store_uri, states, sub, target
+PUBLISHED = {"follower": 3}  # versions 0..4 (anchor at 0) of _states(5) and a follower at version 3
 
 
 def _path(uri, key):
@@ -293,12 +277,12 @@ def test_interrupted_write_of_plain_cpu_tensors_is_undone(store_uri, monkeypatch
     """Plain CPU tensors are written by the library's batched scatter, not through torch, when the codec
     does not write in place (``raw``): a failure right after a write landed must be undone, and so must the
     deltas written before it on the same pull (two behind: each delta is written before the next is read)."""
-    import deltastore.apply as apply_mod
+    import deltastore.pull.apply as writing
 
     states = _states(5)
     publish_all(store_uri, states, anchor_every=100, codec="raw")
     sub, target = follower_at(store_uri, 2)
-    real = apply_mod.segments.scatter
+    real = writing.segments.scatter
     calls = []
 
     def scatter_then_fail(*args, **kwargs):
@@ -307,7 +291,7 @@ def test_interrupted_write_of_plain_cpu_tensors_is_undone(store_uri, monkeypatch
         if len(calls) == 2:  # the second delta's write
             raise RuntimeError("injected failure after the write landed")
 
-    monkeypatch.setattr(apply_mod.segments, "scatter", scatter_then_fail)
+    monkeypatch.setattr(writing.segments, "scatter", scatter_then_fail)
     with pytest.raises(ApplyError) as e:
         sub.pull(target, step=4)
     assert len(calls) >= 4  # both writes, then both undone
@@ -323,15 +307,16 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
     """Each delta behind, the decoder writes each change into the target as it decodes it. Whatever fails
     after that write of the last delta (the decoder itself, the checksum check after it, an interrupt),
     the target is put back bit for bit, with every delta the pull wrote before it, and keeps its version."""
-    from deltastore import apply as apply_mod
+    from deltastore.pull import staging
     from deltastore.kernels import bitstream
+    from deltastore.pull.reader import VersionReader
 
     uri, states, sub, target = published
     start = 4 - behind
     if start != 3:
         sub.pull(target, step=start, allow_anchor=True)
-    real, real_advance = bitstream.StepsInPlace.run, ds.Subscriber.advance
-    real_sums = apply_mod._expect_sums
+    real, real_advance = bitstream.StepsInPlace.run, VersionReader.advance
+    real_sums = staging._expect_sums
     at, landed = [], []
 
     def write_then_fail(self):
@@ -343,11 +328,11 @@ def test_a_failure_after_the_in_place_write_is_undone(published, monkeypatch, fa
             raise KeyboardInterrupt
         return got
 
-    monkeypatch.setattr(ds.Subscriber, "advance", lambda self, state, m, role="delta":
+    monkeypatch.setattr(VersionReader, "advance", lambda self, state, m, role="delta":
                         (at.append(m.step), real_advance(self, state, m, role))[1])
     monkeypatch.setattr(bitstream.StepsInPlace, "run", write_then_fail)
     if failure == "checksum":
-        monkeypatch.setattr(apply_mod, "_expect_sums", lambda manifest, names, *a:
+        monkeypatch.setattr(staging, "_expect_sums", lambda manifest, names, *a:
                             _raise_mismatch(names) if manifest.step == 4 else real_sums(manifest, names, *a))
     expected = {"decoder": CorruptObjectError, "checksum": ChecksumMismatchError, "interrupt": KeyboardInterrupt}
     with pytest.raises(expected[failure]):

@@ -15,9 +15,13 @@ import deltastore.codecs.raw  # noqa: F401  (ds.codecs.raw below)
 from deltastore import _gc, segments
 from deltastore.kernels import bitstream
 from deltastore.codecs import read_old_bits
+from deltastore.pull import transaction
+from deltastore.pull.reader import VersionReader
 from deltastore.registry import codecs as codec_registry
 
-from conftest import bits_equal, step_bits
+from conftest import step_bits
+
+from deltastore.testing import bits_equal
 
 
 def _states(n=3, seed=0):
@@ -144,8 +148,8 @@ def test_a_ulp_pull_over_two_deltas_writes_each_in_place_in_turn(memory_uri, mon
     states, sub, target = _ulp_follower_at_zero(memory_uri)
     seen = _counting(monkeypatch)
     runs = []
-    real_advance = ds.Subscriber.advance
-    monkeypatch.setattr(ds.Subscriber, "advance", lambda self, state, m, role="delta":
+    real_advance = VersionReader.advance
+    monkeypatch.setattr(VersionReader, "advance", lambda self, state, m, role="delta":
                         (runs.append((m.step, len(seen["in_place"]))), real_advance(self, state, m, role))[1])
     res = sub.pull(target, step=2, allow_anchor=False)
     assert bits_equal(target, states[2]) and res.versions_applied == [1, 2]
@@ -163,13 +167,18 @@ def _staged_path(sub, target, start, steps):
     """The path from version ``start`` through ``steps`` staged on one overlay over ``target``, then written
     (what a pull does for a path with a differential or a layout change, and ``stage()`` for an
     integration); returns the elements staged per tensor."""
-    from deltastore.apply import SparseOverlay, mapping_reader, write_sparse
+    from deltastore.pull.apply import write_sparse
+    from deltastore.pull.staging import SparseOverlay, mapping_reader
 
     overlay = SparseOverlay(mapping_reader(target), sub.manifest(start), target)
     for s in steps:
-        sub.advance(overlay, sub.manifest(s))
+        sub.reader.advance(overlay, sub.manifest(s))
     written = overlay.pending.counts()
-    write_sparse(target, overlay)
+    log = transaction.UndoLog()
+    try:
+        write_sparse(target, overlay, log.steps())
+    except Exception as e:  # undone as a transaction undoes it
+        raise transaction.failure(e, log.restore()) from e
     return written
 
 
@@ -232,7 +241,7 @@ def test_a_batched_read_past_a_tensor_is_a_typed_error_and_the_target_keeps_its_
 
 
 def test_the_batched_gather_refuses_positions_outside_their_tensor_and_bad_bounds():
-    from deltastore.apply import _gather_checked
+    from deltastore.pull.staging import _gather_checked
 
     a, b = torch.arange(10, dtype=torch.int16), torch.arange(100, 105, dtype=torch.int16)
     ok = _gather_checked([a, b], torch.tensor([1, 9, 0, 4]), np.array([0, 2, 4]))
@@ -296,7 +305,7 @@ def test_pull_and_publish_run_with_the_collector_paused_and_resume_it(memory_uri
 
 
 def _full_state(sub, states, step):
-    from deltastore.apply import FullState
+    from deltastore.pull.staging import FullState
 
     return FullState.from_bits(sub.manifest(step), {k: v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.int32)
                                                     .reshape(-1).clone() for k, v in states[step].items()})
@@ -327,14 +336,14 @@ def test_a_batch_that_fails_its_checksum_names_its_tensor_and_stages_nothing(mem
     state = _full_state(sub, states, 0)
     before = {k: v.clone() for k, v in state.bits.items()}
     m = sub.manifest(1)
-    updates, _ = sub.fetch_updates(m, "delta", state.old)
+    updates, _ = sub.reader.fetch_updates(m, "delta", state.old)
     batch = next(b for b in updates.batches if len(b.specs) == 5)
     batch.bits = batch.bits.clone()
     batch.bits[int(batch.bounds[2])] ^= 1  # one element of the third tensor off
     with pytest.raises(ds.errors.ChecksumMismatchError, match=batch.specs[2].name):
         state.apply(m, updates)
     assert all(torch.equal(state.bits[k], before[k]) for k in before)  # the other tensors untouched too
-    good, _ = sub.fetch_updates(m, "delta", state.old)
+    good, _ = sub.reader.fetch_updates(m, "delta", state.old)
     state.apply(m, good)
     assert bits_equal(state.as_tensors(), states[1])
 
@@ -360,7 +369,7 @@ def _overlapping_states(n=5, seed=1):
 def test_a_staged_path_merges_each_batch_touched_again_in_one_pass(memory_uri, monkeypatch, codec):
     """Several deltas staged on one overlay over a live target: a batch touching staged tensors again is
     merged by whole-batch searches (no call per tensor), bit-exact, and written by one scatter."""
-    from deltastore.apply import SparseOverlay, _PendingMap
+    from deltastore.pull.staging import SparseOverlay, _PendingMap
 
     states = _overlapping_states()
     _publish(memory_uri, states, codec)
@@ -432,7 +441,7 @@ def test_a_lagging_follower_writes_delta_after_delta_and_a_late_failure_undoes_t
     sub = ds.Subscriber(memory_uri)
     target = {k: v.clone() for k, v in states[0].items()}
     sub.pull(target, step=0)
-    real_advance, real_write = ds.Subscriber.advance, ds.apply.write_sparse
+    real_advance, real_write = VersionReader.advance, transaction.write_sparse
     at = []
 
     def advance(self, state, m, role="delta"):
@@ -447,8 +456,8 @@ def test_a_lagging_follower_writes_delta_after_delta_and_a_late_failure_undoes_t
         if at[-1] == 4:
             raise OSError("injected: the last delta fails after its write landed")
 
-    monkeypatch.setattr(ds.Subscriber, "advance", advance)
-    monkeypatch.setattr(ds.subscriber, "write_sparse", write)
+    monkeypatch.setattr(VersionReader, "advance", advance)
+    monkeypatch.setattr(transaction, "write_sparse", write)
     with pytest.raises((RuntimeError, OSError)):
         sub.pull(target, step=4, allow_anchor=False)
     assert at == [1, 2, 3, 4]

@@ -18,33 +18,23 @@ import pytest
 import torch
 
 import deltastore as ds
-import deltastore.subscriber as subscriber_module
-from conftest import bits_equal
+from conftest import chain_states
+import deltastore.pull.transaction as transaction_module
+from deltastore.pull import tracking
+from deltastore.testing import bits_equal
 from deltastore import segments
-from deltastore.apply import SparseOverlay, TargetAddresses
+from deltastore.pull.staging import SparseOverlay, TargetAddresses
 from deltastore.checksum import tensor_keys
 from deltastore.errors import TargetMismatchError
 from deltastore.pull.checked_target import CheckedTarget
 
 
+SHAPES = {"a": (8, 8), "b": (16,), "c": (4, 8)}
+PUBLISHED = {"n": 4, "shapes": SHAPES, "changes": 1.0}  # every element one step up each version
+
+
 def _states(n=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"a": torch.randn(8, 8, generator=g).bfloat16(), "b": torch.randn(16, generator=g).bfloat16(),
-         "c": torch.randn(4, 8, generator=g).bfloat16()}
-    out = [s]
-    for _ in range(1, n):
-        s = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in s.items()}
-        out.append(s)
-    return out
-
-
-@pytest.fixture
-def published(store_uri):
-    states = _states()
-    with ds.Publisher(store_uri, anchor_every=100) as pub:
-        for step, s in enumerate(states):
-            pub.publish(s, step=step)
-    return store_uri, states
+    return chain_states(n, SHAPES, changes=1.0, seed=seed)
 
 
 def _following(uri, states):
@@ -60,13 +50,13 @@ def _following(uri, states):
 def counted_checks(monkeypatch):
     """How many times a pull checked its target's layout."""
     calls = []
-    real = subscriber_module.check_target
+    real = transaction_module.check_target
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(subscriber_module, "check_target", counting)
+    monkeypatch.setattr(transaction_module, "check_target", counting)
     return calls
 
 
@@ -80,12 +70,12 @@ def overlays(monkeypatch):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(subscriber_module, "SparseOverlay", Seen)
+    monkeypatch.setattr(transaction_module, "SparseOverlay", Seen)
     return made
 
 
 def test_a_follower_into_the_same_tensors_checks_them_once(published, counted_checks, overlays):
-    uri, states = published
+    uri, states, _, _ = published
     sub, target = _following(uri, states)
     checked = len(counted_checks)
     overlays.clear()
@@ -138,7 +128,7 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, change):
-    uri, states = published
+    uri, states, _, _ = published
     sub, target = _following(uri, states)  # checked, and remembered
     do, match = CHANGES[change]
     memory = [v.data for v in target.values()]  # kept alive: a write to a stale address fails a test, not the process
@@ -152,7 +142,7 @@ def test_a_target_changed_between_pulls_is_checked_again_and_refused(published, 
 
 def test_a_target_changed_back_is_pulled_again(published):
     """After a refused pull, a target put right is checked and followed as before, bit-exact."""
-    uri, states = published
+    uri, states, _, _ = published
     sub, target = _following(uri, states)
     a = target["a"]
     target["a"] = torch.zeros(4, 16, dtype=torch.bfloat16)
@@ -165,11 +155,11 @@ def test_a_target_changed_back_is_pulled_again(published):
 
 
 def test_the_record_keeps_no_tensor_alive(published):
-    uri, states = published
+    uri, states, _, _ = published
     sub, target = _following(uri, states)
     sub.pull(target, step=2)
     refs = [weakref.ref(t) for t in target.values()]
-    ds.tracking.set_version(target, None)  # the version table holds plain dicts; the record must not
+    tracking.set_version(target, None)  # the version table holds plain dicts; the record must not
     del target
     gc.collect()
     assert all(r() is None for r in refs)
@@ -206,7 +196,7 @@ class _Marked(torch.Tensor):
 def test_a_target_holding_a_tensor_subclass_gets_no_addresses(published, overlays, when):
     """The addresses a checked target hands the overlay are trusted to be plain CPU tensors': a target with
     a subclassed tensor (from the start, or re-classed after the checks) is never offered them."""
-    uri, states = published
+    uri, states, _, _ = published
     sub = ds.Subscriber(uri)
     target = {k: torch.zeros_like(v) for k, v in states[0].items()}
     if when == "from the start":
@@ -271,7 +261,7 @@ def test_addresses_of_other_tensors_are_not_used():
 def test_a_follower_one_behind_downloads_the_version_while_its_target_is_checked(published, monkeypatch):
     """The version's own objects are asked for before the target is looked at, so on a remote store their
     download overlaps the target's checks; a pull that then takes another path drops them."""
-    uri, states = published
+    uri, states, _, _ = published
     sub, target = _following(uri, states)
     manifest = sub.manifest(2)
     wanted = {o.digest for o in manifest.objects}

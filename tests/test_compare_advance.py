@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore import segments
 from deltastore.backends.memory import MemoryBackend
 from deltastore.store import DeltaStore

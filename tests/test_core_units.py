@@ -15,7 +15,7 @@ from deltastore.backends import open_backend
 from deltastore.backends.local import LocalBackend
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, updated_checksum
-from deltastore.diff import find_changes
+from deltastore.publish.diff import find_changes
 from deltastore.errors import (DeltaStoreError, InvalidKeyError, KeyExistsError, KeyNotFoundError,
                                ManifestError, MissingDependencyError, PluginConflictError, UnknownPluginError)
 from deltastore.manifest import Manifest, ObjectRecord, Part, TensorRecord, VersionRef

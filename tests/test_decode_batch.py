@@ -13,7 +13,8 @@ import torch
 import deltastore as ds
 from conftest import step_bits
 from deltastore import segments
-from deltastore.apply import _Pending, _PendingMap
+from deltastore.pull import tracking
+from deltastore.pull.staging import _Pending, _PendingMap
 from deltastore.codecs import TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec, register_codec
 from deltastore.codecs.auto import AutoCodec
 from deltastore.codecs.base import decode_batched, encode_batched
@@ -288,7 +289,7 @@ def test_a_decoder_lying_in_its_batch_is_a_typed_error_and_the_target_keeps_its_
         liar.how = how
         with pytest.raises(ds.errors.CorruptObjectError, match=_NAMED.get(how)):  # names what is wrong
             sub.pull(target, step=1, allow_anchor=False)
-        assert _equal(target, before) and ds.tracking.get_version(target).step == 0
+        assert _equal(target, before) and tracking.get_version(target).step == 0
         liar.how = ""
         sub.pull(target, step=1, allow_anchor=False)
         assert _equal(target, state)

@@ -11,27 +11,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deltastore as ds
-from conftest import bits_equal
-from deltastore.distributed import ShardedPublisher
+from conftest import chain_states
+from deltastore.testing import bits_equal
+from deltastore.publish.sharded import ShardedPublisher
 from deltastore.errors import TargetMismatchError
+from deltastore.publish.anchors import Adaptive
 from deltastore.publish.collective import LOCAL, CollectiveError
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
-def _states(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"emb": torch.randn(37, 16, generator=g).bfloat16(),      # rows do not split evenly
-         "w": torch.randn(64, 24, generator=g).bfloat16(),
-         "norm": torch.randn(16, generator=g).bfloat16()}        # replicated on every rank
-    out = [s]
-    for i in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < (0.5 if i == 3 else 0.03)] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+def _states(n=6, seed=0):  # rows of "emb" do not split evenly; "norm" is replicated on every rank
+    return chain_states(n, {"emb": (37, 16), "w": (64, 24), "norm": (16,)}, changes=0.03, every_step={3: 0.5},
+                        seed=seed)
 
 
 def _free_port():
@@ -121,7 +112,7 @@ def test_sharded_publish_equals_single_process(tmp_path, world, mode):
 @pytest.mark.slow
 def test_sharded_adaptive_policy_with_differentials(tmp_path):
     uri = str(tmp_path / "s")
-    _run(2, uri, "plain", anchor=ds.anchors.Adaptive(differential_gain=0.2, budget=10.0))
+    _run(2, uri, "plain", anchor=Adaptive(differential_gain=0.2, budget=10.0))
     sub = ds.Subscriber(uri)
     states = _states()
     assert any(sub.manifest(i).differential is not None for i in sub.versions())
@@ -139,7 +130,7 @@ def test_a_failing_rank_fails_the_version_on_every_rank_and_the_next_try_commits
         assert bits_equal(sub.pull(step=i).state, s)
 
 
-@pytest.mark.parametrize("policy", [{"anchor_every": 3}, {"anchor": ds.anchors.Adaptive(differential_gain=0.2,
+@pytest.mark.parametrize("policy", [{"anchor_every": 3}, {"anchor": Adaptive(differential_gain=0.2,
                                                                                           budget=10.0)}])
 def test_one_rank_without_a_process_group_runs_the_same_code_and_matches_a_publisher(tmp_path, policy):
     """No init_process_group (and ``group=LOCAL``): the Collective is this process alone; the versions equal

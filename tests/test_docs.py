@@ -105,7 +105,7 @@ def test_no_page_shows_a_raw_sphinx_role(site):
 
 
 def test_the_api_reference_links_its_names_and_shows_real_defaults(site):
-    from deltastore import publisher
+    from deltastore.publish import publisher
 
     page = (site / "api" / "publisher" / "index.html").read_text()
     # roles became links (the Publisher's docstrings name errors documented on the progress page)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from deltastore import drift
-from deltastore.diff import find_changes
-from deltastore.drift import DriftTracker
+from deltastore.publish import drift
+from deltastore.publish.diff import find_changes
+from deltastore.publish.drift import DriftTracker
 
 
 @pytest.fixture(params=["one thread", "runs of rows on three threads"])
@@ -68,7 +68,8 @@ def test_positions_beyond_32_bits_widen_the_table():
 
 
 def test_flat_changes_give_the_same_drift_as_per_tensor_changes(monkeypatch):
-    from deltastore import drift, segments
+    from deltastore import segments
+    from deltastore.publish import drift
     per_tensor = []
     rows = drift._rows
     monkeypatch.setattr(drift, "_rows", lambda *a: per_tensor.append(1) or rows(*a))

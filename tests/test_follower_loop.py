@@ -8,7 +8,7 @@ import weakref
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 
 
 def test_a_fresh_dict_is_tracked_weakly_and_the_next_pull_takes_the_delta(tmp_path):

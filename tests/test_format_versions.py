@@ -10,24 +10,16 @@ import os
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.testing import bits_equal
 from deltastore.publish import commit as commit_module
 from deltastore.manifest import COLUMNS_FORMAT_VERSION, FORMAT_VERSION, LAYOUT_OBJECT_FORMAT_VERSION
 from deltastore.store import version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    state = {f"l{i}.w": (torch.randn(16, 8, generator=g) * 0.02).bfloat16() for i in range(70)}
-    out = [state]
-    for _ in range(n - 1):
-        state = {k: v.clone() for k, v in state.items()}
-        for v in state.values():
-            bits = v.view(torch.int16).view(-1)
-            bits[torch.randperm(bits.numel(), generator=g)[:5]] += 1
-        out.append(state)
-    return out
+    return chain_states(n, {f"l{i}.w": (16, 8) for i in range(70)}, changes=5, scale=0.02, seed=seed)
 
 
 def test_a_chain_written_in_rows_then_columns_is_resumed_and_pulled_through(store_uri, monkeypatch):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
-from deltastore.materialize import materialize
+from deltastore.testing import bits_equal
+from deltastore.pull.materialize import materialize
 from deltastore.errors import ManifestError, TargetMismatchError, UnsupportedFormatError
 from deltastore.quantize.fp8 import Fp8Block128, dequantize_block128, quantize_block128
 from deltastore.store import version_key

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.testing import bits_equal
 
 _WRITES = ("copy_", "__setitem__", "index_put_")
 
@@ -35,27 +36,12 @@ def _plain(state):
     return {k: v.detach().as_subclass(torch.Tensor).clone() for k, v in state.items()}
 
 
+SHAPES = {f"t{i}": (32, 16) for i in range(4)}
+PUBLISHED = {"n": 3, "shapes": SHAPES, "changes": 0.1}
+
+
 def _states(n=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {f"t{i}": torch.randn(32, 16, generator=g).bfloat16() for i in range(4)}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < 0.1] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
-
-
-@pytest.fixture
-def published(store_uri):
-    states = _states()
-    with ds.Publisher(store_uri, anchor_every=100) as pub:
-        for i, s in enumerate(states):
-            pub.publish(s, step=i)
-    return store_uri, states
+    return chain_states(n, SHAPES, changes=0.1, seed=seed)
 
 
 class _Buffers(nn.Module):
@@ -79,7 +65,7 @@ def _bits(target):
 @pytest.mark.parametrize("kind", ["dict", "module"])
 @pytest.mark.parametrize("route", ["delta", "anchor"])
 def test_interrupt_mid_write_rolls_back_then_propagates(published, kind, route, exc):
-    uri, states = published
+    uri, states, _, _ = published
     sub = ds.Subscriber(uri)
     target = _target(kind, states[1])
     if route == "delta":

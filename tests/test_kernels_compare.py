@@ -150,7 +150,7 @@ def test_diff_segments_matches_numpy_and_the_checksum(monkeypatch, width, hint):
 def test_sample_stream_keeps_the_sampled_positions_in_order(rate, width):
     """The kernel behind a sampled drift: a stream held in parts of any lengths (some empty), rows straddling
     parts, empty rows, positions at both ends of the int64 range: what ``drift.sampled`` keeps, row by row."""
-    from deltastore.drift import sampled
+    from deltastore.publish.drift import sampled
 
     rng = np.random.default_rng(rate * 10 + width)
     dt = UNSIGNED[width]

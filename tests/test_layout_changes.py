@@ -17,11 +17,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal, edit_tensor_columns
+from conftest import edit_tensor_columns
+from deltastore.testing import bits_equal
 from deltastore.errors import ManifestError, TargetMismatchError
-from deltastore.materialize import materialize
+from deltastore.pull.materialize import materialize
 from deltastore.store import version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _bump(t, seed, frac=0.05):

@@ -15,25 +15,22 @@ import torch
 
 import deltastore as ds
 import deltastore.manifest as M
-from conftest import bits_equal, follower_at, publish_all, quick_gc_store
+from conftest import chain_states, quick_gc_store
+from deltastore.testing import bits_equal
 from deltastore.errors import (CorruptObjectError, DeltaStoreError, ManifestError, ObjectNotFoundError,
                                UnsupportedFormatError)
 from deltastore.gc import Retention
 from deltastore.manifest import sha256_digest
 from deltastore.store import object_key, version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _states(n: int, tensors: int = 40, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    state = {f"layers.{i}.weight": torch.randn(8, 16, generator=g).bfloat16() for i in range(tensors)}
-    out = [state]
-    for _ in range(n - 1):
-        state = {k: v.clone() for k, v in state.items()}
-        for v in state.values():
-            v.view(torch.int16).view(-1)[torch.randint(0, v.numel(), (3,), generator=g)] += 1
-        out.append(state)
-    return out
+    return chain_states(n, {f"layers.{i}.weight": (8, 16) for i in range(tensors)}, changes=3, seed=seed)
+
+
+# versions 0..4 of _states(5) (anchor at 0) and a follower at version 3, each test with no layout object parsed yet
+PUBLISHED = {"shapes": {f"layers.{i}.weight": (8, 16) for i in range(40)}, "changes": 3, "follower": 3}
 
 
 def _path(uri: str, key: str) -> str:
@@ -60,19 +57,10 @@ def _store_object(uri: str, data: bytes, digest: str | None = None) -> str:
     return digest
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fresh_reader(monkeypatch):
     """No layout object parsed in this process yet (as in a new reader process)."""
     monkeypatch.setattr(M, "_LAYOUT_OBJECTS", {})
-
-
-@pytest.fixture
-def published(store_uri, fresh_reader):
-    """Versions 0..4 (anchor at 0) and a follower at version 3."""
-    states = _states(5)
-    publish_all(store_uri, states, anchor_every=100)
-    sub, target = follower_at(store_uri, 3)
-    return store_uri, states, sub, target
 
 
 def test_a_manifest_names_one_layout_object_and_lists_no_tensor_name(published):

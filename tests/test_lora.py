@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal, require_module
+from conftest import require_module
+from deltastore.testing import bits_equal
 from deltastore.errors import TargetMismatchError
-from deltastore.materialize import materialize
+from deltastore.pull.materialize import materialize
 from peft_tiny import base_model, logits, lora_model, train
 
 peft = require_module("peft")

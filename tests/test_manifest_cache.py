@@ -142,7 +142,7 @@ def test_verifying_a_store_keeps_a_bounded_number_of_manifests_alive(tmp_path):
     import gc
     import weakref
 
-    from deltastore.verify import verify_store
+    from deltastore.pull.verify import verify_store
 
     model = _model()
     with ds.Publisher(str(tmp_path), anchor_every=5) as pub:

@@ -13,9 +13,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import deltastore as ds
+from conftest import chain_states
 import deltastore.publish.objects as objects_mod
-from conftest import bits_equal
-from deltastore import tracking
+from deltastore.testing import bits_equal
+from deltastore.pull import tracking
 from deltastore.backends.memory import MemoryBackend
 from deltastore.codecs import register_codec
 from deltastore.codecs.ctx import CtxCodec
@@ -25,17 +26,7 @@ from deltastore.store import DeltaStore
 
 
 def _states(n=4, size=30_000, tensors=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {f"t{i}": torch.randn(size, generator=g).bfloat16() for i in range(tensors)}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            b = v.view(torch.int16).clone()
-            b[torch.rand(b.shape, generator=g) < 0.03] += 1
-            nxt[k] = b.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {f"t{i}": (size,) for i in range(tensors)}, changes=0.03, seed=seed)
 
 
 class _SpyCtx(CtxCodec):

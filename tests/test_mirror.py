@@ -21,7 +21,7 @@ from deltastore.backends.local import LocalBackend
 from deltastore.errors import CorruptObjectError, MirrorConflictError, StoreIndexError
 from deltastore.index import INDEX_KEY, WINDOW, latest_step
 from deltastore.store import DeltaStore, object_key, version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 from test_backends.conftest import seaweed_server  # noqa: F401 - the suite's real S3 server (SeaweedFS)
 from test_backends.conftest import make_bucket
 from test_backends.http_servers import HostileServer, Nginx

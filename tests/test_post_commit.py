@@ -6,10 +6,10 @@ import dataclasses
 import uuid
 
 import pytest
-import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.testing import bits_equal
 from deltastore.backends import open_backend
 from deltastore.backends.memory import MemoryBackend
 from deltastore.errors import PostCommitWarning
@@ -20,17 +20,7 @@ from test_backends.conftest import seaweed_server  # noqa: F401 - the suite's re
 
 
 def _states(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"w": torch.randn(64, 32, generator=g).bfloat16(), "b": torch.randn(32, generator=g).bfloat16()}
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < 0.05] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {"w": (64, 32), "b": (32,)}, changes=0.05, seed=seed)
 
 
 @pytest.fixture(params=["memory", "s3"])
@@ -129,7 +119,7 @@ def test_marker_failure_on_a_store_without_atomic_create():
 
 
 def test_verify_notes_check_then_write_commits():
-    from deltastore.verify import verify_store
+    from deltastore.pull.verify import verify_store
     inner = MemoryBackend(uuid.uuid4().hex)
     inner.capabilities = dataclasses.replace(inner.capabilities, atomic_create=False)
     with ds.Publisher(DeltaStore(inner), anchor_every=100) as pub:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore.anchors import Every
+from deltastore.publish.anchors import Every
 from deltastore.codecs import TensorSpec, get_codec
 from deltastore.errors import DeltaStoreError, TargetMismatchError, VersionExistsError
 from deltastore.publish.background import BackgroundWriter

@@ -9,24 +9,15 @@ import pytest
 import torch
 
 import deltastore as ds
+from conftest import chain_states
 from deltastore.errors import TargetMismatchError
 from deltastore.publish import stream
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 
 def _states(n=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {f"layer{i}.weight": torch.randn(64, 32, generator=g).bfloat16() for i in range(6)}
-    s["norm.weight"] = torch.randn(32, generator=g).bfloat16()
-    out = [s]
-    for _ in range(1, n):
-        nxt = {}
-        for k, v in out[-1].items():
-            bits = v.view(torch.int16).clone()
-            bits[torch.rand(bits.shape, generator=g) < 0.05] += 1
-            nxt[k] = bits.view(torch.bfloat16)
-        out.append(nxt)
-    return out
+    return chain_states(n, {**{f"layer{i}.weight": (64, 32) for i in range(6)}, "norm.weight": (32,)}, changes=0.05,
+                        seed=seed)
 
 
 class _Produced:

@@ -7,28 +7,14 @@ import torch
 from torch import nn
 
 import deltastore as ds
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.testing import bits_equal
 from deltastore.errors import StepOrderError, TargetMismatchError, VersionExistsError
-
-
-def _bump(state, frac=0.01, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, v in state.items():
-        bits = v.view(torch.int16).clone().reshape(-1)
-        mask = torch.rand(bits.numel(), generator=g) < frac
-        bits[mask] += 1
-        out[k] = bits.view(torch.bfloat16).reshape(v.shape)
-    return out
+from deltastore.pull import tracking
 
 
 def _states(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = {"w": torch.randn(64, 32, generator=g).bfloat16(), "b": torch.randn(32, generator=g).bfloat16()}
-    states = [s]
-    for i in range(1, n):
-        states.append(_bump(states[-1], seed=i))
-    return states
+    return chain_states(n, {"w": (64, 32), "b": (32,)}, changes=0.01, seed=seed)
 
 
 def test_resume_continues_the_chain(store_uri):
@@ -62,7 +48,7 @@ def test_fill_writes_a_version_into_fresh_buffers(store_uri):
     sub.fill(bufs, step=2)
     for k, v in states[2].items():
         assert torch.equal(bufs[k], v.view(torch.int16).reshape(-1))
-    assert ds.tracking.get_version(bufs) is None
+    assert tracking.get_version(bufs) is None
 
 
 def test_resume_false_starts_a_new_chain(store_uri):

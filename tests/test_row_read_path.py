@@ -21,7 +21,7 @@ import torch
 import deltastore as ds
 from conftest import step_bits
 from deltastore import manifest as manifest_mod
-from deltastore.apply import SparseOverlay, TargetAddresses, mapping_reader
+from deltastore.pull.staging import SparseOverlay, TargetAddresses, mapping_reader
 from deltastore.checksum import tensor_keys
 from deltastore.codecs._common import check_object, names_digest
 from deltastore.codecs.base import RowNames, RowSpecs, TensorSpec

@@ -14,18 +14,19 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
-from deltastore import segments, tracking
-from deltastore.apply import SparseOverlay, mapping_reader
+from deltastore.testing import bits_equal
+from deltastore import segments
+from deltastore.pull import tracking
+from deltastore.pull.staging import SparseOverlay, mapping_reader
 from deltastore.backends.memory import MemoryBackend
 from deltastore.checksum import full_checksum, sparse_sum, tensor_key
 from deltastore.codecs import TensorSpec
-from deltastore.diff import find_changes
+from deltastore.publish.diff import find_changes
 from deltastore.errors import ApplyError, CorruptObjectError
 from deltastore.publish.mirror import Mirror, Pending
 from deltastore.store import DeltaStore, object_key
 from deltastore.tensors import bits_view
-from deltastore.undo import UndoJournal
+from deltastore.pull.undo import UndoJournal
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool]
@@ -408,7 +409,7 @@ def test_overlay_hands_decoders_a_view_of_a_cpu_target():
     overlay = SparseOverlay(reader, _M())
     whole = overlay.old_bits("w", None)
     assert whole.data_ptr() == target["w"].data_ptr()  # no copy while nothing is staged
-    from deltastore.apply import _Pending
+    from deltastore.pull.staging import _Pending
 
     overlay.pending["w"] = _Pending(torch.tensor([3]), torch.tensor([-1], dtype=torch.int16),
                                     torch.tensor([3], dtype=torch.int16))

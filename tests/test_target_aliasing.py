@@ -6,26 +6,18 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore import tracking
-from conftest import bits_equal
+from conftest import chain_states
+from deltastore.pull import tracking
+from deltastore.testing import bits_equal
 from deltastore.errors import TargetMismatchError
 
 
+SHAPES = {"a": (8, 8), "b": (8,), "c": (8, 8)}
+PUBLISHED = {"n": 2, "shapes": SHAPES, "changes": 1.0}  # every element one step up
+
+
 def _states(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s0 = {"a": torch.randn(8, 8, generator=g).bfloat16(), "b": torch.randn(8, generator=g).bfloat16(),
-          "c": torch.randn(8, 8, generator=g).bfloat16()}
-    s1 = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in s0.items()}
-    return s0, s1
-
-
-@pytest.fixture
-def published(store_uri):
-    s0, s1 = _states()
-    with ds.Publisher(store_uri, anchor_every=100) as pub:
-        pub.publish(s0, step=0)
-        pub.publish(s1, step=1)
-    return store_uri, s0, s1
+    return chain_states(2, SHAPES, changes=1.0, seed=seed)
 
 
 def _overlapping(s0):
@@ -36,7 +28,7 @@ def _overlapping(s0):
 
 @pytest.mark.parametrize("route", ["anchor", "delta"])
 def test_overlapping_target_tensors_are_refused(published, route):
-    uri, s0, s1 = published
+    uri, (s0, s1), _, _ = published
     sub = ds.Subscriber(uri)
     base, target = _overlapping(s0)
     if route == "delta":
@@ -49,7 +41,7 @@ def test_overlapping_target_tensors_are_refused(published, route):
 
 
 def test_tied_target_tensors_the_version_keeps_apart_are_refused(published):
-    uri, s0, s1 = published
+    uri, (s0, s1), _, _ = published
     sub = ds.Subscriber(uri)
     a = s0["a"].clone()
     target = {"a": a, "b": s0["b"].clone(), "c": a}  # 'c' is 'a' itself
@@ -59,7 +51,7 @@ def test_tied_target_tensors_the_version_keeps_apart_are_refused(published):
 
 
 def test_disjoint_views_of_one_buffer_are_fine(published):
-    uri, s0, s1 = published
+    uri, (s0, s1), _, _ = published
     base = torch.zeros(64 + 8 + 64, dtype=torch.bfloat16)  # a fused buffer: disjoint slices
     target = {"a": base[:64].view(8, 8), "b": base[64:72], "c": base[72:].view(8, 8)}
     ds.Subscriber(uri).pull(target, step=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 
 def _publish_trace(tr, uri, anchor_every=5):

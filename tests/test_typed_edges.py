@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import NonFiniteWeightError, TargetMismatchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,7 +170,7 @@ import torch
 import deltastore as ds
 from deltastore.cli import main
 from deltastore.errors import OutputWriteError
-from deltastore.materialize import materialize
+from deltastore.pull.materialize import materialize
 from safetensors.torch import load_file
 
 uri, mnt = {uri!r}, {mnt!r}

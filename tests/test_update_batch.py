@@ -13,11 +13,11 @@ import torch
 import deltastore as ds
 from conftest import step_bits
 from deltastore import segments
-from deltastore.anchors import Adaptive, Every
+from deltastore.publish.anchors import Adaptive, Every
 from deltastore.checksum import tensor_key
 from deltastore.codecs import TensorSpec, UpdateBatch, get_codec
 from deltastore.codecs.auto import AutoCodec
-from deltastore.drift import DriftTracker
+from deltastore.publish.drift import DriftTracker
 from deltastore.kernels import bitstream as K
 from deltastore.publish.mirror import Diff
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.errors import VersionExistsError
 from deltastore.store import version_key
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 
 def _bump(s, seed):

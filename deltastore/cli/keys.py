@@ -58,7 +58,7 @@ def trust_of(args: argparse.Namespace) -> Any:
 def latest_step(args: argparse.Namespace, store: Any) -> int:
     """The step a command without ``--step`` reads: the listing's latest, or with keys the signed latest
     (checked for rollback and, with ``--max-latest-age``, freeze). :class:`CliError` for an empty store."""
-    from ..subscriber import Subscriber
+    from ..pull.subscriber import Subscriber
 
     step = Subscriber(store, max_latest_age=args.max_latest_age).latest()
     if step is None:

@@ -27,7 +27,8 @@ def plugin_table(load: bool = False) -> dict[str, list[dict[str, Any]]]:
     :meth:`Registry.missing`); with ``load`` each plugin is imported too, and one that fails to import
     is unavailable with its error.
     """
-    from .. import anchors, backends, codecs  # noqa: F401 - importing them registers the built-ins
+    from ..publish import anchors  # noqa: F401 - importing them registers the built-ins
+    from .. import backends, codecs  # noqa: F401 - importing them registers the built-ins
     from ..errors import DeltaStoreError
     from ..registry import anchor_policies, backends as backend_registry, codecs as codec_registry
 

@@ -42,7 +42,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from ..materialize import current_umask, materialize
+    from ..pull.materialize import current_umask, materialize
 
     out = os.path.abspath(args.out_dir)
     _check_replaceable(out)

@@ -21,7 +21,7 @@ def register(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..verify import verify_store
+    from ..pull.verify import verify_store
 
     trust = trust_of(args)
     with open_existing(args) as store:

@@ -164,7 +164,7 @@ class RowSpecs(list):  # type: ignore[type-arg]
 class RowNames(list):  # type: ignore[type-arg]
     """Tensor names that are rows ``rows`` (int64) of ``table`` (a list of names, compared by identity): a
     receiver that lays its tensors out as ``table`` finds them by row instead of by name
-    (:meth:`deltastore.apply.SparseOverlay.in_place`). Otherwise a plain list of names."""
+    (:meth:`deltastore.pull.staging.SparseOverlay.in_place`). Otherwise a plain list of names."""
 
     __slots__ = ("rows", "table")
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import MissingDependencyError
-from ..publisher import Publisher, VersionInfo
+from ..publish.publisher import Publisher, VersionInfo
 from ..tensors import StateLike
 from .trl_transfer import DeltaStoreWeightTransfer
 
@@ -131,7 +131,7 @@ def _make_class() -> type:
 
         Attributes:
             publisher: the Publisher (None before ``on_train_begin`` and on non-publishing processes).
-            last: what the last ``publish`` returned: a :class:`~deltastore.publisher.VersionInfo`
+            last: what the last ``publish`` returned: a :class:`~deltastore.publish.publisher.VersionInfo`
                 (pending until its commit with a background Publisher: ``last.wait()``); None before.
             published: the steps this callback published, in order.
         """

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..publisher import Publisher, VersionInfo
+from ..publish.publisher import Publisher, VersionInfo
 from ..signing import key_texts
 
 

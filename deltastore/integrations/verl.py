@@ -44,8 +44,8 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from verl.workers.rollout.utils import ensure_async_iterator  # type: ignore[import-not-found]
 
 from ..errors import VersionNotFoundError
-from ..publisher import Publisher, VersionInfo
-from ..subscriber import Subscriber
+from ..publish.publisher import Publisher, VersionInfo
+from ..pull.subscriber import Subscriber
 
 
 @CheckpointEngineRegistry.register("deltastore")

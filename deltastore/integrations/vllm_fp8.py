@@ -12,7 +12,7 @@ parameters at row (weights) and block-row (scales) offsets.
   is not the engine's: FP8 bytes into a bf16 engine (its loader would cast them
   to bf16 and serve garbage) or bf16 weights into an FP8 engine.
 * :func:`fp8_param_map` learns, through the model's own loader
-  (:func:`deltastore.integrations.vllm_mapping.probe`, nothing written), where
+  (:func:`deltastore.integrations.vllm.mapping.probe`, nothing written), where
   every published tensor lives, and checks that each e4m3 weight lands only in
   FP8 ``weight`` parameters and each scale only in fp32 ``weight_scale_inv``
   ones. The resulting ``ParamMap`` gathers and writes bits like any other
@@ -29,8 +29,8 @@ import torch
 
 from ..errors import TargetMismatchError
 from ..manifest import Manifest
-from ..quantize.fp8 import BLOCK, SCALE_SUFFIX, SCHEME
-from .vllm_mapping import ParamMap, probe
+from ..quantization import BLOCK, SCALE_SUFFIX, SCHEME
+from .vllm.mapping import ParamMap, probe
 
 __all__ = ["check_served", "fp8_param_map", "served_scheme"]
 

@@ -2,7 +2,7 @@
 
 The trainer publishes with ``Publisher(uri, adapter_only=True)``. A
 :class:`LoraFollower` polls the store; for each new version it writes the
-adapter folder (``deltastore.materialize``: ``adapter_model.safetensors`` +
+adapter folder (``deltastore.pull.materialize``: ``adapter_model.safetensors`` +
 ``adapter_config.json``) under ``work_dir`` and loads it through vLLM's own
 LoRA API, then unloads (and deletes) versions beyond the newest ``keep``.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 from ..adapters import is_adapter
 from ..errors import ApplyError, EngineUnavailableError, TargetMismatchError
-from ..materialize import materialize
+from ..pull.materialize import materialize
 from ..store import open_store
 from ._polling import PollingLoop
 

@@ -21,7 +21,7 @@ takes a contiguous run of items (:func:`split_items`).
   (a reorder or a subset with no index array).
 * :func:`sample_stream` — the changes whose position a sampled drift keeps (its Fibonacci hash), in one pass.
 * :func:`drift_merge_rows` / :func:`drift_merge_rows_in_place` — a version's changes merged into the
-  drift tracker's rows (:mod:`deltastore.drift`), branch-free; :func:`merge_runs` cuts the rows into
+  drift tracker's rows (:mod:`deltastore.publish.drift`), branch-free; :func:`merge_runs` cuts the rows into
   runs for several threads.
 
 Callers validate addresses and sizes (the kernels trust them) and pass

@@ -2,8 +2,8 @@
 
 A :class:`ChainHead` holds what the next version is written against: the
 parent (``last``), the anchor, every tensor's checksum, the drift since the
-anchor (:class:`~deltastore.drift.DriftTracker`) and the measured
-:class:`~deltastore.anchors.ChainState` the anchor policy sees. It changes in
+anchor (:class:`~deltastore.publish.drift.DriftTracker`) and the measured
+:class:`~deltastore.publish.anchors.ChainState` the anchor policy sees. It changes in
 two moves only:
 
 1. :meth:`ChainHead.decide` — before the objects are written: is the version an
@@ -23,15 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..anchors import AnchorPolicy, ChainState
+from .anchors import AnchorPolicy, ChainState
 from ..codecs import TensorSpec
-from ..drift import DriftTracker
+from .drift import DriftTracker
 from ..errors import StepOrderError, VersionExistsError
 from ..manifest import MAX_STEP, Manifest, VersionRef
 from ..store import DeltaStore
 
 
-#: the drift tracker holds at most this fraction of the model's bytes (then it samples: ``deltastore.drift``),
+#: the drift tracker holds at most this fraction of the model's bytes (then it samples: ``deltastore.publish.drift``),
 #: and never less than ``DRIFT_MEMORY_MIN`` bytes' worth exactly
 DRIFT_MEMORY_FRACTION = 1 / 1024
 DRIFT_MEMORY_MIN = 1 << 20

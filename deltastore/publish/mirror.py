@@ -10,7 +10,7 @@ compared by the fused kernel of :mod:`deltastore.kernels.diff` — every tensor
 of one width in one call per thread, which also gathers positions, new and
 old bits and the checksum deltas in the same pass. Anything else (a tensor on
 another device, a dtype cast such as an fp32 master published as bf16, a
-mirror on an accelerator) goes through :func:`deltastore.diff.find_changes`
+mirror on an accelerator) goes through :func:`deltastore.publish.diff.find_changes`
 chunk by chunk on the mirror's device.
 
 Advance / revert: the publisher moves the mirror forward by a version's
@@ -41,7 +41,8 @@ import torch
 from .. import segments
 from ..checksum import full_checksum, sparse_sum, tensor_key, tensor_keys
 from ..codecs import TensorSpec, UpdateBatch
-from ..diff import DEFAULT_CHUNK_ELEMS, Change, find_changes
+from .diff import DEFAULT_CHUNK_ELEMS, find_changes
+from ..segments import Change
 from ..errors import TargetMismatchError
 from ..tensors import bits_view
 
@@ -69,7 +70,7 @@ class Diff:
     :class:`~deltastore.segments.FlatChanges`) so that advance, revert and
     encoding handle every tensor in one call (:meth:`counts`, :meth:`batch`);
     ``loose`` holds the changes of the tensors compared one by one.
-    :attr:`changes` (a :class:`~deltastore.diff.Change` per tensor: views,
+    :attr:`changes` (a :class:`~deltastore.segments.Change` per tensor: views,
     a few microseconds each) is built on first use; once it is modified
     (by a background compare, :class:`Pending`), ``flat`` is dropped.
     """

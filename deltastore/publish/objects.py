@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..codecs import Codec, TensorSpec, Update, UpdateBatch
-from ..diff import Change
+from ..segments import Change
 from ..manifest import Part
 from .mirror import Diff, Mirror
 from .upload import Job

@@ -3,7 +3,7 @@
 :func:`resume_chain` reads the latest version through the reader's own path
 (bit-exact, checksums verified) into a new :class:`~deltastore.publish.mirror.Mirror`,
 and walks the chain back to its anchor to rebuild what the anchor policy
-measures (:class:`~deltastore.anchors.ChainState`) and, where the policy
+measures (:class:`~deltastore.publish.anchors.ChainState`) and, where the policy
 tracks it, the drift since the anchor. :func:`differential_from_anchor` is
 that drift measured exactly (the anchor streamed back and compared with the
 mirror), also what a version with a sampled drift writes as its differential.
@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
-from ..anchors import ChainState
+from .anchors import ChainState
 from ..codecs import TensorSpec
-from ..diff import Change, find_changes
-from ..drift import DriftTracker
+from .diff import find_changes
+from ..segments import Change
+from .drift import DriftTracker
 from ..pull.anchor import stream_anchor
+from ..pull.reader import VersionReader
 from ..store import DeltaStore
 from .chain import ChainHead
 from .mirror import Mirror
@@ -41,12 +43,10 @@ def resume_chain(store: DeltaStore, head: ChainHead, latest: int, *, mirror_devi
     """Rebuild the chain ending at version ``latest``: returns its mirror and layout, and sets ``head`` (parent,
     anchor, checksums, drift, chain state) as if this publisher had written it. Raises what a pull raises
     (a missing or corrupt version or object, :class:`~deltastore.errors.ChecksumMismatchError`)."""
-    from ..subscriber import Subscriber  # the reader's path rebuilds the state bit-exactly
-
     manifest = store.manifest(latest)
     specs = {t.name: t.spec for t in manifest.tensors}
     mirror = Mirror(specs, mirror_device)
-    Subscriber(store).fill({n: mirror.view(n) for n in specs}, step=latest)
+    VersionReader(store).fill({n: mirror.view(n) for n in specs}, step=latest)  # the pull's own path: bit-exact
     mirror.version = latest
     resumed = ResumedChain(mirror, specs, dict(manifest.aliases), dict(manifest.files))
     head.checksums = {t.name: int(t.checksum, 16) for t in manifest.tensors}

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from .._memory import pin_allocator
-from ..anchors import AnchorPolicy, Every, get_anchor_policy
+from .anchors import AnchorPolicy, Every, get_anchor_policy
 from ..codecs import Codec, get_codec
-from ..diff import DEFAULT_CHUNK_ELEMS
+from .diff import DEFAULT_CHUNK_ELEMS
 from ..errors import GraceTooShortError
 from ..gc import Retention, check_grace
 from ..signing import load_signing_key

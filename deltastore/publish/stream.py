@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from ..codecs import TensorSpec
-from ..diff import Change, find_changes
+from .diff import find_changes
+from ..segments import Change
 from ..errors import TargetMismatchError
 from ..tensors import bits_view, check_item
 from .mirror import DEFAULT_CHUNK_ELEMS, Diff, Mirror

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..codecs import TensorSpec
-from ..drift import DriftTracker, anchored
+from .drift import DriftTracker, anchored
 from ..manifest import Part
 from ..tensors import dtype_name
 from .commit import commit_manifest, post_commit, producer, tensor_record, version_manifest

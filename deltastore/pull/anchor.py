@@ -9,7 +9,7 @@ no copy); any other is decoded, checked, then copied:
 
 * into a live target (``dests``: per tensor the contiguous tensor to write, or a flat bit view of it;
   ``alias_dests``: the alias copies that get the same bits): each tensor's old bits are saved in
-  an :class:`~deltastore.undo.UndoJournal` before its first write, so the
+  an :class:`~deltastore.pull.undo.UndoJournal` before its first write, so the
   caller can put the target back if anything fails later;
 * into new tensors (``dests`` None, or a tensor ``dests`` does not name: one
   whose layout changes later on the path): the decoded bits become the result,
@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from .. import progress, segments
-from ..apply import all_plain_cpu, plain_cpu, plain_cpu_groups
 from ..checksum import full_checksum, tensor_keys
 from ..errors import ChecksumMismatchError, ManifestError
 from ..manifest import Manifest
 from ..store import DeltaStore
-from ..tensors import bits_view
-from ..undo import SaveAhead, UndoJournal
+from ..tensors import all_plain_cpu, bits_view, plain_cpu, plain_cpu_groups
 from .objects import decode_object, decode_object_into, object_index, part_of, record_of, stream_objects
+from .undo import SaveAhead, UndoJournal
 
 
 class WriteFailed(Exception):

@@ -3,8 +3,8 @@
 Before it writes, a pull checks its target: every entry a tensor, none an
 alias of another (:func:`~deltastore.tensors.named_tensors`), every tensor of
 the version present with its dtype and shape, contiguous
-(:func:`~deltastore.apply.check_target`), no two overlapping in memory
-(:func:`~deltastore.apply.check_overlaps`). Those checks look at each tensor
+(:func:`~deltastore.pull.checks.check_target`), no two overlapping in memory
+(:func:`~deltastore.pull.checks.check_overlaps`). Those checks look at each tensor
 in Python, several times; at 16,384 tensors they take about 21 ms of a
 145 ms delta pull (``bench/pull_stages.py --layout many``). They depend only on the target's entries and on the version's layout,
 and a follower pulls one layout into one target again and again.
@@ -29,12 +29,12 @@ in-place change of shape, storage or strides (``resize_``, ``set_``,
 ``as_strided_``) moves the counter, and a new tensor or a moved one changes
 identity or address. The
 target's values were never checked between pulls (the target is trusted to
-hold the version deltastore last wrote, :mod:`deltastore.tracking`).
+hold the version deltastore last wrote, :mod:`deltastore.pull.tracking`).
 
 After a lookup that found the target as it was, :meth:`CheckedTarget.addresses`
 gives the checked arrays themselves (every tensor's address and element
 count, with their checksum keys) to the decoders that write the target in
-place (:class:`~deltastore.apply.TargetAddresses`): the addresses a pull
+place (:class:`~deltastore.pull.staging.TargetAddresses`): the addresses a pull
 writes at are the ones it has just compared, never an older record's.
 
 Nothing here holds the target or its tensors (identities are kept as ids).
@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..apply import TargetAddresses, all_plain_cpu
 from ..checksum import tensor_keys
 from ..manifest import Manifest
-from ..tensors import bits_dtype
+from ..tensors import all_plain_cpu, bits_dtype
+from .staging import TargetAddresses
 
 _VERSION = operator.attrgetter("_version")
 
@@ -67,7 +67,7 @@ class _Seen:
     facts: list[tuple[int, torch.dtype, int, int]]
     versions: list[int]
     types: set[type]
-    plain: bool  # every tensor plain and on the CPU (apply.all_plain_cpu) when remembered
+    plain: bool  # every tensor plain and on the CPU (tensors.all_plain_cpu) when remembered
     pointers: np.ndarray
     numels: np.ndarray
     dtypes: list[torch.dtype]

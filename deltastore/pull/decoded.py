@@ -5,7 +5,7 @@ a delta or a differential: the validated :class:`~deltastore.codecs.UpdateBatch`
 of each object (positions in the whole tensor) plus the updates of tensors
 split over several objects (joined), by name. It reads as a
 ``Mapping[str, Update]``, an ``Update`` made on demand (a few microseconds);
-the overlay (:class:`deltastore.apply.SparseOverlay`) reads the batches
+the overlay (:class:`deltastore.pull.staging.SparseOverlay`) reads the batches
 themselves, so staging many small tensors costs their elements, not their
 count. A batch its decoder wrote into the overlay's target itself is a
 :class:`~deltastore.codecs.WrittenBatch`: it holds no changes to read.

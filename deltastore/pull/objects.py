@@ -28,7 +28,6 @@ import torch
 
 from .. import segments
 from .._memo import LastList
-from ..apply import check_update
 from ..codecs import (Codec, InPlace, OldBits, TensorSpec, Update, UpdateBatch, WrittenBatch, get_codec,
                       read_old_bits, write_in_place)
 from ..codecs.base import RowSpecs, decode_batched, decode_placed
@@ -413,3 +412,25 @@ def _check_sparse_shape(u: Update, spec: TensorSpec, name: str, step: int, expec
     if n != expected:
         raise CorruptObjectError(f"version {step}, tensor {name!r}: {n} changed elements decoded, "
                                  f"manifest says {expected}")
+
+
+def check_update(u: Update, rec: TensorRecord, *, dense: bool, step: int, expected: int) -> None:
+    """Validate a decoded update against its manifest record; :class:`CorruptObjectError` if off."""
+    spec = rec.spec
+    where = f"version {step}, tensor {rec.name!r}"
+    if u.bits.dtype != spec.bits_dtype or u.bits.dim() != 1:
+        raise CorruptObjectError(f"{where}: decoded bits are {u.bits.dtype}{tuple(u.bits.shape)}")
+    if dense or u.positions is None:
+        if u.positions is not None or u.count != spec.numel:
+            raise CorruptObjectError(f"{where}: dense update has {u.count} of {spec.numel} elements")
+        return
+    p = u.positions
+    if p.dtype != torch.int64 or p.dim() != 1 or p.numel() != u.count:
+        raise CorruptObjectError(f"{where}: positions and bits disagree ({p.numel()} vs {u.count})")
+    if u.count != expected:
+        raise CorruptObjectError(f"{where}: {u.count} changed elements decoded, manifest says {expected}")
+    if u.count:
+        if int(p[0]) < 0 or int(p[-1]) >= spec.numel:
+            raise CorruptObjectError(f"{where}: position out of range [0, {spec.numel})")
+        if u.count > 1 and not bool((p[1:] > p[:-1]).all()):
+            raise CorruptObjectError(f"{where}: positions are not strictly increasing")

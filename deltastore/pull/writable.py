@@ -5,7 +5,7 @@ wrapped by ``torch.from_numpy``, an ``mmap`` without ``PROT_WRITE``) cannot
 say so through torch, and a write by address into it is a SIGSEGV that kills
 the process. Linux lists every mapping with its permissions; a pull compares
 its target's byte ranges with the read-only ones before writing anything
-(:func:`deltastore.apply.check_overlaps`). Elsewhere (no ``/proc``) nothing is
+(:func:`deltastore.pull.checks.check_overlaps`). Elsewhere (no ``/proc``) nothing is
 found and nothing refused.
 """
 

@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from ..errors import NonFiniteWeightError, TargetMismatchError
-from .fp8_record import BLOCK, SCALE_SUFFIX, SCHEME, check_record, scale_shape, served_config
+from ..quantization import BLOCK, SCALE_SUFFIX, SCHEME, scale_shape
 
-__all__ = ["BLOCK", "FP8_MAX", "SCALE_SUFFIX", "SCHEME", "Fp8Block128", "check_record", "default_rule",
-           "dequantize_block128", "quantize_block128", "scale_shape", "served_config"]
+__all__ = ["FP8_MAX", "Fp8Block128", "default_rule", "dequantize_block128", "quantize_block128"]
 
 FP8_MAX = 448.0
 #: substrings (case-insensitive) that keep a ``.weight`` out of the default rule: not linear layers

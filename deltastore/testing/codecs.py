@@ -84,6 +84,7 @@ from ..codecs import Codec, TensorSpec, Update, UpdateBatch, get_codec
 from ..codecs.base import decode_batched, decode_placed, encode_batched
 from ..errors import CorruptObjectError, ManifestError, UnsupportedFormatError
 from ..tensors import DTYPE_NAMES, DTYPES, bits_dtype
+from .bits import bits_equal
 from .codec_cases import (Change, edge_cases, mixed_case, random_cases, representative_changes, small_case,
                           updates_for)
 from .hostile_objects import MiB, DecodeMeter, bombs, hostile_objects, safetensors_parts
@@ -105,22 +106,17 @@ def _batch(updates: Sequence[Update]) -> UpdateBatch | None:
 
 
 # -- comparing ------------------------------------------------------------------------------------------------
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality of two integer views: same dtype, same shape, same bits."""
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
 def _expect(codec: Codec, c: Change, positions: torch.Tensor | None, bits: torch.Tensor, how: str) -> None:
     name, want = c.spec.name, c.spec.bits_dtype
     assert bits.dtype == want, f"{how}: {name!r} decoded as {bits.dtype}, expected its bits dtype {want}"
     if codec.dense:
         assert positions is None, f"{how}: a dense codec returned positions for {name!r}"
-        assert _same(bits, c.new()), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) differs from the input"
+        assert bits_equal(bits, c.new()), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) differs from the input"
         return
     assert positions is not None, f"{how}: a sparse codec returned {name!r} without positions"
     assert positions.dtype == torch.int64, f"{how}: {name!r} positions are {positions.dtype}, not int64"
-    assert _same(positions, c.positions), f"{how}: {name!r} ({c.spec.dtype}) decoded other positions"
-    assert _same(bits, c.bits), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) decoded other bits"
+    assert bits_equal(positions, c.positions), f"{how}: {name!r} ({c.spec.dtype}) decoded other positions"
+    assert bits_equal(bits, c.bits), f"{how}: {name!r} ({c.spec.dtype}, {c.spec.shape}) decoded other bits"
 
 
 class _Receiver:
@@ -162,7 +158,7 @@ class _Receiver:
         assert not self.wrong, f"{how}: the decoder {self.wrong[0]}" + (f" (and {len(self.wrong) - 1} more)"
                                                                         if len(self.wrong) > 1 else "")
         for name, t in self.old.items():
-            assert _same(t, self.pristine[name]), f"{how}: the decoder modified the receiver's old {name!r}"
+            assert bits_equal(t, self.pristine[name]), f"{how}: the decoder modified the receiver's old {name!r}"
 
 
 def _snapshot(updates: Sequence[Update]) -> list[tuple[torch.Tensor | None, ...]]:
@@ -174,7 +170,7 @@ def _assert_untouched(updates: Sequence[Update], before: list[tuple[torch.Tensor
     for u, was in zip(updates, before):
         for field, now, then in zip(("bits", "positions", "old_bits", "old_tensor"),
                                     (u.bits, u.positions, u.old_bits, u.old_tensor), was):
-            assert (now is None) == (then is None) and (now is None or _same(now, then)), \
+            assert (now is None) == (then is None) and (now is None or bits_equal(now, then)), \
                 f"{how} modified the input's {field} of {u.spec.name!r}"
 
 
@@ -553,9 +549,9 @@ def check_publish_pull(codec: Codec) -> None:
             if step:
                 assert result.path == "delta", f"step {step} pulled by {result.path!r}"
             for name, t in want.items():
-                assert _same(target[name].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype))), (step, name)
+                assert bits_equal(target[name].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype))), (step, name)
         fresh = ds.Subscriber(uri).pull().state
-        assert all(_same(fresh[k].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype)))
+        assert all(bits_equal(fresh[k].view(bits_dtype(t.dtype)), t.view(bits_dtype(t.dtype)))
                    for k, t in states[-1].items())
         records = [o.codec for step in range(len(states)) for o in sub.manifest(step).objects
                    if o.codec["id"] == codec.codec_id]

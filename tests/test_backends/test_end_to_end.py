@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 from deltastore.backends import open_backend
 from deltastore.backends.local import LocalBackend
 from deltastore.errors import (BackendError, BackendUnavailableError, ReadOnlyStoreError,

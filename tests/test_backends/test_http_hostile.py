@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.backends.http import HttpBackend
 from deltastore.errors import (BackendUnavailableError, BadResponseError, CorruptObjectError, DeltaStoreError,
                                StoreIndexError, TransferTooSlowError, ValueTooLargeError)

@@ -12,7 +12,8 @@ import uuid
 from safetensors.torch import load_file
 
 import deltastore as ds
-from conftest import bits_equal, require_module
+from conftest import require_module
+from deltastore.testing import bits_equal
 from deltastore.backends.memory import MemoryBackend
 from deltastore.registry import backends as backend_registry, codecs as codec_registry
 from deltastore.store import STORE_MARKER, object_key

@@ -114,7 +114,7 @@ def test_pulled_files_follow_the_umask(store, tmp_path, cli, mask):
 
 
 def test_library_materialize_follows_the_umask(store, tmp_path):
-    from deltastore.materialize import materialize
+    from deltastore.pull.materialize import materialize
 
     uri, _ = store
     old = os.umask(0o022)

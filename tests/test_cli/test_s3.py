@@ -7,7 +7,9 @@ import uuid
 
 from safetensors.torch import load_file
 
-from conftest import bits_equal, require_module
+from conftest import require_module
+
+from deltastore.testing import bits_equal
 from test_backends.conftest import make_bucket
 
 from .conftest import make_states, publish_all

@@ -77,7 +77,7 @@ ds.Manifest, ds.open_store, ds.errors.DeltaStoreError  # reading stores: still n
 reading = "torch" in sys.modules
 publisher = ds.Publisher  # a tensor-handling class: torch now
 print(json.dumps({**cheap, "reading": reading, "after": "torch" in sys.modules,
-                  "same": publisher is sys.modules["deltastore.publisher"].Publisher,
+                  "same": publisher is sys.modules["deltastore.publish.publisher"].Publisher,
                   "unresolved": [n for n in ds.__all__ if not hasattr(ds, n)]}), file=sys.stderr)
 """
     got = _probe(code=code)
@@ -88,7 +88,7 @@ print(json.dumps({**cheap, "reading": reading, "after": "torch" in sys.modules,
 def test_lazy_names_resolve_to_the_defining_modules():
     import deltastore as ds
     import deltastore.codecs.base as base
-    import deltastore.subscriber as subscriber
+    import deltastore.pull.subscriber as subscriber
 
     assert ds.Subscriber is subscriber.Subscriber and ds.Codec is base.Codec and ds.TensorSpec is base.TensorSpec
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):

@@ -17,7 +17,7 @@ from deltastore.errors import PluginConflictError, UnknownCodecError
 from deltastore.registry import codecs as codec_registry
 from deltastore.testing import CodecConformance
 
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 EP_DIR = Path(__file__).parent / "entrypoint_dist"
 

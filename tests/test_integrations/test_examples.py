@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 import deltastore as ds
 

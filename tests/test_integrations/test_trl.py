@@ -18,7 +18,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import bits_equal, require_module
+from conftest import require_module
+from deltastore.testing import bits_equal
 
 transformers = require_module("transformers")
 require_module("accelerate")

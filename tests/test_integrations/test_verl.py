@@ -18,7 +18,8 @@ import asyncio
 
 import pytest
 import torch
-from conftest import bits_equal, require_module
+from conftest import require_module
+from deltastore.testing import bits_equal
 
 require_module("verl.checkpoint_engine.base")
 

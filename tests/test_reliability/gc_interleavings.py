@@ -25,9 +25,8 @@ from deltastore.errors import ObjectNotFoundError
 from deltastore.gc import delete_unreferenced
 from deltastore.manifest import Manifest
 from deltastore.store import DeltaStore, object_key
+from deltastore.testing import bits_equal
 from deltastore.testing.faults import Fault, FaultyBackend
-
-from .scenarios import bits_equal
 
 GRACE = {"local": 1.0, "s3": 4.0}
 """GC's grace per backend: on S3 (whole-second mtimes) it leaves room for a slow machine between a refresh

@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.backends import open_backend
 from deltastore.backends.retry import RetryPolicy
 from deltastore.errors import ApplyError, CorruptObjectError, DeltaStoreError, VersionExistsError
 from deltastore.store import DeltaStore, object_key, version_key
+from deltastore.testing import bits_equal
 from deltastore.testing.faults import Fault, FaultyBackend, RetryingBackend, corrupt_bytes
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 SHAPES = {"embed.weight": (256, 192), "layer.0.weight": (192, 192), "layer.1.weight": (192, 160),
           "norm.weight": (192,), "head.bias": (256,)}
@@ -81,20 +82,6 @@ class States:
             idx = torch.randint(0, bits.numel(), (17,), generator=g)
             bits[idx] += racer + 1
         return out
-
-
-def bits_equal(a: Any, b: dict[str, torch.Tensor]) -> bool:
-    """Bit-exact equality through integer views (never allclose)."""
-    if set(a) != set(b):
-        return False
-    for k in b:
-        x, y = a[k].as_subclass(torch.Tensor).detach().cpu(), b[k].detach().cpu()
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        w = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-        if not torch.equal(x.contiguous().view(w), y.contiguous().view(w)):
-            return False
-    return True
 
 
 def clone_state(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import deltastore as ds
-from deltastore import tracking
-from deltastore.anchors import Adaptive
+from deltastore.pull import tracking
+from deltastore.publish.anchors import Adaptive
 from deltastore.backends.retry import RetryingBackend
 from deltastore.errors import ApplyError, VersionExistsError
 from deltastore.store import DeltaStore
 from deltastore.testing.faults import Fault, FaultyBackend
 
-from .scenarios import bits_equal
+from deltastore.testing import bits_equal
 
 FAST_RETRY = {"attempts": 5, "base_delay": 0.001, "max_delay": 0.005, "deadline": 30.0}
 

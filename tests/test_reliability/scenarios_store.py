@@ -18,9 +18,10 @@ from deltastore.errors import (AccessDeniedError, BackendUnavailableError, Delta
                                StoreFullError)
 from deltastore.manifest import MAX_MANIFEST_BYTES
 from deltastore.store import object_key, version_key
+from deltastore.testing import bits_equal
 
 from . import gc_interleavings as G
-from .scenarios import States, Stats, Where, bits_equal
+from .scenarios import States, Stats, Where
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

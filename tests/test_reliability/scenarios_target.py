@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 import deltastore as ds
-from deltastore import tracking
+from deltastore.pull import tracking
 from deltastore.backends.memory import MemoryBackend
 from deltastore.errors import DeltaStoreError, PostCommitWarning, TargetMismatchError
 from deltastore.gc import Retention
 from deltastore.store import STORE_MARKER, DeltaStore
 from deltastore.testing.faults import Fault, FaultyBackend
-from deltastore.verify import verify_store
+from deltastore.pull.verify import verify_store
 
 from .scenarios import Stats, bits_equal, clone_state
 

@@ -15,7 +15,7 @@ import torch
 
 import deltastore as ds
 from deltastore.errors import ReentrantCallError, StepOrderError, VersionExistsError
-from conftest import bits_equal
+from deltastore.testing import bits_equal
 
 _NAMES = [f"layer{i}.weight" for i in range(4)]
 

@@ -27,7 +27,7 @@ def _states(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture
-def published(where):
+def gc_store(where):
     return published_store(where)
 
 
@@ -62,8 +62,8 @@ def _refused(e, store, value) -> None:
     assert isinstance(e.value, ValueError)
 
 
-def test_collect_garbage_refuses_a_short_grace(published):
-    where, uri, states, stored = published
+def test_collect_garbage_refuses_a_short_grace(gc_store):
+    where, uri, states, stored = gc_store
     store = where.store(uri)
     slept = []
     for value in BELOW:
@@ -75,8 +75,8 @@ def test_collect_garbage_refuses_a_short_grace(published):
     _unchanged(where, uri, states, stored)
 
 
-def test_collect_garbage_takes_a_grace_just_above_the_minimum(published):
-    where, uri, states, stored = published
+def test_collect_garbage_takes_a_grace_just_above_the_minimum(gc_store):
+    where, uri, states, stored = gc_store
     store = where.store(uri)
     slept = []
     plan = collect_garbage(store, Retention(keep_last=2, keep_anchors=1), grace=store.min_gc_grace + 0.5,
@@ -85,8 +85,8 @@ def test_collect_garbage_takes_a_grace_just_above_the_minimum(published):
     assert where.store(uri).versions() == plan.keep
 
 
-def test_delete_unreferenced_and_a_publisher_refuse_a_short_grace(published):
-    where, uri, states, stored = published
+def test_delete_unreferenced_and_a_publisher_refuse_a_short_grace(gc_store):
+    where, uri, states, stored = gc_store
     store = where.store(uri)
     for value in BELOW:
         with pytest.raises(GraceTooShortError, match=r"^grace=") as e:

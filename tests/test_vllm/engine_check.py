@@ -6,7 +6,7 @@
 2. publishes versions 0..10 (each ~1 % of elements moved by +-1 ulp) to a local store;
 3. engine A starts from the base checkpoint with the worker extension and the
    "deltastore" weight-transfer backend; identifies itself as version 0; follows
-   versions 1..10 through ``deltastore_pull`` (1..8), the weight-transfer API (9)
+   versions 1..10 through ``deltastore_pull`` (1..8; 4..6 in one pull, three deltas behind), the weight-transfer API (9)
    and the pull-only Follower (10), checking ``deltastore_verify`` at every step;
 4. a corrupt version 11, a wrong declared base and a foreign chain are refused, and
    the engine keeps serving version 10 (same outputs, verify still passes);
@@ -230,11 +230,12 @@ def main(work: str) -> int:
 
     pulls = []
     out_a3 = None
-    for step in range(1, 9):
+    for step in (1, 2, 3, 6, 7, 8):  # 6: three deltas behind, taken one after the other (4, 5, 6)
         r = dv.pull(llm, uri, step)
         if step == 3:
             out_a3 = generate(llm)
         assert r["step"] == step and r["route"] == "delta" and r["path"] == "reload", r
+        assert r["versions_applied"] == ([4, 5, 6] if step == 6 else [step]), r
         rep = dv.verify(llm)
         pulls.append({"step": step, "route": r["route"], "bytes": r["bytes_fetched"], "apply_s": r["apply_s"],
                       "verify_served": rep["served"], "verify_host": rep["host"]})

@@ -144,3 +144,87 @@ def test_reload_path_failed_restore_is_reported(tmp_path):
     with pytest.raises(ApplyError, match="refused the restore") as ei:
         ap.pull(uri, 1)
     assert ei.value.restored is False and ap.describe() is None and len(calls) == 3
+
+
+def _chain(seed, n):
+    vs = [random_checkpoint(seed)]
+    for i in range(1, n):
+        vs.append(perturb(vs[-1], 0.05, seed * 100 + i))
+    return vs
+
+
+@pytest.mark.parametrize("path", ["sparse", "reload"])
+def test_a_lagging_server_takes_each_delta_in_turn(tmp_path, monkeypatch, path):
+    """Three deltas behind, each delta is staged against what the one before it wrote (no merged path), and
+    the reload path reloads the changed groups once, at the end."""
+    from deltastore.integrations.vllm import stage as stage_mod
+
+    vs = _chain(21, 4)
+    uri = str(tmp_path / "store")
+    with ds.Publisher(uri, anchor_every=100) as pub:
+        for step, ck in enumerate(vs):
+            pub.publish(ck, step=step)
+    reloads = []
+    served = loaded_model(vs[0])
+
+    def reload_fn(weights):
+        items = list(weights)
+        reloads.append([n for n, _ in items])
+        with torch.no_grad():
+            served.load_weights(items)
+    ap = VllmApplier(served, None, reload_fn=reload_fn, path=path)
+    ap.allow_cpu_sparse = True
+    ap.pull(uri, 0)
+    reloads.clear()
+    pieces = []
+    real = stage_mod.VersionReader.stage_each
+
+    def counting(self, *a, **k):
+        for st in real(self, *a, **k):
+            pieces.append(st.versions_applied)
+            yield st
+    monkeypatch.setattr(stage_mod.VersionReader, "stage_each", counting)
+    r = ap.pull(uri, 3)
+    assert r["route"] == "delta" and r["versions_applied"] == [1, 2, 3] and pieces == [[1], [2], [3]]
+    assert same_params(served, loaded_model(vs[3]))
+    assert len(reloads) == (1 if path == "reload" else 0)
+    assert ap.verify_local()["ok"] is True
+
+
+@pytest.mark.parametrize("path", ["sparse", "reload"])
+def test_a_lagging_server_whose_last_delta_fails_gets_every_delta_undone(tmp_path, monkeypatch, path):
+    """A failure in the last of three deltas, after the first two were written (in place, or into the host
+    mirror), puts back all of them: the engine keeps serving the version it had, bit for bit."""
+    vs = _chain(22, 4)
+    uri = str(tmp_path / "store")
+    with ds.Publisher(uri, anchor_every=100) as pub:
+        for step, ck in enumerate(vs):
+            pub.publish(ck, step=step)
+    served = loaded_model(vs[0])
+
+    def reload_fn(weights):
+        with torch.no_grad():
+            served.load_weights(list(weights))
+    ap = VllmApplier(served, None, reload_fn=reload_fn, path=path)
+    ap.allow_cpu_sparse = True
+    ap.pull(uri, 0)
+    snap = snapshot(served)
+    host = {n: t.clone() for n, t in (ap.host or {}).items()}
+    real = VllmApplier._apply
+    seen = []
+
+    def failing_third(self, chosen, staged, log, names):
+        seen.append(staged.ref.step)
+        got = real(self, chosen, staged, log, names)
+        if staged.ref.step == 3:
+            raise RuntimeError("injected: the third delta fails after its write")
+        return got
+    monkeypatch.setattr(VllmApplier, "_apply", failing_third)
+    with pytest.raises(ApplyError, match="injected") as ei:
+        ap.pull(uri, 3)
+    assert seen == [1, 2, 3] and ei.value.restored is True
+    assert all(torch.equal(snap[n][1], bits(p)) for n, p in served.named_parameters())
+    assert ap.describe()["step"] == 0
+    assert all(torch.equal(host[n], ap.host[n]) for n in host)  # the host mirror is back too
+    monkeypatch.undo()
+    assert ap.pull(uri, 3)["versions_applied"] == [1, 2, 3] and same_params(served, loaded_model(vs[3]))

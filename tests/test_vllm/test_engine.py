@@ -71,7 +71,7 @@ def test_engine_follows_store_bit_exactly(tmp_path):
     assert checks["anchor_route_matches_followed_step3"]
     assert checks["outputs_changed_v0_to_v10"]
     assert checks["outputs_unchanged_after_refusals"]
-    assert [p["route"] for p in checks["pulls"]] == ["delta"] * 8
+    assert [p["route"] for p in checks["pulls"]] == ["delta"] * 6  # steps 1, 2, 3, then 4-6 at once, 7, 8
     assert checks["corrupt_object"].startswith("CorruptObjectError")
     assert checks["foreign_chain"].startswith("ParentMismatchError")
     assert checks["wrong_declared_base"].startswith("ChecksumMismatchError")

@@ -13,8 +13,8 @@ import deltastore as ds
 from deltastore.checksum import full_checksum
 from deltastore.errors import ChecksumMismatchError, CorruptObjectError, TargetMismatchError
 from deltastore.integrations.vllm import VllmApplier, combine_verify
-from deltastore.integrations.vllm_mapping import Block, probe, reload_groups
-from deltastore.integrations.vllm_stage import stage
+from deltastore.integrations.vllm.mapping import Block, probe, reload_groups
+from deltastore.integrations.vllm.stage import stage
 
 from .fake_vllm_model import FakeVllmModel, checkpoint_specs, loaded_model, perturb, random_checkpoint
 
@@ -143,6 +143,31 @@ def test_block_locate_rejects_positions_outside():
         Block("p", (3, 4), 0, (2, 1), 0, (4, 1)).check()  # overlapping rows
 
 
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_locate_agrees_with_every_position_of_the_block(tp, rank):
+    """Every block the probe finds (whole, fused, padded, sharded by rows or by columns) locates random
+    positions, in and out of it, where its own enumeration of positions says they are; shifted copies take
+    the arithmetic shortcut only when every position lies in the block."""
+    model = FakeVllmModel(tp, rank)
+    params = dict(model.named_parameters())
+    pmap = probe(model.load_weights, params, {n: s for n, s in checkpoint_specs().items()})
+    g = torch.Generator().manual_seed(5)
+    shortcut = 0
+    for name, blocks in pmap.blocks.items():
+        n = pmap.numel(name)
+        for b in blocks:
+            hf = torch.cat(list(b.hf_positions()))
+            p_of = dict(zip(hf.tolist(), b.views(torch.arange(n), torch.arange(params[b.param].numel()))[1]
+                            .reshape(-1).tolist()))
+            inside = hf[torch.randperm(hf.numel(), generator=g)[:50]]
+            for positions in (inside, torch.randint(-3, n + 3, (200,), generator=g)):
+                sel, ppos = b.locate(positions)
+                want = [(i, p_of[int(q)]) for i, q in enumerate(positions.tolist()) if int(q) in p_of]
+                assert list(zip(sel.tolist(), ppos.tolist())) == want, (name, b)
+            shortcut += b._shifted_copy
+    assert shortcut > 0
+
+
 def test_reload_groups_send_fused_partners_together():
     names = list(checkpoint_specs())
     groups = reload_groups(names, FakeVllmModel.packed_modules_mapping)
@@ -167,34 +192,29 @@ def _versions(n, frac=0.01):
     return vs
 
 
-class _NoNativeStage:
-    """A Subscriber without ``stage()``: exercises the module's own staging fallback."""
-
-    def __init__(self, sub):
-        self._sub = sub
-
-    def __getattr__(self, name):
-        if name == "stage":
-            raise AttributeError(name)
-        return getattr(self._sub, name)
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_stage_gives_the_net_change_without_writing(tmp_path, native):
+def test_stage_gives_each_deltas_change_without_writing(tmp_path):
+    """Three deltas behind, the adapter stages one delta at a time against the bits the server holds: each
+    piece is that delta's change (positions, new bits, the bits there before it), staged without writing,
+    and the next is read only once the caller wrote this one."""
     uri = str(tmp_path / "store")
     vs = _versions(4)
     _publish(uri, vs, anchor_every=100)
-    sub = ds.Subscriber(uri) if native else _NoNativeStage(ds.Subscriber(uri))
+    sub = ds.Subscriber(uri)
     host = {n: bits(t).clone() for n, t in vs[0].items()}
-    before = {n: b.clone() for n, b in host.items()}
-    st = stage(sub, sub.store.ref(0), lambda n, p: host[n].clone() if p is None else host[n][p], 3)
-    assert st.route == "delta" and st.versions_applied == [1, 2, 3]
-    assert all(torch.equal(host[n], before[n]) for n in host)
-    for name, (pos, new, orig) in st.pending.items():
-        assert torch.equal(new, bits(vs[3][name])[pos])
-        assert torch.equal(orig, before[name][pos])
-    changed = {n for n in vs[0] if not torch.equal(bits(vs[0][n]), bits(vs[3][n]))}
-    assert {n for n, p in st.pending.items() if not torch.equal(p[1], p[2])} == changed
+    pieces = stage(sub.reader, sub.store.ref(0), lambda n, p: host[n].clone() if p is None else host[n][p], 3)
+    k = 0
+    for k, st in enumerate(pieces, 1):
+        assert st.path == "delta" and st.versions_applied == [k] and st.ref == sub.store.ref(k)
+        assert all(torch.equal(host[n], bits(vs[k - 1][n])) for n in host)  # staging wrote nothing
+        changes = st.changes()
+        for name, (pos, new, orig) in changes.items():
+            assert torch.equal(new, bits(vs[k][name])[pos])
+            assert torch.equal(orig, bits(vs[k - 1][name])[pos])
+        changed = {n for n in vs[0] if not torch.equal(bits(vs[k - 1][n]), bits(vs[k][n]))}
+        assert {n for n, p in changes.items() if not torch.equal(p[1], p[2])} == changed
+        for name, (pos, new, _orig) in changes.items():  # the caller writes this one before asking for more
+            host[name][pos] = new
+    assert k == 3 and all(torch.equal(host[n], bits(vs[3][n])) for n in host)
 
 
 def _applier(model):

@@ -1,8 +1,9 @@
 """The applier: one vLLM worker's model brought to a store version, all or nothing.
 
-Three apply paths, chosen per pull (``path="auto"``) after the pull is staged
-(fetched, decoded and checksum-verified by :mod:`.stage`; nothing is written
-before that):
+Three apply paths, chosen for each staged piece (``path="auto"``) once it is
+staged (fetched, decoded and checksum-verified by :mod:`.stage`; nothing of it
+is written before that). A server several deltas behind gets one piece per
+delta, each staged against what the one before it wrote:
 
 * **native** (vLLM with ``load_checkpoint_weight_patches``): a delta's
   changed elements go through vLLM's own sparse loader, which routes
@@ -22,11 +23,15 @@ The in-place paths (native, sparse) serve a pull when every tensor it touches
 is mapped into a parameter that the forward pass reads: on GPU normally all of
 them; on vLLM's CPU build only modules without a CPU GEMM dispatch (norms,
 embeddings' lookups are excluded too: their ``cpu_linear`` may hold a packed
-copy), so there most pulls take the reload path. Undo: whole parameters go to
-a :class:`deltastore.undo.UndoJournal` before an anchor overwrites them;
-element writes are undone from the staged original bits; a failed restore is
-reported as :class:`ApplyError` with ``restored = False`` (the engine's version
-is then unknown and the next pull starts from an anchor), as in
+copy), so there most pulls take the reload path. Undo: one
+:class:`deltastore.pull.transaction.UndoLog` per pull, run newest first on any
+failure: whole parameters go to its :class:`deltastore.pull.undo.UndoJournal`
+before an anchor overwrites them; element writes (and the host mirror's) are
+undone from the staged original bits; a reload by reloading the mirror once it
+is back. The error follows the transaction's one rule
+(:func:`deltastore.pull.transaction.failure`): a failed restore is reported as
+:class:`ApplyError` with ``restored = False`` (the engine's version is then
+unknown and the next pull starts from an anchor), as in
 :meth:`deltastore.Subscriber.pull`.
 """
 
@@ -37,24 +42,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ...apply import _rollback
 from ...checksum import full_checksum
 from ...errors import ApplyError, ChecksumMismatchError, TargetMismatchError, VersionNotFoundError
 from ...manifest import VersionRef
+from ...pull.reader import Staged
+from ...pull.staging import FullState
+from ...pull.subscriber import Subscriber
+from ...pull.transaction import UndoLog, failure, restored_by
 from ...signing import keys_from_env
-from ...subscriber import Subscriber
 from ...tensors import bits_view
-from ...undo import UndoJournal
 from ..vllm_fp8 import check_served
 from .checkpoint import Specs, model_dir, read_checkpoint
 from .loaders import ReloadFn, native_patch_loader
 from .mapping import ParamMap, probe, reload_groups
-from .stage import Staged, stage
+from .stage import stage
 
 log = logging.getLogger("deltastore.vllm")
 
@@ -92,7 +98,8 @@ class VllmApplier:
         self.pmap: ParamMap | None = None
         self._probed = False
         self._subs: dict[tuple[str, str], Subscriber] = {}
-        self._prefetched: tuple[tuple[Any, ...], Staged] | None = None
+        # what prefetch() staged for the next pull: its key, the first piece, the pieces still to stage
+        self._prefetched: tuple[tuple[Any, ...], Staged, Iterator[Staged]] | None = None
         self._last_sub: Subscriber | None = None
         self.lock = threading.RLock()
         self.allow_cpu_sparse = False  # tests only: CPU parameters that no GEMM dispatch repacks
@@ -170,8 +177,8 @@ class VllmApplier:
             raise ValueError(f"path must be one of {PATHS}, got {req!r}")
         if req == "reload":
             return "reload"
-        delta = staged is not None and staged.route == "delta"
-        why = self.inplace_refusal(list(staged.pending) if delta else None)
+        delta = staged is not None and staged.path == "delta"
+        why = self.inplace_refusal(list(staged.changes()) if delta else None)
         if why is not None:
             if req != "auto":
                 raise TargetMismatchError(f"the {req} in-place path is not available: {why}")
@@ -211,18 +218,22 @@ class VllmApplier:
             self.specs = {r.name: (r.spec.dtype, tuple(r.shape)) for r in m.tensors}
         return step
 
-    def _stage(self, sub: Subscriber, step: int, allow_anchor: bool) -> Staged:
-        reader = None
-        if self.version is not None:
-            reader = self._host_reader if self.host is not None else self._param_reader
+    def _pieces(self, sub: Subscriber, step: int, allow_anchor: bool) -> Iterator[Staged]:
+        """The way to ``step`` staged piece by piece (:func:`.stage.stage`): what :meth:`prefetch` staged
+        for this very pull first, if anything."""
         key = (sub.store.uri, step, allow_anchor, self.version)
-        if self._prefetched is not None and self._prefetched[0] == key:
-            staged = self._prefetched[1]
-        else:
-            staged = stage(sub, self.version if reader else None, reader, step, allow_anchor=allow_anchor,
-                           specs=self.specs)
-        self._prefetched = None
-        return staged
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and ahead[0] == key:
+            yield ahead[1]
+            yield from ahead[2]
+            return
+        if ahead is not None:
+            ahead[2].close()
+        bits = None
+        if self.version is not None:
+            bits = self._host_reader if self.host is not None else self._param_reader
+        yield from stage(sub.reader, self.version if bits else None, bits, step, allow_anchor=allow_anchor,
+                         specs=self.specs)
 
     def prefetch(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
                  storage_options: dict[str, Any] | None = None,
@@ -230,16 +241,20 @@ class VllmApplier:
         """Fetch, verify and decode the way to ``step`` without touching the model.
 
         A following :meth:`pull` of the same step applies it without fetching
-        again, so a server is paused only for the writes.
+        again, so a server is paused only for the writes. A path of several
+        deltas is staged a delta at a time, each against the weights the one
+        before it left: the first is staged here and the others downloaded,
+        and the pull decodes each once the one before it is written.
         """
         with self.lock:
             sub = self._sub(uri, storage_options or {}, trusted_keys)
             step = self._prepare(sub, step)
-            staged = self._stage(sub, step, allow_anchor)
-            chosen = self.choose_path(path, staged)
-            self._prefetched = ((sub.store.uri, step, allow_anchor, self.version), staged)
-            return {"step": staged.step, "route": staged.route, "path": chosen,
-                    "bytes_fetched": staged.bytes_fetched, "elements": staged.elements()}
+            pieces = self._pieces(sub, step, allow_anchor)
+            first = next(pieces)
+            chosen = self.choose_path(path, first)
+            self._prefetched = ((sub.store.uri, step, allow_anchor, self.version), first, pieces)
+            return {"step": step, "route": first.path, "path": chosen, "bytes_fetched": first.bytes_fetched,
+                    "elements": first.elements()}
 
     def pull(self, uri: str, step: int | None = None, *, allow_anchor: bool = True, path: str | None = None,
              storage_options: dict[str, Any] | None = None, trusted_keys: list[str] | None = None) -> dict[str, Any]:
@@ -248,107 +263,136 @@ class VllmApplier:
         ``trusted_keys`` (or the worker's ``DELTASTORE_TRUSTED_KEYS``, which wins): every manifest on the way
         must be signed by one of them (:class:`~deltastore.Subscriber`), checked before anything is fetched.
 
-        Raises the typed errors of :meth:`deltastore.Subscriber.pull`; on any
-        error the engine keeps serving its previous version, except an
-        :class:`ApplyError` with ``restored = False`` (a restore failed too):
-        the version is then unknown and the next pull loads an anchor.
+        A server several deltas behind takes them one at a time, each staged
+        against what the one before it wrote, every write in one undo log
+        (:class:`~deltastore.pull.transaction.UndoLog`) until the last one is
+        in: it costs the single pulls added up. Raises the typed errors of
+        :meth:`deltastore.Subscriber.pull`; on any error the engine keeps
+        serving its previous version, except an :class:`ApplyError` with
+        ``restored = False`` (a restore failed too): the version is then
+        unknown and the next pull loads an anchor.
         """
         with self.lock:
-            t0 = time.perf_counter()
             sub = self._sub(uri, storage_options or {}, trusted_keys)
             step = self._prepare(sub, step)
-            staged = self._stage(sub, step, allow_anchor)
-            chosen = self.choose_path(path, staged)
-            t1 = time.perf_counter()
+            log = UndoLog()
+            reloaded = log.steps()  # first in the log, so undone last: once the host mirror is back
+            staging = applying = 0.0
+            applied: list[int] = []
+            written, fetched, in_place = 0, 0, False
+            tensors: set[str] = set()
+            chosen, last, route = self.default_path, None, None
+            reload_names: list[str] = []  # what delta pieces the reload path took changed: reloaded at the end
+            pieces = self._pieces(sub, step, allow_anchor)
             try:
-                if staged.route == "none":
-                    written = 0
-                elif chosen == "native":
-                    written = self._apply_native(staged)
-                elif chosen == "sparse":
-                    written = self._apply_sparse(staged)
-                else:
-                    written = self._apply_reload(staged)
-            except ApplyError as e:
-                if getattr(e, "restored", True) is False:
+                while True:
+                    t = time.perf_counter()
+                    last = next(pieces, None)
+                    staging += time.perf_counter() - t
+                    if last is None:
+                        break
+                    chosen = self.choose_path(path, last)
+                    route = route or last.path
+                    t = time.perf_counter()
+                    if last.path != "none":
+                        written += self._apply(chosen, last, log, reload_names)
+                        in_place = in_place or chosen != "reload"
+                        tensors.update(last.state.bits if last.path == "anchor" else last.changes())
+                    applying += time.perf_counter() - t
+                    applied += last.versions_applied
+                    fetched += last.bytes_fetched
+                t = time.perf_counter()
+                if reload_names:
+                    written += self._reload_changed(reload_names, reloaded)
+                applying += time.perf_counter() - t
+            except BaseException as e:
+                refused = log.restore()
+                if not restored_by(e, refused):
                     self.version, self.host = None, None
-                raise
-            if chosen != "reload" and staged.route != "none":
-                self._sync_host(staged)
-                if self.resets is not None:
-                    self.resets()
-            t2 = time.perf_counter()
-            self.version = staged.ref
+                err = failure(e, refused)
+                if err is e:
+                    raise
+                raise err from err.__cause__
+            finally:
+                pieces.close()
+            log.close()
+            if in_place and self.resets is not None:
+                self.resets()
+            assert last is None
+            ref = sub.store.ref(step)
+            self.version = ref
             self.uri = sub.store.uri
             self._last_sub = sub
             self.path = chosen
             self.last_result = {
-                "step": staged.step, "digest": staged.ref.digest, "path": chosen, "route": staged.route,
-                "versions_applied": list(staged.versions_applied), "bytes_fetched": staged.bytes_fetched,
-                "elements_written": int(written),
-                "tensors_written": (len(staged.pending) if staged.route == "delta"
-                                    else len(staged.full or {}) if staged.route == "anchor" else 0),
-                "stage_s": round(t1 - t0, 6), "apply_s": round(t2 - t1, 6),
+                "step": step, "digest": ref.digest, "path": chosen, "route": route, "versions_applied": applied,
+                "bytes_fetched": fetched, "elements_written": int(written), "tensors_written": len(tensors),
+                "stage_s": round(staging, 6), "apply_s": round(applying, 6),
             }
             return dict(self.last_result)
 
-    def _sync_host(self, staged: Staged) -> None:
+    def _apply(self, chosen: str, staged: Staged, log: UndoLog, reload_names: list[str]) -> int:
+        """Write one staged piece by the ``chosen`` path, its undo in ``log`` first; elements written."""
+        if chosen == "reload":
+            return self._apply_reload(staged, log, reload_names)
+        written = self._apply_native(staged, log) if chosen == "native" else self._apply_sparse(staged, log)
+        self._sync_host(staged, log)
+        return written
+
+    def _sync_host(self, staged: Staged, log: UndoLog) -> None:
         """Keep the host mirror equal to the served weights after an in-place write (O(changed))."""
-        if self.host is None:
+        host = self.host
+        if host is None:
             return
-        if staged.route == "anchor":
+        undo = log.steps()
+        if staged.path == "anchor":
+            undo.append(lambda: setattr(self, "host", host))
             self.host = None  # the parameters are the truth now; the reload path would need an anchor
             return
-        for name, (pos, bits, _orig) in staged.pending.items():
-            self.host[name][pos] = bits
-
+        for name, (pos, bits, orig) in staged.changes().items():
+            undo.append(lambda t=host[name], pos=pos, orig=orig: t.__setitem__(pos, orig))
+            host[name][pos] = bits
     # -- the in-place paths ----------------------------------------------------------------------
     def _sync(self) -> None:
         if self._device_type() == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def _element_undo(self, staged: Staged) -> list[Callable[[], object]]:
+    def _element_undo(self, staged: Staged, log: UndoLog) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The piece's changes, each one's undo (its original bits written back through the map) in ``log``."""
         pmap = self.pmap
         assert pmap is not None
-        return [lambda name=name, pos=pos, orig=orig: pmap.write(name, pos, orig)
-                for name, (pos, _bits, orig) in staged.pending.items()]
+        changes = staged.changes()
+        log.steps().extend(lambda name=name, pos=pos, orig=orig: pmap.write(name, pos, orig)
+                           for name, (pos, _bits, orig) in changes.items())
+        return changes
 
-    def _apply_sparse(self, staged: Staged) -> int:
+    def _apply_sparse(self, staged: Staged, log: UndoLog) -> int:
         pmap = self.pmap
         assert pmap is not None
         written = 0
         with torch.no_grad():
-            if staged.route == "anchor":
-                assert staged.full is not None
-                journal = UndoJournal()
-                try:
-                    for name, bits in staged.full.items():
-                        for b in pmap.blocks.get(name, ()):
-                            journal.save(bits_view(pmap.params[b.param]))
-                        written += pmap.write_full(name, bits)
-                    self._sync()
-                except Exception as e:
-                    _rollback([lambda: _journal_restore(journal)], e)
-                finally:
-                    journal.close()
-                return written
-            undo = self._element_undo(staged)
-            try:
-                for name, (pos, bits, _orig) in staged.pending.items():
-                    written += pmap.write(name, pos, bits)
+            if isinstance(staged.state, FullState):
+                journal = log.journal()
+                for name, bits in staged.state.bits.items():
+                    for b in pmap.blocks.get(name, ()):
+                        journal.save(bits_view(pmap.params[b.param]))
+                    written += pmap.write_full(name, bits)
                 self._sync()
-            except Exception as e:
-                _rollback(undo, e)
+                return written
+            for name, (pos, bits, _orig) in self._element_undo(staged, log).items():
+                written += pmap.write(name, pos, bits)
+            self._sync()
         return written
 
-    def _apply_native(self, staged: Staged) -> int:
+    def _apply_native(self, staged: Staged, log: UndoLog) -> int:
         """vLLM's ``load_checkpoint_weight_patches`` for the non-NaN float values, our map for the rest,
-        then every written element read back and compared bit for bit; undone on any failure."""
+        then every written element read back and compared bit for bit."""
         assert self.native is not None and self.specs is not None and self.pmap is not None
         patch_cls, load = self.native
         device = next((p.device for p in self.model.parameters() if p.numel()), torch.device("cpu"))
+        changes = self._element_undo(staged, log)
         patches, ours = [], []
-        for name, (pos, bits, _orig) in staged.pending.items():
+        for name, (pos, bits, _orig) in changes.items():
             dtype, shape = self.specs[name]
             if not dtype.is_floating_point:
                 ours.append((name, pos, bits))
@@ -360,23 +404,19 @@ class VllmApplier:
             if bool(keep.any()):
                 patches.append(patch_cls(name, tuple(shape), dtype, bits[keep].view(dtype).to(device),
                                          pos[keep].to(device=device, dtype=torch.int64)))
-        undo = self._element_undo(staged)
         written = 0
         with torch.no_grad():
-            try:
-                if patches:
-                    load(self.model, patches)
-                for name, pos, bits in ours:
-                    self.pmap.write(name, pos, bits)
-                self._sync()
-                for name, (pos, bits, _orig) in staged.pending.items():
-                    held, got = self.pmap.gather(name, pos)
-                    if not bool(torch.equal(got[held], bits[held])):
-                        raise ApplyError(f"vLLM's sparse loader wrote {int((got[held] != bits[held]).sum())} "
-                                         f"element(s) of {name!r} differently from the staged bits")
-                    written += int(held.sum())
-            except Exception as e:
-                _rollback(undo, e)
+            if patches:
+                load(self.model, patches)
+            for name, pos, bits in ours:
+                self.pmap.write(name, pos, bits)
+            self._sync()
+            for name, (pos, bits, _orig) in changes.items():
+                held, got = self.pmap.gather(name, pos)
+                if not bool(torch.equal(got[held], bits[held])):
+                    raise ApplyError(f"vLLM's sparse loader wrote {int((got[held] != bits[held]).sum())} "
+                                     f"element(s) of {name!r} differently from the staged bits")
+                written += int(held.sum())
         return written
 
     # -- the reload path -------------------------------------------------------------------------
@@ -394,48 +434,47 @@ class VllmApplier:
                 send.extend(members)
         return send
 
-    def _reload(self, host: Mapping[str, torch.Tensor], names: list[str]) -> None:
+    def _reload(self, host: Mapping[str, torch.Tensor] | None, names: list[str]) -> None:
         if self.reload_fn is None:
             raise ApplyError("no reload function: the reload path needs a vLLM worker")
+        if host is None:
+            raise ApplyError("no host mirror of the previous weights to reload")
         assert self.specs is not None
         items = [(n, host[n].view(self.specs[n][0]).reshape(self.specs[n][1])) for n in names]
         self.reload_fn(iter(items))
         self._sync()
 
-    def _restore_reload(self, host: Mapping[str, torch.Tensor] | None, names: list[str], cause: Exception) -> None:
-        """Reload the previous weights after a failed reload; raise ApplyError (``restored`` False when
-        that failed too or there was nothing to reload from)."""
-        undo: list[Callable[[], object]] = []
-        if host is not None:
-            undo.append(lambda: self._reload(host, names))
-        else:
-            undo.append(_no_mirror)
-        _rollback(undo, cause)
-
-    def _apply_reload(self, staged: Staged) -> int:
-        if staged.route == "anchor":
-            assert staged.full is not None
-            new_host = {n: b.clone() if not b.is_contiguous() else b for n, b in staged.full.items()}
-            try:
-                self._reload(new_host, list(new_host))
-            except Exception as e:
-                self._restore_reload(self.host, list(self.host or {}), e)
+    def _apply_reload(self, staged: Staged, log: UndoLog, reload_names: list[str]) -> int:
+        """An anchor: the new host mirror reloaded whole (undone by reloading the previous one). A delta: the
+        host mirror updated (undone element by element); the changed tensors' groups are reloaded once the
+        last piece is in (:meth:`_reload_changed`)."""
+        undo = log.steps()
+        if isinstance(staged.state, FullState):
+            old = self.host
+            new_host = {n: b.clone() if not b.is_contiguous() else b for n, b in staged.state.bits.items()}
+            undo.append(lambda: self._reload(old, list(old or {})))
+            self._reload(new_host, list(new_host))
+            undo.append(lambda: setattr(self, "host", old))
             self.host = new_host
             return sum(b.numel() for b in new_host.values())
-        if self.host is None:
+        host = self.host
+        if host is None:
             raise TargetMismatchError("the reload path needs a host mirror of the served weights, which this "
                                       "engine no longer has (an in-place anchor replaced it): pull from an anchor")
-        changed = list(staged.pending)
-        for name, (pos, bits, _orig) in staged.pending.items():
-            self.host[name][pos] = bits
-        send = self._groups_for(changed)
-        try:
-            self._reload(self.host, send)
-        except Exception as e:
-            for name, (pos, _bits, orig) in staged.pending.items():
-                self.host[name][pos] = orig
-            self._restore_reload(self.host, send, e)
-        return sum(self.host[n].numel() for n in send)
+        changes = staged.changes()
+        for name, (pos, bits, orig) in changes.items():
+            undo.append(lambda t=host[name], pos=pos, orig=orig: t.__setitem__(pos, orig))
+            host[name][pos] = bits
+        reload_names += changes
+        return 0
+
+    def _reload_changed(self, names: list[str], undo: list[Callable[[], object]]) -> int:
+        """Reload the groups of ``names`` from the host mirror (after the pieces updated it); undone by
+        reloading them again once the mirror is back (``undo``: a list the log runs after the mirror's undo)."""
+        send = self._groups_for(names)
+        undo.append(lambda: self._reload(self.host, send))
+        self._reload(self.host, send)
+        return sum(self.host[n].numel() for n in send)  # type: ignore[index]
 
     # -- identity and verification ---------------------------------------------------------------
     def identify(self, uri: str, step: int, *, storage_options: dict[str, Any] | None = None,
@@ -570,13 +609,3 @@ def applier_for(model: torch.nn.Module, vllm_config: Any = None, reload_fn: Relo
         if resets is not None:
             ap.resets = resets
     return ap
-
-
-def _journal_restore(journal: UndoJournal) -> None:
-    failed = journal.restore()
-    if failed:
-        raise ApplyError(f"{failed} parameter(s) refused the restore")
-
-
-def _no_mirror() -> None:
-    raise ApplyError("no host mirror of the previous weights to reload")

@@ -12,7 +12,7 @@ from typing import Any
 
 from ...errors import ApplyError, DeltaStoreError
 from ...manifest import VersionRef
-from ...subscriber import Subscriber
+from ...pull.subscriber import Subscriber
 from .._polling import PollingLoop
 from ._rpc import error_dict as _error_dict
 from ._rpc import results as _results

@@ -80,9 +80,23 @@ class Block:
                 raise ValueError(f"block into {self.param}: checkpoint strides overlap")
             span += self.hf_strides[d] * (self.shape[d] - 1)
 
+    @property
+    def _shifted_copy(self) -> bool:
+        """The block is the checkpoint tensor's first ``numel`` elements, laid out in the parameter with
+        the same strides (a whole unsharded tensor, a fused part, a padded vocabulary): a position there
+        is ``p_offset`` further on."""
+        contiguous, n = [], 1
+        for d in reversed(self.shape):
+            contiguous.append(n)
+            n *= d
+        return self.hf_offset == 0 and self.hf_strides == self.p_strides == tuple(reversed(contiguous))
+
     def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For int64 checkpoint ``positions``: (indices into ``positions`` that fall in this
         block, their flat positions in the parameter)."""
+        if self._shifted_copy and (not positions.numel() or (int(positions.min()) >= 0
+                                                             and int(positions.max()) < self.numel)):
+            return torch.arange(positions.numel()), positions + self.p_offset
         r = positions - self.hf_offset
         ok = r >= 0
         p = torch.full_like(positions, self.p_offset)

@@ -37,26 +37,26 @@ from typing import Any
 
 import torch
 
-from ._gc import paused
-from ._memory import release_memory
-from . import progress as _progress
-from .adapters import peft_adapter, record_config
+from .. import progress as _progress
+from .._gc import paused
+from .._memory import release_memory
+from ..adapters import peft_adapter, record_config
+from ..codecs import Codec, TensorSpec
+from ..errors import ManifestError, ReentrantCallError, TargetMismatchError
+from ..gc import Retention
+from ..manifest import VersionRef, check_tensor_name
+from ..quantize import get_quantizer
+from ..tensors import StateLike, dtype_name, named_tensors
 from .anchors import AnchorPolicy, ChainState
-from .codecs import Codec, TensorSpec
+from .background import BackgroundWriter
+from .chain import check_step
 from .diff import DEFAULT_CHUNK_ELEMS
-from .errors import ManifestError, ReentrantCallError, TargetMismatchError
-from .gc import Retention
-from .manifest import VersionRef, check_tensor_name
-from .publish.background import BackgroundWriter
-from .publish.chain import check_step
-from .publish.info import PendingVersionInfo, VersionInfo
-from .publish.mirror import Mirror, Pending
-from .publish.resume import resume_chain
-from .publish.stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
-from .publish.stream import diff_stream, owned_items
-from .publish.version import Captured, write_version
-from .quantize import get_quantizer
-from .tensors import StateLike, dtype_name, named_tensors
+from .info import PendingVersionInfo, VersionInfo
+from .mirror import Mirror, Pending
+from .resume import resume_chain
+from .stages import DEFAULT_ANCHOR_CODEC, DEFAULT_MAX_OBJECT_BYTES, PublishStages
+from .stream import diff_stream, owned_items
+from .version import Captured, write_version
 
 
 def _check_name(name: str) -> None:

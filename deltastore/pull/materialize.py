@@ -8,19 +8,22 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .adapters import is_adapter, write_adapter_folder
-from .errors import OutputWriteError
-from .manifest import Manifest
-from .progress import ProgressArg
-from .quantize import served_config_json
-from .store import DeltaStore
-from .subscriber import Subscriber
+from .._gc import collector_paused
+from ..adapters import is_adapter, write_adapter_folder
+from ..errors import OutputWriteError
+from ..manifest import Manifest
+from ..progress import ProgressArg, reporting
+from ..quantization import served_config_json
+from ..store import DeltaStore
+from .reader import VersionReader, log_pulled
+from .staging import FullState
 
 DEFAULT_SHARD_BYTES = 5 << 30
 
@@ -38,8 +41,8 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     ``config.json`` gains the matching ``quantization_config``. A version
     published with ``adapter_only=True`` is written as a PEFT adapter folder
     (``adapter_model.safetensors`` + ``adapter_config.json``). Returns the file names written; each
-    has the mode any new file gets (0666 less the umask). ``progress`` is passed to
-    :meth:`Subscriber.pull`.
+    has the mode any new file gets (0666 less the umask). ``progress``: as for
+    :meth:`Subscriber.pull` (object bytes fetched).
 
     Every file is written into a hidden folder inside ``out_dir`` first and
     moved into place (a rename each) only once all are written, so a failure
@@ -48,7 +51,7 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
     ``OSError`` with the system's ``errno``) when writing fails (a full disk,
     a read-only or refused folder).
     """
-    state = Subscriber(store).pull(step=step, progress=progress).state
+    state = _read(store, step, progress)
     manifest = store.manifest(step)
     extra = {fname: store.get_object(rec["digest"], rec["size"]) for fname, rec in manifest.files.items()}
     stage = None
@@ -65,6 +68,17 @@ def materialize(store: DeltaStore, step: int, out_dir: str | os.PathLike[str], *
         if stage is not None:
             shutil.rmtree(stage, ignore_errors=True)
     return written
+
+
+def _read(store: DeltaStore, step: int, progress: ProgressArg) -> dict[str, torch.Tensor]:
+    """Version ``step``'s tensors, read as a pull without a target reads them (around GC and corrupt
+    objects, :meth:`VersionReader.replanning`)."""
+    reader, t0 = VersionReader(store), time.perf_counter()
+    with collector_paused(), reporting(progress, desc="pull"):
+        staged = reader.replanning(lambda avoid: reader.stage(step, avoid=avoid, layout_changes=True))
+    assert isinstance(staged.state, FullState)
+    log_pulled(step, staged.path, staged.bytes_fetched, staged.versions_applied, t0)
+    return staged.state.as_tensors()
 
 
 def _follow_umask(out_dir: str | os.PathLike[str], names: list[str]) -> None:

@@ -17,37 +17,16 @@ Two paths give the same result:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from .errors import TargetMismatchError
-from .tensors import bits_dtype, bits_view
+from .. import segments
+from ..errors import TargetMismatchError
+from ..segments import Change
+from ..tensors import bits_dtype, bits_view
 
 DEFAULT_CHUNK_ELEMS = 1 << 24
 _DENSE_WORDS = 32  # above 1 differing word in 32, compare element by element instead
-
-
-@dataclass
-class Change:
-    """The elements of one tensor whose bits changed.
-
-    positions: int64, 1-D, strictly increasing flat positions (CPU).
-    new_bits: the new raw bits at those positions (integer view dtype, CPU).
-    old_bits: the previous raw bits at those positions (CPU).
-    """
-
-    positions: torch.Tensor
-    new_bits: torch.Tensor
-    old_bits: torch.Tensor
-
-    @property
-    def count(self) -> int:  # asked several times per tensor on the publish path: cached (a Change is never modified)
-        got = self.__dict__.get("_count")
-        if got is None:
-            got = self.__dict__["_count"] = int(self.positions.numel())
-        return got
 
 
 def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
@@ -68,8 +47,7 @@ def find_changes(old_bits: torch.Tensor, new: torch.Tensor, *, chunk_elems: int 
             f"cannot diff {tuple(new.shape)}/{dtype} against a mirror of "
             f"{old_bits.numel()} x {old_bits.dtype}")
     if old_bits.is_cpu and new_flat.is_cpu and new_flat.dtype == dtype and type(new_flat) is torch.Tensor:
-        from . import segments  # the fused kernel; no chunking needed (it makes no temporaries)
-
+        # the fused kernel; no chunking needed (it makes no temporaries)
         fc = segments.diff_segments([old_bits.contiguous()], [new_flat], np.zeros(1, np.uint64))
         return fc.change(0)
     positions, new_parts, old_parts = [], [], []

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .apply import FullState
-from .errors import DeltaStoreError, VersionNotFoundError
-from .layout import check_step
-from .manifest import Manifest
-from .store import DeltaStore
-from .subscriber import Subscriber
+from ..errors import DeltaStoreError, VersionNotFoundError
+from ..layout import check_step
+from ..manifest import Manifest
+from ..store import DeltaStore
+from .reader import VersionReader
+from .staging import FullState
 
 
 @dataclass
@@ -61,7 +61,7 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
     objects are re-hashed and before it is replayed.
     """
     report = VerifyReport()
-    sub = Subscriber(store)
+    reader = VersionReader(store)
     say = progress or (lambda _msg: None)
     # One pass in step order. Only each readable version's digest is kept (a parent is checked against it), so
     # memory holds one manifest and one replayed state, not every manifest of the store.
@@ -99,12 +99,12 @@ def verify_store(store: DeltaStore, *, progress: Callable[[str], None] | None = 
             except DeltaStoreError as e:
                 report.problems.append((step, str(e)))
         say(f"replaying version {step}")
-        state, state_ref = _replay(sub, report, step, m, digest, state, state_ref)
+        state, state_ref = _replay(reader, report, step, m, digest, state, state_ref)
     report.objects = len(seen)
     return report
 
 
-def _replay(sub: Subscriber, report: VerifyReport, step: int, m: Manifest, digest: str, state: FullState | None,
+def _replay(reader: VersionReader, report: VerifyReport, step: int, m: Manifest, digest: str, state: FullState | None,
             state_ref: tuple[int, str] | None) -> tuple[FullState | None, tuple[int, str] | None]:
     """Rebuild version ``step`` (from ``state`` when that is its parent) and check every checksum; the state
     to carry to the next version. Problems go to ``report``."""
@@ -112,15 +112,15 @@ def _replay(sub: Subscriber, report: VerifyReport, step: int, m: Manifest, diges
         if (state is not None and m.parent is not None and m.has_delta
                 and state_ref == (m.parent.step, m.parent.digest)):
             check_step(state.specs, m, base=state_ref[0])
-            sub.advance(state, m)
+            reader.advance(state, m)
             if m.kind == "anchor":  # the full objects must agree too
-                FullState(m, sub.fetch_updates(m, "full", None)[0])
+                FullState(m, reader.fetch_updates(m, "full", None)[0])
         elif m.kind == "anchor":
-            state = FullState(m, sub.fetch_updates(m, "full", None)[0])
+            state = FullState(m, reader.fetch_updates(m, "full", None)[0])
         else:
             state = None
             try:
-                staged = sub.stage(step, layout_changes=True)
+                staged = reader.stage(step, layout_changes=True)
             except VersionNotFoundError:
                 report.problems.append((step, "delta is not reachable from a verified predecessor"))
                 return None, None

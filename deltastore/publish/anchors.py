@@ -20,7 +20,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from .registry import anchor_policies as _registry
+from ..registry import anchor_policies as _registry
 
 
 @dataclass(frozen=True)

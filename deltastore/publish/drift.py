@@ -40,15 +40,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import segments
-from .diff import Change
-from ._memory import discard
-from .kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs, sample_stream
-from .kernels.parallel import each, threads
-from .segments import FlatChanges
+from .. import segments
+from .._memory import discard
+from ..kernels.diff import drift_merge_rows, drift_merge_rows_in_place, merge_runs, sample_stream
+from ..kernels.parallel import each, threads
+from ..segments import Change, FlatChanges
 
 if TYPE_CHECKING:
-    from .publish.mirror import Diff
+    from .mirror import Diff
 
 #: a version's changes as rows of a table: names, name -> row, row bounds in the change stream, and the stream's
 #: parts (positions, old bits, new bits)
@@ -490,7 +489,7 @@ class DifferentialRows:
         return positions, new, anchor, bounds
 
     def changes(self) -> list[Change]:
-        """Every row's :class:`~deltastore.diff.Change` (one read of the whole table)."""
+        """Every row's :class:`~deltastore.segments.Change` (one read of the whole table)."""
         pos, new, old, bounds = self.select(np.arange(len(self._table.names)))
         sizes = np.diff(bounds).tolist()
         return [Change(p, q, o) for p, q, o in zip(pos.split(sizes), new.split(sizes), old.split(sizes))]

@@ -33,10 +33,9 @@ from typing import IO
 import numpy as np
 import torch
 
-from ._memory import c_library
-from .apply import plain_cpu_groups
-from .segments import copy_at, is_zero, lengths, pointers, zero_flags_at
-from .tensors import bits_dtype, bits_view
+from .._memory import c_library
+from ..segments import copy_at, is_zero, lengths, pointers, zero_flags_at
+from ..tensors import bits_dtype, bits_view, plain_cpu_groups
 
 #: old bits kept in RAM before the journal spills to disk
 DEFAULT_MEMORY_BYTES = 32 << 20

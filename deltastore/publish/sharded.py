@@ -27,23 +27,23 @@ from typing import Any
 
 import torch
 
-from ._gc import paused
-from .checksum import full_checksum, sparse_sum, tensor_key
-from .codecs import TensorSpec
-from .diff import Change
+from .._gc import paused
+from ..checksum import full_checksum, sparse_sum, tensor_key
+from ..codecs import TensorSpec
+from ..errors import TargetMismatchError
+from ..manifest import ObjectRecord, Part, VersionRef, check_tensor_name
+from ..segments import Change
+from ..store import DeltaStore
+from ..tensors import dtype_name, published_dtype
+from .chain import Decision, check_step
+from .collective import Collective
+from .commit import commit_manifest, post_commit, producer, tensor_record, version_manifest
 from .drift import DriftTracker
-from .errors import TargetMismatchError
-from .manifest import ObjectRecord, Part, VersionRef, check_tensor_name
-from .publish.chain import Decision, check_step
-from .publish.collective import Collective
-from .publish.commit import commit_manifest, post_commit, producer, tensor_record, version_manifest
-from .publish.mirror import Diff, Mirror
-from .publish.objects import Whole
-from .publish.upload import Job
-from .publish.info import VersionInfo
-from .publish.stages import PublishStages
-from .store import DeltaStore
-from .tensors import dtype_name, published_dtype
+from .info import VersionInfo
+from .mirror import Diff, Mirror
+from .objects import Whole
+from .stages import PublishStages
+from .upload import Job
 
 _M64 = (1 << 64) - 1
 #: Publisher arguments a ShardedPublisher refuses (given as anything but None or False), and why

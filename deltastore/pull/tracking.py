@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .manifest import VersionRef
+from ..manifest import VersionRef
 
 _MAX_STRONG = 64
 
