@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import shutil
 import sys
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 
 import _trace  # noqa: E402
 import scale  # noqa: E402
+from _stages import instrument  # noqa: E402
 
 #: (module, qualified name) of the stages timed
 STAGES = [
@@ -74,47 +74,6 @@ STAGES = [
 ]
 
 
-def instrument(spent: dict[str, list[float]]) -> list[str]:
-    """Wrap every stage of :data:`STAGES` with timers adding ``[cpu, wall, calls]`` into ``spent``; returns the
-    names not found."""
-    missing = []
-    for modname, qual in STAGES:
-        try:
-            mod = sys.modules.get(modname) or __import__(modname, fromlist=["_"])
-        except ImportError:
-            missing.append(qual)
-            continue
-        owner, attr = mod, qual
-        if "." in qual:
-            cls, attr = qual.split(".")
-            owner = getattr(mod, cls, None)
-        raw = owner.__dict__.get(attr) if owner is not None else None
-        if raw is None:
-            missing.append(qual)
-            continue
-        is_cm, is_sm = isinstance(raw, classmethod), isinstance(raw, staticmethod)
-        fn = raw.__func__ if is_cm or is_sm else raw
-
-        def timed(*a, _fn=fn, _q=qual, **k):
-            c, w = time.process_time(), time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                s = spent[_q]
-                s[0] += time.process_time() - c
-                s[1] += time.perf_counter() - w
-                s[2] += 1
-
-        wrapped = functools.wraps(fn)(timed)
-        if owner is not mod:
-            setattr(owner, attr, classmethod(wrapped) if is_cm else staticmethod(wrapped) if is_sm else wrapped)
-            continue
-        for m in list(sys.modules.values()):  # every module that imported it by name
-            if getattr(m, "__name__", "").startswith("deltastore") and getattr(m, attr, None) is fn:
-                setattr(m, attr, wrapped)
-    return missing
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _trace.add_trace_arg(ap)
@@ -136,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     codec = {"id": "auto", "config": {"link_mbps": None}} if args.codec == "ctx-auto" else args.codec
     spent: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    missing = instrument(spent)
+    missing = instrument(STAGES, spent)
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     src = scale.build({"size": args.size}, run, "model")
     store = tempfile.mkdtemp(prefix="deltastore-publish-stages-", dir=args.workdir)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import scale  # noqa: E402
+from _stages import instrument  # noqa: E402
 import deltastore as ds  # noqa: E402
 
 #: (module, qualified name) of the stages timed
@@ -76,39 +76,6 @@ STAGES = [
 ]
 
 
-def instrument(spent: dict[str, float]) -> list[str]:
-    """Wrap every stage of :data:`STAGES` with a timer adding into ``spent``; the names not found."""
-    missing = []
-    for modname, qual in STAGES:
-        mod = sys.modules.get(modname) or __import__(modname, fromlist=["_"])
-        owner, attr = mod, qual
-        if "." in qual:
-            cls, attr = qual.split(".")
-            owner = getattr(mod, cls, None)
-        raw = owner.__dict__.get(attr) if owner is not None else None
-        if raw is None:
-            missing.append(qual)
-            continue
-        is_cm = isinstance(raw, classmethod)
-        fn = raw.__func__ if is_cm else raw
-
-        def timed(*a, _fn=fn, _q=qual, **k):
-            w = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                spent[_q] += time.perf_counter() - w
-
-        wrapped = functools.wraps(fn)(timed)
-        if owner is not mod:
-            setattr(owner, attr, classmethod(wrapped) if is_cm else wrapped)
-            continue
-        for m in list(sys.modules.values()):  # every module that imported it by name
-            if getattr(m, "__name__", "").startswith("deltastore") and getattr(m, attr, None) is fn:
-                setattr(m, attr, wrapped)
-    return missing
-
-
 def build_store(args: argparse.Namespace, cfg: dict) -> None:
     last = os.path.join(args.store, "versions", f"{args.steps:012d}.json")
     if os.path.exists(last):
@@ -133,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"size": args.size, "tensors": 16384, "tensors_mb": 200.0}
     args.store = args.store or f"/tmp/deltastore-pull-stages-{args.layout}-{args.size}-{args.run}-{args.steps}"
     build_store(args, cfg)
-    spent: dict[str, float] = collections.defaultdict(float)
-    missing = instrument(spent)
+    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    missing = instrument(STAGES, spent)
     src = scale.build(cfg, args.run, args.layout)
     sub = ds.Subscriber(args.store)
     target = {k: torch.zeros_like(v) for k, v in src.state.items()}
@@ -163,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(target)} tensors, {src.nbytes / 1e9:.2f} GB; mean over {len(pulls)} pulls: pull "
           f"{1e3 * sum(pulls) / n:.0f} ms, dense copy {1e3 * sum(copies) / n:.0f} ms\n")
     print("| stage (inclusive) | ms per pull |\n|---|---:|")
-    for q, s in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"| `{q}` | {1e3 * s / n:.1f} |")
+    for q, s in sorted(spent.items(), key=lambda kv: -kv[1][1]):
+        print(f"| `{q}` | {1e3 * s[1] / n:.1f} |")
     if missing:
         print(f"\nnot found (renamed?): {', '.join(missing)}")
     return 0

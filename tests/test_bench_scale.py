@@ -112,6 +112,18 @@ def test_pull_stages_times_every_stage(tmp_path):
     assert "_expect_sums" in timed, timed  # called (a row only for a stage that ran): under 0.05 ms at this size
 
 
+def test_publish_stages_times_every_stage():
+    """bench/publish_stages.py at a tiny size: every stage it names still exists, and the main ones ran."""
+    _trace_module()
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "publish_stages.py"), "--size", "0.01", "--steps", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "not found" not in proc.stdout, proc.stdout  # a renamed stage must be renamed here too
+    timed = {line.split("|")[1].strip().strip("`") for line in proc.stdout.splitlines() if line.startswith("| `")}
+    assert {"Publisher._publish", "Mirror.diff", "write_version"} <= timed, timed
+
+
 def test_pull_floor_runs_bit_exact(tmp_path):
     """bench/pull_floor.py at a tiny size: its fused floor kernels write the same bits as the library's pull
     (the bench checks every row against the model and exits 1 otherwise), and it prints all three rows."""

@@ -177,15 +177,8 @@ class Subscriber:
     # -- planning ------------------------------------------------------------------
     def plan(self, step: int, current: VersionRef | None = None, *, allow_anchor: bool = True,
              avoid: frozenset[str] = frozenset()) -> Plan:
-        """The cheapest path (in object bytes) from ``current`` to ``step``, from this store's manifests.
-
-        Candidates and tie rule: :func:`deltastore.pull.planner.plan_path`.
-        With ``allow_anchor=False`` only paths that start at ``current`` count;
-        paths that read an object whose digest is in ``avoid`` do not count.
-        Raises :class:`VersionNotFoundError` when no path exists (for example
-        a broken chain with no anchor below the step) and
-        :class:`InvalidStepError` when ``step`` is not an integer.
-        """
+        """The cheapest path (in object bytes) from ``current`` to ``step``: :meth:`VersionReader.plan
+        <deltastore.pull.reader.VersionReader.plan>` (candidates, tie rule, errors)."""
         return self.reader.plan(step, current, allow_anchor=allow_anchor, avoid=avoid)
 
     # -- pulling -------------------------------------------------------------------
@@ -275,20 +268,11 @@ class Subscriber:
     def stage(self, step: int, current: VersionRef | None = None, reader: OldBits | None = None, *,
               allow_anchor: bool = True, avoid: frozenset[str] = frozenset(),
               layout_changes: bool = False) -> Staged:
-        """Plan, fetch, verify and decode the way from ``current`` to ``step``, writing nothing.
-
-        ``reader`` gives the bits the target holds now (needed to start from
-        ``current``: O(changed) checksum checks and codecs that read old
-        values); without it only paths that start at an anchor are possible.
-        Integrations whose targets are not a mapping of tensors (vLLM's fused
-        parameters) use this and write :attr:`Staged.state` themselves (an
-        anchor path is staged whole in host memory). Such a target is taken to
-        have a fixed layout: a path that adds, drops, reshapes or re-types a
-        tensor raises :class:`TargetMismatchError` naming it before any object
-        is fetched, unless ``layout_changes=True`` (then a ``FullState`` holds
-        the final layout, and a ``SparseOverlay`` lists tensors held whole in
-        ``.whole`` / ``.whole_specs`` and tensors to delete in ``.dropped``).
-        Raises the same typed errors as :meth:`pull`.
+        """Plan, fetch, verify and decode the way from ``current`` to ``step``, writing nothing:
+        :meth:`VersionReader.stage <deltastore.pull.reader.VersionReader.stage>`, one at a time with this
+        Subscriber's pulls. Integrations whose targets are not a mapping of tensors (vLLM's fused
+        parameters) use this and write :attr:`Staged.state` themselves. Raises the same typed errors as
+        :meth:`pull`.
         """
         check_step_arg(step)
         with self._lock:

@@ -34,6 +34,28 @@ def bombs() -> dict[str, bytes]:
             "undeclared": zstandard.ZstdCompressor(level=3, write_content_size=False).compress(zeros)}
 
 
+def status_kb(field: str) -> int | None:
+    """A field of ``/proc/self/status`` in kB (``VmRSS``, ``VmHWM``, ...), or None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident memory (``VmHWM := VmRSS``, Linux); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # CLEAR_REFS_MM_HIWATER_RSS
+        return True
+    except OSError:
+        return False
+
+
 class DecodeMeter:
     """Runs decodes on a worker thread, each under a deadline, and measures each one's memory growth: the
     larger of the rise of the process's peak resident memory (``VmHWM``, reset before each where Linux
@@ -42,7 +64,7 @@ class DecodeMeter:
     def __init__(self, deadline: float):
         self.deadline = deadline
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="codec-conformance")
-        self.hwm = self._reset_hwm()
+        self.hwm = reset_peak()
         self.tracing = tracemalloc.is_tracing()
         if not self.tracing:
             tracemalloc.start()
@@ -52,29 +74,9 @@ class DecodeMeter:
             tracemalloc.stop()
         self.pool.shutdown(wait=False)
 
-    @staticmethod
-    def _status_kb(field: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return None
-
-    @staticmethod
-    def _reset_hwm() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
-            return True
-        except OSError:
-            return False
-
     def run(self, fn: Callable[[], Any], what: str) -> tuple[BaseException | None, int]:
         """(what ``fn`` raised or None, bytes it grew memory by); fails the test past the deadline."""
-        base = (self._status_kb("VmRSS") or 0) if self.hwm and self._reset_hwm() else None
+        base = (status_kb("VmRSS") or 0) if self.hwm and reset_peak() else None
         tracemalloc.reset_peak()
         traced = tracemalloc.get_traced_memory()[0]
 
@@ -92,7 +94,7 @@ class DecodeMeter:
             pytest.fail(f"{what}: the decode did not finish within {self.deadline} s", pytrace=False)
         grew = tracemalloc.get_traced_memory()[1] - traced
         if base is not None:
-            grew = max(grew, ((self._status_kb("VmHWM") or 0) - base) * 1024)
+            grew = max(grew, ((status_kb("VmHWM") or 0) - base) * 1024)
         return error, grew
 
 

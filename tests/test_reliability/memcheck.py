@@ -19,29 +19,11 @@ import resource
 import sys
 from typing import Any, Callable
 
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # CLEAR_REFS_MM_HIWATER_RSS: VmHWM := VmRSS
-        return True
-    except OSError:
-        return False
+from deltastore.testing.hostile_objects import reset_peak, status_kb
 
 
 def _peak_kb() -> int:
-    hwm = _status_kb("VmHWM")
+    hwm = status_kb("VmHWM")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
@@ -49,8 +31,8 @@ def measure(fn: Callable[[], Any], collect: bool = True) -> tuple[float, Any]:
     """(MB the peak grew during ``fn`` above the resident size before it, ``fn``'s result)."""
     if collect:
         gc.collect()
-    now = _status_kb("VmRSS")
-    base = now if now is not None and _reset_peak() else _peak_kb()
+    now = status_kb("VmRSS")
+    base = now if now is not None and reset_peak() else _peak_kb()
     result = fn()
     return (_peak_kb() - base) / 1024, result
 

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from deltastore.errors import BackendUnavailableError, DeltaStoreError
+from deltastore.errors import DeltaStoreError
 
 from . import scenarios_claims as C
 from .scenarios import Stats, Where
+from .scenarios_store import open_unreachable
 
 Case = tuple[str, Callable[[], Any]]
 
@@ -129,7 +130,6 @@ def _cli_gc_refused(value: str) -> None:
 def run_user_retries(trials: int, deadline: float = 1.0) -> Stats:
     """``config_kwargs={"retries": ...}`` on an unreachable S3 endpoint: typed within the deadline (+5 s);
     recovery: the time to the typed error."""
-    import deltastore as ds
     from test_backends.servers import free_port
 
     settings = [{"max_attempts": 10, "mode": "standard"}, {"total_max_attempts": 20, "mode": "adaptive"},
@@ -139,21 +139,7 @@ def run_user_retries(trials: int, deadline: float = 1.0) -> Stats:
     for i, retries in zip(range(trials), itertools.cycle(settings)):
         opts = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s", "deadline": deadline,
                 "config_kwargs": {"retries": dict(retries)}}
-        t = time.monotonic()
-        try:
-            (ds.Subscriber if i % 2 else ds.Publisher)("s3://bucket-x/run", storage_options=opts)
-            stats.problem(i, "opened although nothing listens")
-        except BackendUnavailableError:
-            stats.faults += 1
-        except DeltaStoreError as e:
-            stats.problem(i, f"{type(e).__name__} instead of BackendUnavailableError: {e}")
-        except Exception as e:  # noqa: BLE001 - counted
-            stats.untyped_error(i, e)
-        took = time.monotonic() - t
-        if took > deadline + 5:
-            stats.problem(i, f"{retries}: failed after {took:.1f} s, deadline {deadline} s")
-        stats.trials += 1
-        stats.recovery.append(took)
+        open_unreachable(stats, i, "s3://bucket-x/run", opts, str(retries))
     stats.seconds = time.monotonic() - t0
     return stats
 

@@ -68,25 +68,31 @@ def run_unreachable(trials: int, deadline: float = 1.0) -> Stats:
     t0 = time.monotonic()
     for i in range(trials):
         uri, opts = kinds[i % len(kinds)]
-        options = {**opts(f"http://127.0.0.1:{free_port()}"), "deadline": deadline}
-        cls = ds.Subscriber if i % 2 else ds.Publisher
-        t = time.monotonic()
-        try:
-            cls(uri, storage_options=options)
-            stats.problem(i, f"{uri}: opened although nothing listens")
-        except BackendUnavailableError:
-            stats.faults += 1
-        except DeltaStoreError as e:
-            stats.problem(i, f"{uri}: {type(e).__name__} instead of BackendUnavailableError: {e}")
-        except Exception as e:  # noqa: BLE001 - counted
-            stats.untyped_error(i, e)
-        took = time.monotonic() - t
-        if took > deadline + 5:
-            stats.problem(i, f"{uri}: failed after {took:.1f} s, deadline {deadline} s")
-        stats.trials += 1
-        stats.recovery.append(took)
+        open_unreachable(stats, i, uri, {**opts(f"http://127.0.0.1:{free_port()}"), "deadline": deadline}, uri)
     stats.seconds = time.monotonic() - t0
     return stats
+
+
+def open_unreachable(stats: Stats, i: int, uri: str, options: dict, label: str) -> None:
+    """Trial ``i``: a Subscriber (odd ``i``) or Publisher on ``uri`` where nothing listens must raise
+    :class:`BackendUnavailableError` within ``options["deadline"]`` (+5 s for one connect and the imports);
+    recovery: the time to the typed error."""
+    deadline = options["deadline"]
+    t = time.monotonic()
+    try:
+        (ds.Subscriber if i % 2 else ds.Publisher)(uri, storage_options=options)
+        stats.problem(i, f"{label}: opened although nothing listens")
+    except BackendUnavailableError:
+        stats.faults += 1
+    except DeltaStoreError as e:
+        stats.problem(i, f"{label}: {type(e).__name__} instead of BackendUnavailableError: {e}")
+    except Exception as e:  # noqa: BLE001 - counted
+        stats.untyped_error(i, e)
+    took = time.monotonic() - t
+    if took > deadline + 5:
+        stats.problem(i, f"{label}: failed after {took:.1f} s, deadline {deadline} s")
+    stats.trials += 1
+    stats.recovery.append(took)
 
 
 _DISK = {"erofs": (errno.EROFS, ReadOnlyStoreError), "enospc": (errno.ENOSPC, StoreFullError),
