@@ -331,17 +331,23 @@ def main(work: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_as_child(main) -> None:
+    """The ``__main__`` of every check script: exit with ``main(work_dir)``'s status (``work_dir`` from argv,
+    created first); an exception is printed and written to ``work_dir/result.json`` as ``{"ok": false,
+    "error": ...}``, which the test shows."""
     work_dir = sys.argv[1]
     status = 1
-    res_path = os.path.join(work_dir, "result.json")
+    os.makedirs(work_dir, exist_ok=True)
     try:
         status = main(work_dir)
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
-        os.makedirs(work_dir, exist_ok=True)
-        with open(res_path, "w") as f:
+        with open(os.path.join(work_dir, "result.json"), "w") as f:
             json.dump({"ok": False, "error": traceback.format_exc()}, f)
         status = 1
     sys.stdout.flush()
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    run_as_child(main)

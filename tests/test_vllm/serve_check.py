@@ -29,11 +29,11 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_check import FRACTION, build_model, log, perturb  # noqa: E402
+from engine_check import run_as_child  # noqa: E402
 
 
 def free_port() -> int:
@@ -313,13 +313,4 @@ def in_server_follower(work: str, base: str, state_8: dict, completion_8: dict, 
 
 
 if __name__ == "__main__":
-    work_dir = sys.argv[1]
-    try:
-        status = main(work_dir)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        os.makedirs(work_dir, exist_ok=True)
-        with open(os.path.join(work_dir, "result.json"), "w") as f:
-            json.dump({"ok": False, "error": traceback.format_exc()}, f)
-        status = 1
-    sys.exit(status)
+    run_as_child(main)

@@ -22,9 +22,9 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 
 from engine_check import FRACTION, build_model, expect_error, generate, log, make_llm
+from engine_check import run_as_child  # noqa: E402
 from fake_vllm_model import perturb
 
 
@@ -89,15 +89,4 @@ def main(work: str) -> int:
 
 
 if __name__ == "__main__":
-    work_dir = sys.argv[1]
-    status = 1
-    try:
-        status = main(work_dir)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        os.makedirs(work_dir, exist_ok=True)
-        with open(os.path.join(work_dir, "result.json"), "w") as f:
-            json.dump({"ok": False, "error": traceback.format_exc()}, f)
-        status = 1
-    sys.stdout.flush()
-    sys.exit(status)
+    run_as_child(main)

@@ -28,12 +28,12 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 
 _cpus = sorted(os.sched_getaffinity(0))[:2]
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, _cpus)))
 
 from engine_check import FRACTION, build_model, expect_error, generate, log, make_llm, perturb, publish  # noqa: E402
+from engine_check import run_as_child  # noqa: E402
 
 STEPS = 6
 TP = 2
@@ -167,15 +167,4 @@ def main(work: str) -> int:
 
 
 if __name__ == "__main__":
-    work_dir = sys.argv[1]
-    status = 1
-    os.makedirs(work_dir, exist_ok=True)
-    try:
-        status = main(work_dir)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        with open(os.path.join(work_dir, "result.json"), "w") as f:
-            json.dump({"ok": False, "error": traceback.format_exc()}, f)
-        status = 1
-    sys.stdout.flush()
-    sys.exit(status)
+    run_as_child(main)
