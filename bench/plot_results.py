@@ -35,19 +35,20 @@ BYTES = [  # (format, cold, dither, kind)
 ]
 BOUND = (1.576, 1.061)  # independent-position entropy bound, from the same run
 
-# bench/scale.py, 1 GB (16,384-tensor rows: 205 MB); runs 1-2 at 3ac2e6a, 3-4 at d48ce5e.
-RUNS = ("3ac2e6a", "3ac2e6a", "d48ce5e", "d48ce5e")
+# bench/scale.py, 1 GB (16,384-tensor rows: ~200 MB), at ba30d4b: two runs on each trace.
+RUNS = ("SmolLM2", "SmolLM2", "MiniLM", "MiniLM")
+COMMIT = "ba30d4b"
 TIMES = [  # (figure, reference, target, ratio per run)
-    ("publish(), sync, cold", "compare", 2.0, (1.387, 1.001, 1.244, 0.244)),
-    ("publish(), sync, dither", "compare", 2.0, (1.361, 1.382, 1.339, 1.200)),
-    ("publish() blocks, background, cold", "compare", 1.1, (0.158, 0.152, 0.165, 0.167)),
-    ("publish() blocks, background, dither", "compare", 1.1, (0.331, 0.336, 0.319, 0.317)),
-    ("pull() one delta, cold", "copy", 0.3, (0.243, 0.235, 0.248, 0.213)),
-    ("pull() one delta, dither", "copy", 1.0, (1.081, 1.223, 1.292, 1.295)),
-    ("16,384 tensors: delta publish", "compare", 3.0, (1.570, 1.529, 1.577, 1.575)),
-    ("16,384 tensors: anchor publish", "save_file", 1.5, (1.288, 1.189, 1.092, 1.226)),
-    ("16,384 tensors: delta pull", "copy", 2.0, (1.724, 1.758, 1.955, 1.948)),
-    ("16,384 tensors: anchor pull", "load_file", 1.5, (1.103, 1.111, 1.183, 1.259)),
+    ("publish(), sync, cold", "compare", 2.0, (0.205, 0.201, 0.284, 0.313)),
+    ("publish(), sync, dither", "compare", 2.0, (0.659, 0.677, 0.719, 0.736)),
+    ("publish() blocks, background, cold", "compare", 1.1, (0.127, 0.108, 0.144, 0.112)),
+    ("publish() blocks, background, dither", "compare", 1.1, (0.393, 0.372, 0.130, 0.216)),
+    ("pull() one delta, cold", "copy", 0.3, (0.250, 0.279, 0.368, 0.386)),
+    ("pull() one delta, dither", "copy", 1.0, (0.936, 0.964, 0.884, 0.741)),
+    ("16,384 tensors: delta publish", "compare", 3.0, (1.544, 4.077, 1.565, 1.562)),
+    ("16,384 tensors: anchor publish", "save_file", 1.5, (1.190, 1.418, 1.294, 1.227)),
+    ("16,384 tensors: delta pull", "copy", 2.0, (1.874, 1.907, 1.706, 1.893)),
+    ("16,384 tensors: anchor pull", "load_file", 1.5, (1.866, 1.920, 1.994, 2.139)),
 ]
 COLORS = {"full": "#9e9e9e", "peer": "#f57c00", "ours": "#3f51b5"}
 
@@ -90,12 +91,13 @@ def plot_times(out: Path) -> None:
         ax.plot(ratios, [row] * len(ratios), "o", color="#3f51b5", markersize=5)
         ax.plot([target], [row], marker="|", color="#c62828", markersize=16, markeredgewidth=2.5)
     ax.axvline(1.0, color="#616161", linewidth=1)
-    _log_axis(ax, [0.1, 0.2, 0.3, 0.5, 1, 2, 3], ["0.1×", "0.2×", "0.3×", "0.5×", "1×", "2×", "3×"])
-    ax.set_xlim(0.1, 4)
+    _log_axis(ax, [0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5], ["0.1×", "0.2×", "0.3×", "0.5×", "1×", "2×", "3×", "5×"])
+    ax.set_xlim(0.1, 5)
     ax.set_yticks(range(len(TIMES)), [f"{n} ÷ {r}" for n, r, _, _ in TIMES], fontsize=9.5)
     ax.invert_yaxis()
-    commits = " and ".join(dict.fromkeys(RUNS))
-    ax.set_xlabel(f"time ÷ the reference timed in the same run\n(dots: {len(RUNS)} runs at {commits}; red: the target)")
+    traces = " and ".join(dict.fromkeys(RUNS))
+    ax.set_xlabel(f"time ÷ the reference timed in the same run\n(dots: {len(RUNS)} runs at {COMMIT}, {traces}; "
+                  "red: the target)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "time-ratios.png", dpi=150)
