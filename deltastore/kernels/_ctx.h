@@ -519,7 +519,7 @@ static inline int dsc_get(dsc_reader *r, int width, uint64_t *v) {
         return 1;
     }
     if (width > 56) { /* in two pieces */
-        uint64_t hi, lo;
+        uint64_t hi = 0, lo = 0; /* both set: the check above covers the two reads */
         dsc_get(r, width - 32, &hi);
         dsc_get(r, 32, &lo);
         *v = (hi << 32) | lo;
