@@ -274,19 +274,14 @@ class Subscriber:
         parameters) use this and write :attr:`Staged.state` themselves. Raises the same typed errors as
         :meth:`pull`.
         """
-        check_step_arg(step)
         with self._lock:
             return self.reader.stage(step, current, reader, allow_anchor=allow_anchor, avoid=avoid,
                                      layout_changes=layout_changes)
 
     def fill(self, dests: dict[str, torch.Tensor], *, step: int) -> None:
-        """Write version ``step`` into ``dests``: per tensor a flat bit view (the integer dtype of its width)
-        whose current content does not matter.
-
-        The anchor path, with no undo journal and no version tracking: for buffers filled from scratch
-        (a resuming Publisher's mirror). ``dests`` must name every tensor of the version. Raises what
-        :meth:`pull` raises; on an error the buffers hold anything.
-        """
+        """Write version ``step`` into ``dests`` from scratch: :meth:`VersionReader.fill
+        <deltastore.pull.reader.VersionReader.fill>` (contract, errors), one at a time with this Subscriber's
+        pulls."""
         with self._lock:
             self.reader.fill(dests, step=step)
 
@@ -297,7 +292,6 @@ class Subscriber:
         checkpoint, a restart) so the next pull can go through deltas.
         Raises :class:`ChecksumMismatchError` if any tensor differs.
         """
-        check_step_arg(step)
         self.verify(target, step)
         ref = self.store.ref(step)
         tracking.set_version(target, ref)

@@ -94,9 +94,10 @@ class Block:
     def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For int64 checkpoint ``positions``: (indices into ``positions`` that fall in this
         block, their flat positions in the parameter)."""
-        if self._shifted_copy and (not positions.numel() or (int(positions.min()) >= 0
-                                                             and int(positions.max()) < self.numel)):
-            return torch.arange(positions.numel()), positions + self.p_offset
+        if self._shifted_copy:
+            lo, hi = torch.aminmax(positions) if positions.numel() else (0, -1)
+            if int(lo) >= 0 and int(hi) < self.numel:
+                return torch.arange(positions.numel()), positions + self.p_offset
         r = positions - self.hf_offset
         ok = r >= 0
         p = torch.full_like(positions, self.p_offset)
