@@ -133,6 +133,7 @@ def _interrupted(exit_now: bool) -> int:
     waiting for worker threads still in a transfer (their retries could take the deadline) and without a
     traceback from a second Ctrl-C during shutdown; called from Python (``main(argv)``), it returns 130."""
     try:
+        _wipe_bars()
         print("deltastore: interrupted", file=sys.stderr)
         if exit_now:
             for stream in (sys.stdout, sys.stderr):
@@ -145,6 +146,19 @@ def _interrupted(exit_now: bool) -> int:
         if exit_now:
             os._exit(EXIT_INTERRUPTED)
     return EXIT_INTERRUPTED
+
+
+def _wipe_bars() -> None:
+    """Close every progress bar still drawn. A bar's own ``finally`` misses one the signal cut short while it
+    was being built (drawn, not yet handed to its owner); the interrupted frame still holds it here."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    for live in list(getattr(tqdm.tqdm, "_instances", ())):
+        try:
+            live.close()
+        except Exception:  # noqa: BLE001 - a half-built bar may lack attributes; the line below still prints
+            pass
 
 
 def _report(debug: bool, message: str) -> None:

@@ -453,6 +453,24 @@ def test_ctrl_c_during_the_gc_wait_is_130_one_line_and_deletes_no_object(store, 
     assert _files(os.path.join(uri, "objects")) == objects  # the objects outlive an interrupted wait
 
 
+def test_ctrl_c_the_moment_the_gc_bar_is_drawn_wipes_it(store, monkeypatch):
+    """The race the real-signal test above loses now and then: SIGINT lands after the bar is drawn but before
+    its constructor returns, so no ``finally`` of ours holds it. The one line must still start a clean line."""
+    import tqdm
+
+    uri, _ = store
+    drawn = tqdm.tqdm.__init__
+
+    def drawn_then_interrupted(self, *args, **kwargs):
+        drawn(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tqdm.tqdm, "__init__", drawn_then_interrupted)
+    rc, text = _both_on_a_pty(["gc", uri, "--keep-last", "1", "--keep-anchors", "1", "--grace", "60"], monkeypatch)
+    assert rc == 130 and "gc grace period" in text, text
+    assert [line for line in _screen(text) if line] == ["deltastore: interrupted"], text
+
+
 # -- progress bars: closed before the result line; rates that read -----------------------------------------
 def _screen(raw: str) -> list[str]:
     """What a terminal shows for ``raw`` (carriage returns overwrite, ESC sequences dropped): its lines."""
