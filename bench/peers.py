@@ -1,7 +1,7 @@
 """Peers benchmark: deltastore beside the weight-sync formats RL frameworks ship, step by step on real traces.
 
     DELTASTORE_TRACES=../shared/traces .venv/bin/python bench/peers.py [--traces smollm2-135m minilm-l6]
-        [--runs cold dither] [--steps N] [--threads 1 2] [--syncs ours-auto grail ...] [--json PATH]
+        [--runs cold dither] [--steps N] [--threads 1 2] [--syncs ours-auto grail ...] [--size GB] [--json PATH]
 
 Every step of every chosen trace run goes through each sync in turn, in one process: the sender encodes the
 step from what it last sent (its change detection, payload, compression, integrity data and snapshot
@@ -22,6 +22,11 @@ codec threads, the peers' worker pools); and the sync time of a step, encode CPU
 (1 thread), at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s. Before the measured steps each sync runs step 1 once on a
 throwaway copy (compiled kernels, pools, first-touch memory). The machine is shared: compare the syncs of one
 run with each other (they are interleaved step by step, in a rotating order), not with other runs.
+
+``--size GB``: each trace run replicated to a model of that size as ``bench/scale.py`` builds it (replicas
+start at different recorded steps and keep their rows in different orders, so that no codec can match one
+replica against another), to see what a version's fixed costs weigh at a real model's size. Every sync holds
+the model once or twice (its sender's snapshot, its receiver's copy): pick the syncs to fit in memory.
 """
 
 from __future__ import annotations
@@ -124,54 +129,92 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def step_changes(tr, step: int, state: dict[str, torch.Tensor]) -> tuple[dict, int]:
-    """Apply trace step ``step`` to ``state`` in place; the bound's input for it and its changed count."""
-    bound_in, changed = {}, 0
+class TraceModel:
+    """The trainer's weights stepping through a trace run as recorded: step 0 is the base, :meth:`step` applies
+    steps 1, 2, ... in place."""
+
+    def __init__(self, tr):
+        self.tr = tr
+        self.base = {k: v.contiguous() for k, v in tr.base.items()}
+        self.state = {k: v.clone() for k, v in self.base.items()}
+        self.steps = tr.steps
+        self.t = 0
+
+    def warm_pair(self) -> tuple[dict, dict]:
+        """(from, to) states for the warm-up: the base and a copy at step 1; the model does not move."""
+        to = {k: v.clone() for k, v in self.base.items()}
+        _apply(self.tr, 1, to)
+        return self.base, to
+
+    def step(self, bound: bool) -> tuple[int, float | None]:
+        """Apply the next step to :attr:`state`; its changed count and (``bound``) independent-position bound."""
+        self.t += 1
+        bound_in = _apply(self.tr, self.t, self.state)
+        changed = sum(v[0].size for v in bound_in.values())
+        return changed, ref.independent_bound(bound_in) if bound else None
+
+
+def _apply(tr, step: int, state: dict[str, torch.Tensor]) -> dict:
+    """Apply trace step ``step`` to ``state`` in place; the bound's input for it."""
+    bound_in = {}
     for n, (idx, new) in tr.changes(step).items():
         flat = state[n].view(torch.int16).reshape(-1)
         old = flat[idx]
         bound_in[n] = (idx.numpy(), new.numpy(), old.numpy(), tuple(state[n].shape), torch.bfloat16)
         flat[idx] = new
-        changed += idx.numel()
-    return bound_in, changed
+    return bound_in
 
 
-def warm_up(names, tr, base, threads: int, workdir: str) -> None:
-    """Each sync sends and applies step 1 once, on copies (kernels compiled, pools and memory touched)."""
-    state = {k: v.clone() for k, v in base.items()}
-    step_changes(tr, 1, state)
+class SizedModel:
+    """A trace run replicated to ``size_gb`` as ``bench/scale.py`` builds it (:class:`scale.Source`: replicas
+    start at different recorded steps, rows of 2-D tensors in different orders, so no codec can match one
+    replica against another), stepping through the run's real changes cyclically."""
+
+    def __init__(self, run: str, size_gb: float):
+        import scale
+
+        self.src = scale.Source(run, size_gb=size_gb)
+        self.state = self.src.state
+        self.base = None
+        self.steps = len(self.src.cycle)
+
+    def warm_pair(self) -> tuple[dict, dict]:
+        """(from, to) for the warm-up: the model before and after one step; the measured steps start after it."""
+        before = {k: v.clone() for k, v in self.state.items()}
+        self.src.advance(keep=False)
+        self.base = {k: v.clone() for k, v in self.state.items()}
+        return before, self.base
+
+    def step(self, bound: bool) -> tuple[int, float | None]:
+        changes = self.src.advance()
+        return sum(pos.numel() for _, pos, _, _ in changes), self.src.bound_bytes(changes) if bound else None
+
+
+def warm_up(names, start: dict, to: dict, threads: int, workdir: str) -> None:
+    """Each sync sends ``to`` from ``start`` once and applies it, on throwaway syncs (pools, first-touch memory)."""
     for name in names:
-        s = open_sync(name, base, threads, workdir)
-        s.send(state)
+        s = open_sync(name, start, threads, workdir)
+        s.send(to)
         s.receive()
         s.close()
 
 
-def run_trace(tr, names: list[str], steps: list[int], threads: int, workdir: str, scale: int = 1,
-              bound: bool = True) -> dict:
-    """Steps ``1..len(steps)`` of ``tr`` through each sync in ``names``: per sync and step the wall and CPU
+def run_model(model, names: list[str], n_steps: int, threads: int, workdir: str, bound: bool = True) -> dict:
+    """``n_steps`` steps of ``model`` through each sync in ``names``: per sync and step the wall and CPU
     seconds of the send and of the receive, the bytes received and whether the receiver is bit-exact; per step
     the changed count and (``bound``) the independent-position bound."""
-    if steps != list(range(1, len(steps) + 1)):
-        raise ValueError(f"steps must be 1..N in order, got {steps}")
     set_threads(threads)
-    base = _trace.scaled({k: v.contiguous() for k, v in tr.base.items()}, scale)
-    warm_up(names, tr, base, threads, workdir)
-    syncs = [open_sync(n, base, threads, workdir) for n in names]
-    state = {k: v.clone() for k, v in base.items()}
+    warm_up(names, *model.warm_pair(), threads, workdir)
+    syncs = [open_sync(n, model.base, threads, workdir) for n in names]
+    state = model.state
     out = {n: [] for n in names}
     meta = []
     failed: dict[str, str] = {}
     try:
-        for i, step in enumerate(steps):  # 1, 2, ...: each step applied to the trainer's state in turn
-            bound_in, changed = step_changes(tr, step, state)
-            if scale > 1:
-                for k in range(1, scale):
-                    for n in tr.base:
-                        state[f"{n}.{k}"].copy_(state[n])
-                changed *= scale
-                bound_in = {f"{n}.{k}" if k else n: v for k in range(scale) for n, v in bound_in.items()}
-            meta.append({"step": step, "changed": changed, "bound": ref.independent_bound(bound_in) if bound else None})
+        for i in range(n_steps):
+            changed, bound_bytes = model.step(bound)
+            step = i + 1
+            meta.append({"step": step, "changed": changed, "bound": bound_bytes})
             order = syncs[i % len(syncs):] + syncs[:i % len(syncs)]
             for s in order:
                 if s.name in failed:
@@ -291,9 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=0, help="measure steps 1..N of each run (default: all)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--syncs", nargs="+", default=SYNCS, choices=SYNCS)
-    ap.add_argument("--scale", type=int, default=1, help="replicate each trace tensor N times (default 1; "
-                    "replicas change the same positions at the same step, which one zstd frame over all "
-                    "tensors can exploit)")
+    ap.add_argument("--size", type=float, default=None, help="replicate each trace to this many GB of bf16 "
+                    "as bench/scale.py does (default: the trace as recorded); each sync holds a copy or two")
     ap.add_argument("--workdir", default=default_workdir(), help="where our stores go (default /dev/shm)")
     ap.add_argument("--json", default=None, help="write every figure and the per-step measurements here")
     a = ap.parse_args(argv)
@@ -306,7 +348,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     print(f"bench/peers.py: traces {' '.join(a.traces)}, runs {' '.join(a.runs)}, threads {a.threads}, "
-          f"syncs {len(a.syncs)}, scale {a.scale}, os.cpu_count() {os.cpu_count()}, 1-min load "
+          f"syncs {len(a.syncs)}, size {a.size or 'as recorded'}, os.cpu_count() {os.cpu_count()}, 1-min load "
           f"{os.getloadavg()[0]:.1f}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, deltastore "
           f"{Path(ds.__file__).parent}", flush=True)
     all_figs, raw = {}, {}
@@ -315,17 +357,19 @@ def main(argv=None) -> int:
         if not runs:
             print(f"trace {name}: no run among {a.runs} (have {_trace.runs(name)})", file=sys.stderr)
             return 1
+        _trace.select(name)
         for run in runs:
-            tr = _trace.load(run, name)
-            steps = list(range(1, (min(a.steps, tr.steps) if a.steps else tr.steps) + 1))
-            model_bytes = a.scale * sum(t.numel() * t.element_size() for t in tr.base.values())
             one = {}
             for threads in a.threads:
                 t0 = time.perf_counter()
-                one[threads] = run_trace(tr, a.syncs, steps, threads, a.workdir, a.scale, bound=threads == 1)
-                print(f"{name} {run}: {threads} thread(s), {len(steps)} steps, {time.perf_counter() - t0:.0f} s, "
+                model = SizedModel(run, a.size) if a.size else TraceModel(_trace.load(run, name))
+                n_steps = min(a.steps, model.steps) if a.steps else model.steps
+                one[threads] = run_model(model, a.syncs, n_steps, threads, a.workdir, bound=threads == 1)
+                model_bytes = sum(t.numel() * t.element_size() for t in model.state.values())
+                del model
+                print(f"{name} {run}: {threads} thread(s), {n_steps} steps, {time.perf_counter() - t0:.0f} s, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
-            title = f"{name} {run} ({model_bytes / MB:.1f} MB of bf16, {len(steps)} steps)"
+            title = f"{name} {run} ({model_bytes / MB:.1f} MB of bf16, {n_steps} steps)"
             density = stat([100 * m["changed"] / (model_bytes / 2) for m in one[1]["steps"]])
             all_figs[title] = summarise(one, model_bytes)
             report(title, density, all_figs[title], a.threads)

@@ -113,3 +113,23 @@ def test_peers_bench_prints_every_table(tmp_path):
         # the fewest-bytes setting sends no more than the default, and both less than the plain int32 + bf16 pair
         assert figs["ours-ctx"]["bytes_per_changed"]["median"] <= figs["ours-auto"]["bytes_per_changed"]["median"]
         assert figs["ours-auto"]["bytes_per_changed"]["median"] < figs["trl-raw"]["bytes_per_changed"]["median"]
+
+
+def test_peers_bench_at_a_size_replicates_without_handing_ours_duplicates(tmp_path):
+    """``--size``: the trace replicated as bench/scale.py does. Plain clones would give our content-addressed
+    store identical objects to skip (bytes per change near 1/replicas of the recorded size's)."""
+    _trace_module()
+    out = tmp_path / "peers.json"
+    env = {**os.environ, "DELTASTORE_TRACES": str(TRACES), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peers.py"), "--traces", "minilm-l6", "--runs", "cold", "--steps", "2",
+         "--threads", "1", "--size", "0.04", "--syncs", "ours-auto", "vllm-patch", "--json", str(out),
+         "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    (raw,) = json.loads(out.read_text())["raw"].values()
+    figs = json.loads(out.read_text())["figures"]
+    (f,) = figs.values()
+    assert raw["model_bytes"] >= 3 * 9_000_000  # four replicas of the 9.1 MB trace
+    assert f["ours-auto"]["exact_steps"] == f["vllm-patch"]["exact_steps"] == 2
+    assert 1.2 < f["ours-auto"]["bytes_per_changed"]["median"] < 3.0  # as at the recorded size: no replica skipped
+    assert 0.9 < f["ours-auto"]["x_bound"]["median"] < 2.0
