@@ -199,14 +199,6 @@ class ParamMap:
                 n += sel.numel()
         return n
 
-    def param_views(self, name: str) -> list[torch.Tensor]:
-        """The parameter regions (bit views) that hold checkpoint tensor ``name``."""
-        out = []
-        for b in self.blocks.get(name, ()):
-            flat = self._flat(b.param)
-            out.append(flat.as_strided(b.shape, b.p_strides, flat.storage_offset() + b.p_offset))
-        return out
-
     def write_full(self, name: str, bits: torch.Tensor) -> int:
         """Write a whole checkpoint tensor (flat bits) into the parameters, in place."""
         n = 0
