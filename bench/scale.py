@@ -240,8 +240,10 @@ class Source:
                 flat = self.flat[p.name]
                 old = flat[pos]
                 new = (old.to(torch.int32) + st).clamp_(-32768, 32767).to(torch.int16)
-                moved = new != old
-                if not bool(moved.all()):  # a clamped step: keep only the elements that really change
+                # a clamped step, or one replayed onto a value that makes it an Inf or NaN (a step recorded
+                # across zero): keep only the elements that really change to finite values
+                moved = (new != old) & ((new & 0x7F80) != 0x7F80)
+                if not bool(moved.all()):
                     pos, new, old = pos[moved], new[moved], old[moved]
                 flat[pos] = new
                 if keep:
