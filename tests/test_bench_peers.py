@@ -126,9 +126,9 @@ def test_peers_bench_at_a_size_replicates_without_handing_ours_duplicates(tmp_pa
          "--threads", "1", "--size", "0.04", "--syncs", "ours-auto", "vllm-patch", "--json", str(out),
          "--workdir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    (raw,) = json.loads(out.read_text())["raw"].values()
-    figs = json.loads(out.read_text())["figures"]
-    (f,) = figs.values()
+    doc = json.loads(out.read_text())
+    (raw,) = doc["raw"].values()
+    (f,) = doc["figures"].values()
     assert raw["model_bytes"] >= 3 * 9_000_000  # four replicas of the 9.1 MB trace
     assert f["ours-auto"]["exact_steps"] == f["vllm-patch"]["exact_steps"] == 2
     assert 1.2 < f["ours-auto"]["bytes_per_changed"]["median"] < 3.0  # as at the recorded size: no replica skipped

@@ -32,8 +32,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_check import FRACTION, build_model, log, perturb  # noqa: E402
-from engine_check import run_as_child  # noqa: E402
+from engine_check import FRACTION, build_model, log, perturb, run_as_child  # noqa: E402
 
 
 def free_port() -> int:

@@ -23,8 +23,7 @@ import shutil
 import subprocess
 import sys
 
-from engine_check import FRACTION, build_model, expect_error, generate, log, make_llm
-from engine_check import run_as_child  # noqa: E402
+from engine_check import FRACTION, build_model, expect_error, generate, log, make_llm, run_as_child
 from fake_vllm_model import perturb
 
 

@@ -32,8 +32,8 @@ import time
 _cpus = sorted(os.sched_getaffinity(0))[:2]
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, _cpus)))
 
-from engine_check import FRACTION, build_model, expect_error, generate, log, make_llm, perturb, publish  # noqa: E402
-from engine_check import run_as_child  # noqa: E402
+from engine_check import (FRACTION, build_model, expect_error, generate, log, make_llm, perturb,  # noqa: E402
+                          publish, run_as_child)
 
 STEPS = 6
 TP = 2
