@@ -248,6 +248,11 @@ class Mirror:
         """The flat bits of ``name`` (a view into the mirror: callers must not modify it)."""
         return self._views[name]
 
+    def regions(self) -> list[tuple[int, torch.Tensor, list[str]]]:
+        """``(element width, flat buffer, names in buffer order)`` per width: the mirror as it lies in memory
+        (a tensor's place in its buffer is ``view(name).storage_offset()``; padding between tensors)."""
+        return [(w, buf, self._groups[w]) for w, buf in zip(self._groups, self._buffers)]
+
     def host_view(self, name: str) -> torch.Tensor:
         """:meth:`view` on the host (a copy when the mirror lives on an accelerator)."""
         v = self._views[name]

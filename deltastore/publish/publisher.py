@@ -115,6 +115,12 @@ class Publisher:
         signing_key: sign every committed version and ``refs/latest`` with this Ed25519 key (a path to a PEM
             file from ``deltastore keygen``, PEM bytes or a key object; needs ``deltastore[sign]``). Followers
             with ``trusted_keys`` accept only versions it signed (``docs/security.md``). Kept in memory only.
+        anchor_copy_dir: a local directory where the last anchor's bits are kept in a file (the model's
+            bf16 bytes of disk), so that a version carrying a differential compares against it instead of
+            downloading and decoding the whole anchor from the store again (which it does, without it, once
+            the drift tracker samples: any model above ~17 M elements). Best on a local disk, not a tmpfs
+            (that would be memory). A copy that cannot be written or read back intact is dropped with a
+            warning (:mod:`deltastore.publish.anchor_copy`). Removed at :meth:`close`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -129,7 +135,8 @@ class Publisher:
                  source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
                  background: bool = False, max_pending: int = 2,
                  mirror_device: str | torch.device | None = None, quantize: Any = None,
-                 adapter_only: bool = False, signing_key: Any = None):
+                 adapter_only: bool = False, signing_key: Any = None,
+                 anchor_copy_dir: str | os.PathLike[str] | None = None):
         #: the stages (also what :class:`~deltastore.ShardedPublisher` opens per rank): the store, object
         #: planning, the chain's committed head and the anchor policy's decision, uploads, retention after each
         #: commit, the configuration they share (``deltastore/publish/stages.py``)
@@ -137,7 +144,7 @@ class Publisher:
             uri, codec=codec, anchor_every=anchor_every, storage_options=storage_options, metadata=metadata,
             anchor=anchor, anchor_codec=anchor_codec, max_object_bytes=max_object_bytes, chunk_elems=chunk_elems,
             dtype=dtype, retention=retention, gc_grace=gc_grace, source_dir=source_dir, max_workers=max_workers,
-            mirror_device=mirror_device, signing_key=signing_key)
+            mirror_device=mirror_device, signing_key=signing_key, anchor_copy_dir=anchor_copy_dir)
         self.store, self.planner, self.head, self.uploader, self.retainer = (
             stages.store, stages.planner, stages.head, stages.uploader, stages.retainer)
         self.metadata, self.chunk_elems, self.dtype, self.mirror_device, self.writer_id = (

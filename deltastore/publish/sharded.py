@@ -53,6 +53,7 @@ _NOT_SHARDED = {
     "resume": "does not resume a chain: its first publish writes an anchor",
     "quantize": "does not quantize its shards",
     "adapter_only": "does not publish adapters: use a Publisher on one rank",
+    "anchor_copy_dir": "builds its differentials from an exact drift, never from the stored anchor",
 }
 
 

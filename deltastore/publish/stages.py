@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._memory import pin_allocator
+from .anchor_copy import AnchorCopy
 from .anchors import AnchorPolicy, Every, get_anchor_policy
 from ..codecs import Codec, get_codec
 from .diff import DEFAULT_CHUNK_ELEMS
@@ -63,6 +64,8 @@ class PublishStages:
     #: version files recorded in every manifest (``source_dir``'s config and tokenizer)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     writer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: the last anchor's bits on local disk, for differentials (``anchor_copy_dir``); None: read back from the store
+    anchor_copy: AnchorCopy | None = None
 
     @classmethod
     def open(cls, uri: Any, *, codec: str | dict[str, Any] | Codec = "auto", anchor_every: int | None = None,
@@ -72,7 +75,8 @@ class PublishStages:
              max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
              dtype: torch.dtype | None = None, retention: Retention | None = None, gc_grace: float = 30.0,
              source_dir: str | os.PathLike[str] | None = None, max_workers: int = 4,
-             mirror_device: str | torch.device | None = None, signing_key: Any = None) -> PublishStages:
+             mirror_device: str | torch.device | None = None, signing_key: Any = None,
+             anchor_copy_dir: str | os.PathLike[str] | None = None) -> PublishStages:
         """Check the configuration, open the store, build the stages.
 
         Raises :class:`~deltastore.errors.UnknownCodecError` for an unknown codec or anchor policy,
@@ -113,6 +117,8 @@ class PublishStages:
         stages = cls(store, planner, ChainHead(policy), Uploader(store, planner.max_workers),
                      Retainer(store, retention, gc_grace) if retention is not None else None, metadata,
                      chunk_elems, dtype, mirror)
+        if anchor_copy_dir is not None:
+            stages.anchor_copy = AnchorCopy(anchor_copy_dir)
         if source_dir is not None:
             stages.files = source_files(store, source_dir)
         return stages
@@ -122,6 +128,8 @@ class PublishStages:
         if self.retainer is not None:
             self.retainer.collect_due()
         self.uploader.close()
+        if self.anchor_copy is not None:
+            self.anchor_copy.drop()
         self.store.close()
 
 

@@ -89,6 +89,7 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
         is_anchor, with_diff = decision.is_anchor, decision.with_diff
         planner = stages.planner
 
+        copy_notes: list[str] = []  # the anchor copy's trouble, warned about once the version is committed
         delta_of: dict[str, list[Part]] = {}
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
@@ -111,8 +112,13 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
         if with_diff:  # anchor -> now, read from the mirror (which holds "now")
             assert proposed is not None
             base: Any = proposed
-            if not proposed.exact:  # a sampled drift: the differential comes from the stored anchor
-                loose = differential_from_anchor(stages.store, head, mirror, workers=planner.max_workers)
+            if not proposed.exact:  # a sampled drift: from the local anchor copy, else from the stored anchor
+                loose, note = stages.anchor_copy.differential(mirror, head.anchor, hint=_drift_hint(head)) \
+                    if stages.anchor_copy is not None and head.anchor is not None else (None, None)
+                if note is not None:
+                    copy_notes.append(note)
+                if loose is None:
+                    loose = differential_from_anchor(stages.store, head, mirror, workers=planner.max_workers)
                 differential, base = Diff({}, loose=loose), anchored(loose)
             elif mirror.device.type == "cpu":
                 differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view))
@@ -154,6 +160,9 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
                  drift_elements=drift_elements, relaid=c.layout is not None)
     _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
               manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
+    if is_anchor and stages.anchor_copy is not None and head.tracks_drift():
+        copy_notes.append(stages.anchor_copy.write(mirror, head.last, checksums))
+    notes += [post_commit(n) for n in copy_notes if n is not None]
     if stages.retainer is not None:
         try:
             stages.retainer.after_commit()
@@ -162,6 +171,11 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
     return VersionInfo(step=step, kind=manifest.kind, changed=manifest.changed, total=manifest.total,
                        nbytes=manifest.object_bytes() + len(data), digest=digest, created=manifest.created,
                        differential=with_diff, warnings=tuple(notes))
+
+
+def _drift_hint(head: Any) -> float:
+    """The drifted fraction a differential's compare should expect (sizes its first output buffers)."""
+    return min(1.0, max(head.state.drift, 1 / 64) * 1.25)
 
 
 def new_checksums(c: Captured, parent: Mapping[str, int]) -> dict[str, int]:

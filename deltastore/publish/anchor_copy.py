@@ -1,0 +1,172 @@
+"""A local copy of the last anchor's bits, so that a differential never reads the anchor back from the store.
+
+A differential (anchor -> now, ``docs/anchors.md``) needs the anchor's bits
+wherever the model drifted from it. Within its memory budget the drift
+tracker holds them; past it (any model above a few tens of millions of
+elements, a few steps after an anchor) it holds a sample, and the
+differential is rebuilt by comparing the whole anchor with the mirror.
+Without a copy (the default) the anchor is streamed back from the store for
+that: every full object downloaded, sha256-checked and decoded, once per
+version that carries a differential.
+
+With ``Publisher(anchor_copy_dir=DIR)`` the publisher writes the anchor's
+bits into one file in ``DIR`` when the anchor commits (the mirror's flat
+buffers, written as they are: the model's bytes, sequentially), and a
+differential compares the mirror with that file instead, read back a
+bounded chunk at a time: a local read at disk or page-cache speed, nothing
+from the store, nothing to decode. Each chunk's tensors are checked against
+the anchor's checksums before they are compared.
+
+Contract: :meth:`AnchorCopy.write` and :meth:`AnchorCopy.differential`
+never raise for the copy's own trouble. A copy that cannot be written (a
+full or read-only disk), that was changed or truncated on disk, or that no
+longer matches the mirror's layout is removed, and the caller gets a note
+(a warning for the version's ``warnings``) and None: the differential then
+comes from the store, as without a copy. Only a host (CPU) mirror gets a
+copy. The file is replaced at the next anchor and removed by
+:meth:`AnchorCopy.drop` (``Publisher.close``); a process killed before that
+leaves it behind (its name starts with ``deltastore-anchor-``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import segments
+from ..checksum import tensor_keys
+from ..segments import Change
+from ..store import VersionRef
+from .mirror import Mirror
+
+#: bytes read back per chunk (a tensor larger than this is read whole, alone)
+CHUNK_BYTES = 64 << 20
+
+
+class _Damaged(Exception):
+    """The copy on disk does not hold what was written (or no longer fits the mirror)."""
+
+
+class AnchorCopy:
+    """The anchor's bits in a file of ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        self.path: Path | None = None
+        self.anchor: VersionRef | None = None
+        #: element width -> [(name, byte offset in the file, numel)], in file order
+        self._layout: dict[int, list[tuple[str, int, int]]] = {}
+        self._checksums: dict[str, int] = {}
+
+    def write(self, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> str | None:
+        """Replace the copy with ``mirror``'s bits, which must be those of ``anchor`` (every tensor's checksum
+        in ``checksums``). Returns None, or a note when no copy could be written (then there is none)."""
+        self.drop()
+        if mirror.device.type != "cpu":
+            return None
+        path = self.directory / f"deltastore-anchor-{os.getpid()}-{uuid.uuid4().hex[:12]}.bits"
+        layout: dict[int, list[tuple[str, int, int]]] = {}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "wb", buffering=0) as f:
+                at = 0
+                for width, buf, names in mirror.regions():
+                    layout[width] = [(n, at + mirror.view(n).storage_offset() * width, mirror.view(n).numel())
+                                     for n in names]
+                    data = memoryview(buf.numpy()).cast("B")
+                    while data:  # a raw write may take less than it was given
+                        data = data[f.write(data):]
+                    at += buf.numel() * width
+        except OSError as e:
+            _unlink(path)
+            return (f"anchor copy for version {anchor.step} not written to {self.directory} ({e}); "
+                    "differentials read the anchor back from the store")
+        self.path, self.anchor, self._layout = path, anchor, layout
+        self._checksums = {n: checksums[n] for items in layout.values() for n, _, _ in items}
+        return None
+
+    def differential(self, mirror: Mirror, anchor: VersionRef, *, hint: float = 1 / 64
+                     ) -> tuple[dict[str, Change] | None, str | None]:
+        """``(changes, note)``: per tensor, where ``mirror`` differs from ``anchor`` (current bits new, the
+        anchor's old), compared chunk by chunk with the copy; ``hint`` is the expected drifted fraction.
+        ``(None, None)`` when there is no copy of ``anchor``; ``(None, note)`` when the copy was found
+        damaged or out of layout (it is removed). Errors that are not the copy's own are raised."""
+        if self.path is None or self.anchor != anchor or mirror.device.type != "cpu":
+            return None, None
+        changes: dict[str, Change] = {}
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                for width, items in self._layout.items():
+                    for chunk in _chunks(items, width):
+                        changes.update(self._compare(f, mirror, width, chunk, hint))
+        except (OSError, _Damaged) as e:
+            note = (f"anchor copy {self.path} of version {anchor.step} is unusable ({e}); it is removed and the "
+                    "differential is read back from the store")
+            self.drop()
+            return None, note
+        return changes, None
+
+    def _compare(self, f, mirror: Mirror, width: int, chunk: list[tuple[str, int, int]], hint: float
+                 ) -> list[tuple[str, Change]]:
+        """The changes of one chunk's tensors (consecutive in the file), read back in one call."""
+        names = [n for n, _, _ in chunk]
+        news = []
+        for n, _, numel in chunk:
+            v = mirror.view(n) if n in mirror.specs else None
+            if v is None or v.numel() != numel or v.element_size() != width:
+                raise _Damaged(f"tensor {n!r} is no longer {numel} elements of {width} bytes in the mirror")
+            news.append(v)
+        start, stop = chunk[0][1], chunk[-1][1] + chunk[-1][2] * width
+        raw = np.empty(stop - start, np.uint8)
+        _read_at(f, start, memoryview(raw))
+        bits = torch.from_numpy(raw).view(news[0].dtype)
+        olds = [bits[(at - start) // width:(at - start) // width + numel] for _, at, numel in chunk]
+        sums = segments.full_sums(olds, tensor_keys(names, len(names)))
+        for n, s in zip(names, sums.tolist()):
+            if s != self._checksums[n]:
+                raise _Damaged(f"tensor {n!r} fails the anchor's checksum")
+        fc = segments.diff_segments(olds, news, np.zeros(len(olds), np.uint64), hint=hint)
+        return list(zip(names, fc.changes()))
+
+    def drop(self) -> None:
+        """Remove the copy (nothing held afterwards)."""
+        if self.path is not None:
+            _unlink(self.path)
+        self.path, self.anchor, self._layout, self._checksums = None, None, {}, {}
+
+
+def _chunks(items: list[tuple[str, int, int]], width: int) -> list[list[tuple[str, int, int]]]:
+    """``items`` (consecutive in the file) in runs of at most :data:`CHUNK_BYTES` (a larger tensor alone)."""
+    out: list[list[tuple[str, int, int]]] = []
+    for item in items:
+        if out and item[1] + item[2] * width - out[-1][0][1] <= CHUNK_BYTES:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
+
+
+def _read_at(f, offset: int, into: memoryview) -> None:  # noqa: ANN001 - an unbuffered binary file
+    """Fill ``into`` from ``offset`` of ``f`` (a raw read may return less than asked, e.g. above 2 GiB)."""
+    f.seek(offset)
+    done = 0
+    while done < len(into):
+        got = f.readinto(into[done:])
+        if not got:
+            raise _Damaged(f"the file ends {done} bytes into the {len(into)} at offset {offset}")
+        done += got
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+__all__ = ["AnchorCopy", "CHUNK_BYTES"]
