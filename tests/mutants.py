@@ -251,6 +251,15 @@ MUTANTS = [
            [("deltastore/publish/drift.py", "            if budget_bytes is None or held <= budget_bytes or rate >= _MAX_RATE_LOG2:",
              "            if True:")],
            ["tests/test_drift.py", "tests/test_anchors_gc.py"]),
+    Mutant("anchor-copy-unverified", "a differential compares with the local anchor copy without checking its "
+           "tensors against the anchor's checksums",
+           [("deltastore/publish/anchor_copy.py", "            if s != self._checksums[n]:", "            if False:")],
+           ["tests/test_anchor_copy.py"]),
+    Mutant("anchor-copy-unsettled", "the next version moves the mirror while the anchor copy is still being "
+           "written from it",
+           [("deltastore/publish/publisher.py", "            self.stages.anchor_copy.settle()  #", "            pass  #"),
+            ("deltastore/publish/version.py", "        stages.anchor_copy.settle()\n", "        pass\n")],
+           ["tests/test_anchor_copy.py"]),
     Mutant("failing-rank-raises-collective-error", "a rank whose own step failed raises the others' CollectiveError "
            "instead of its own error",
            [("deltastore/publish/collective.py", "        if mine is not None:\n            raise mine\n", "")],

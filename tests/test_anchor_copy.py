@@ -73,7 +73,11 @@ def differential_digests(uri: str, step: int) -> list[str]:
     return sorted(m.objects[i].digest for i in m.diff_objects)
 
 
-def test_a_copy_gives_the_same_differentials_and_reads_nothing_back(tmp_path, states, reads):
+@pytest.mark.parametrize("chunk", [None, 5000], ids=["one chunk", "5 kB chunks"])
+def test_a_copy_gives_the_same_differentials_and_reads_nothing_back(tmp_path, states, reads, monkeypatch, chunk):
+    """With 5 kB chunks the copy is read back in several chunks, tensor "a" (64 KiB) alone in one above the limit."""
+    if chunk is not None:
+        monkeypatch.setattr("deltastore.publish.anchor_copy.CHUNK_BYTES", chunk)
     plain, copied, copy_dir = str(tmp_path / "plain"), str(tmp_path / "copied"), tmp_path / "copy"
     pub, infos = publish(plain, states)
     assert reads.get(id(pub.store), 0) > 0  # without a copy each differential streams the anchor back
@@ -149,10 +153,47 @@ def test_a_copy_that_cannot_be_written_is_a_warning_and_nothing_else(tmp_path, s
     with pytest.warns(PostCommitWarning, match="anchor copy for version 0 not written"):
         pub = ds.Publisher(uri, anchor=policy(), anchor_copy_dir=blocker / "copy")
         infos = [pub.publish(s, step=i) for i, s in enumerate(states[:10])]
-    assert infos[0].warnings and "not written" in infos[0].warnings[0]
+    # written on its own thread: the next version reports it (the anchor itself was committed without waiting)
+    assert not infos[0].warnings and "not written" in infos[1].warnings[0]
     assert any(i.differential for i in infos) and reads.get(id(pub.store), 0) > 0
     pub.close()
     assert bits_equal(ds.Subscriber(uri).pull(step=9).state, states[9])
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_the_next_version_waits_for_a_slow_copy_before_the_mirror_moves(tmp_path, states, reads, monkeypatch,
+                                                                        background):
+    """The copy is written on its own thread from the mirror itself: the next version's compare (or, in the
+    background, its write) must wait for it, else the copy would hold a mix of two versions (its checksums
+    would then refuse it: a warning and a read from the store, which this test forbids)."""
+    import threading
+    import time
+
+    from deltastore.publish.anchor_copy import AnchorCopy
+
+    real = AnchorCopy._write_file
+    started = threading.Event()
+
+    def slow(self, *args):  # noqa: ANN001, ANN202
+        started.set()
+        time.sleep(0.3)
+        return real(self, *args)
+
+    monkeypatch.setattr(AnchorCopy, "_write_file", slow)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PostCommitWarning)
+        with ds.Publisher(str(tmp_path / "s"), anchor=policy(), background=background,
+                          anchor_copy_dir=tmp_path / "copy") as pub:
+            infos = []
+            for i, s in enumerate(states[:10]):
+                got = pub.publish(s, step=i)
+                infos.append(got.wait() if background else got)
+                if i == 0:
+                    assert started.wait(5)
+            assert reads.get(id(pub.store), 0) == 0
+    assert any(i.differential for i in infos) and not any(i.warnings for i in infos)
 
 
 def test_a_sharded_publisher_refuses_a_copy(tmp_path):

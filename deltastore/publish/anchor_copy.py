@@ -11,18 +11,21 @@ version that carries a differential.
 
 With ``Publisher(anchor_copy_dir=DIR)`` the publisher writes the anchor's
 bits into one file in ``DIR`` when the anchor commits (the mirror's flat
-buffers, written as they are: the model's bytes, sequentially), and a
+buffers, written as they are: the model's bytes, sequentially, on a thread
+of its own that the publisher waits for before the mirror next changes: its
+next ``publish()``, or in background mode the writer's next version), and a
 differential compares the mirror with that file instead, read back a
 bounded chunk at a time: a local read at disk or page-cache speed, nothing
 from the store, nothing to decode. Each chunk's tensors are checked against
 the anchor's checksums before they are compared.
 
-Contract: :meth:`AnchorCopy.write` and :meth:`AnchorCopy.differential`
-never raise for the copy's own trouble. A copy that cannot be written (a
-full or read-only disk), that was changed or truncated on disk, or that no
-longer matches the mirror's layout is removed, and the caller gets a note
-(a warning for the version's ``warnings``) and None: the differential then
-comes from the store, as without a copy. Only a host (CPU) mirror gets a
+Contract: :meth:`AnchorCopy.write`, :meth:`AnchorCopy.settle` and
+:meth:`AnchorCopy.differential` never raise for the copy's own trouble. A
+copy that cannot be written (a full or read-only disk; its note comes from
+:meth:`AnchorCopy.take_note`), that was changed or truncated on disk, or that
+no longer matches the mirror's layout is removed, and the caller gets a note
+(a warning for a version's ``warnings``): the differential then comes from
+the store, as without a copy. Only a host (CPU) mirror gets a
 copy. The file is replaced at the next anchor and removed by
 :meth:`AnchorCopy.drop` (``Publisher.close``); a process killed before that
 leaves it behind (its name starts with ``deltastore-anchor-``).
@@ -31,6 +34,7 @@ leaves it behind (its name starts with ``deltastore-anchor-``).
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -61,13 +65,33 @@ class AnchorCopy:
         #: element width -> [(name, byte offset in the file, numel)], in file order
         self._layout: dict[int, list[tuple[str, int, int]]] = {}
         self._checksums: dict[str, int] = {}
+        self._writing: threading.Thread | None = None
+        self._note: str | None = None
 
-    def write(self, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> str | None:
+    def write(self, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> None:
         """Replace the copy with ``mirror``'s bits, which must be those of ``anchor`` (every tensor's checksum
-        in ``checksums``). Returns None, or a note when no copy could be written (then there is none)."""
+        in ``checksums``), on a thread of its own: the mirror must not change until :meth:`settle` returned
+        (the publisher settles before its next compare or write). A host mirror only."""
         self.drop()
         if mirror.device.type != "cpu":
-            return None
+            return
+        self.anchor = anchor
+        self._writing = threading.Thread(target=self._write_file, args=(mirror.regions(), mirror, anchor, checksums),
+                                         name="deltastore-anchor-copy", daemon=True)
+        self._writing.start()
+
+    def settle(self) -> None:
+        """Wait for a copy being written (then the mirror may change again)."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+
+    def take_note(self) -> str | None:
+        """Once :meth:`settle` returned: the note of a copy that could not be written, once; else None."""
+        note, self._note = self._note, None
+        return note
+
+    def _write_file(self, regions: list, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> None:
         path = self.directory / f"deltastore-anchor-{os.getpid()}-{uuid.uuid4().hex[:12]}.bits"
         layout: dict[int, list[tuple[str, int, int]]] = {}
         try:
@@ -75,20 +99,21 @@ class AnchorCopy:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with open(fd, "wb", buffering=0) as f:
                 at = 0
-                for width, buf, names in mirror.regions():
+                for width, buf, names in regions:
                     layout[width] = [(n, at + mirror.view(n).storage_offset() * width, mirror.view(n).numel())
                                      for n in names]
                     data = memoryview(buf.numpy()).cast("B")
                     while data:  # a raw write may take less than it was given
                         data = data[f.write(data):]
                     at += buf.numel() * width
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the copy's own trouble: a note, the store path instead
             _unlink(path)
-            return (f"anchor copy for version {anchor.step} not written to {self.directory} ({e}); "
-                    "differentials read the anchor back from the store")
-        self.path, self.anchor, self._layout = path, anchor, layout
+            self.anchor = None
+            self._note = (f"anchor copy for version {anchor.step} not written to {self.directory} ({e!r}); "
+                          "differentials read the anchor back from the store")
+            return
+        self.path, self._layout = path, layout
         self._checksums = {n: checksums[n] for items in layout.values() for n, _, _ in items}
-        return None
 
     def differential(self, mirror: Mirror, anchor: VersionRef, *, hint: float = 1 / 64
                      ) -> tuple[dict[str, Change] | None, str | None]:
@@ -96,14 +121,15 @@ class AnchorCopy:
         anchor's old), compared chunk by chunk with the copy; ``hint`` is the expected drifted fraction.
         ``(None, None)`` when there is no copy of ``anchor``; ``(None, note)`` when the copy was found
         damaged or out of layout (it is removed). Errors that are not the copy's own are raised."""
-        if self.path is None or self.anchor != anchor or mirror.device.type != "cpu":
+        if self._writing is not None or self.path is None or self.anchor != anchor or mirror.device.type != "cpu":
             return None, None
         changes: dict[str, Change] = {}
+        chunks = [(width, chunk) for width, items in self._layout.items() for chunk in _chunks(items, width)]
+        scratch = np.empty(max((_span(c, w) for w, c in chunks), default=0), np.uint8)  # one, reused
         try:
             with open(self.path, "rb", buffering=0) as f:
-                for width, items in self._layout.items():
-                    for chunk in _chunks(items, width):
-                        changes.update(self._compare(f, mirror, width, chunk, hint))
+                for width, chunk in chunks:
+                    changes.update(self._compare(f, mirror, width, chunk, hint, scratch))
         except (OSError, _Damaged) as e:
             note = (f"anchor copy {self.path} of version {anchor.step} is unusable ({e}); it is removed and the "
                     "differential is read back from the store")
@@ -111,9 +137,10 @@ class AnchorCopy:
             return None, note
         return changes, None
 
-    def _compare(self, f, mirror: Mirror, width: int, chunk: list[tuple[str, int, int]], hint: float
-                 ) -> list[tuple[str, Change]]:
-        """The changes of one chunk's tensors (consecutive in the file), read back in one call."""
+    def _compare(self, f, mirror: Mirror, width: int, chunk: list[tuple[str, int, int]], hint: float,  # noqa: ANN001
+                 scratch: np.ndarray) -> list[tuple[str, Change]]:
+        """The changes of one chunk's tensors (consecutive in the file), read back into ``scratch`` in one call
+        (the changes are the compare's own arrays: ``scratch`` may be reused once this returns)."""
         names = [n for n, _, _ in chunk]
         news = []
         for n, _, numel in chunk:
@@ -121,8 +148,8 @@ class AnchorCopy:
             if v is None or v.numel() != numel or v.element_size() != width:
                 raise _Damaged(f"tensor {n!r} is no longer {numel} elements of {width} bytes in the mirror")
             news.append(v)
-        start, stop = chunk[0][1], chunk[-1][1] + chunk[-1][2] * width
-        raw = np.empty(stop - start, np.uint8)
+        start = chunk[0][1]
+        raw = scratch[:_span(chunk, width)]
         _read_at(f, start, memoryview(raw))
         bits = torch.from_numpy(raw).view(news[0].dtype)
         olds = [bits[(at - start) // width:(at - start) // width + numel] for _, at, numel in chunk]
@@ -134,7 +161,8 @@ class AnchorCopy:
         return list(zip(names, fc.changes()))
 
     def drop(self) -> None:
-        """Remove the copy (nothing held afterwards)."""
+        """Remove the copy (nothing held afterwards; a copy being written is waited for first)."""
+        self.settle()
         if self.path is not None:
             _unlink(self.path)
         self.path, self.anchor, self._layout, self._checksums = None, None, {}, {}
@@ -149,6 +177,11 @@ def _chunks(items: list[tuple[str, int, int]], width: int) -> list[list[tuple[st
         else:
             out.append([item])
     return out
+
+
+def _span(chunk: list[tuple[str, int, int]], width: int) -> int:
+    """Bytes of the file from a chunk's first tensor to the end of its last."""
+    return chunk[-1][1] + chunk[-1][2] * width - chunk[0][1]
 
 
 def _read_at(f, offset: int, into: memoryview) -> None:  # noqa: ANN001 - an unbuffered binary file

@@ -117,10 +117,11 @@ class Publisher:
             with ``trusted_keys`` accept only versions it signed (``docs/security.md``). Kept in memory only.
         anchor_copy_dir: a local directory where the last anchor's bits are kept in a file (the model's
             bf16 bytes of disk), so that a version carrying a differential compares against it instead of
-            downloading and decoding the whole anchor from the store again (which it does, without it, once
-            the drift tracker samples: any model above ~17 M elements). Best on a local disk, not a tmpfs
-            (that would be memory). A copy that cannot be written or read back intact is dropped with a
-            warning (:mod:`deltastore.publish.anchor_copy`). Removed at :meth:`close`.
+            downloading and decoding the whole anchor from the store again, as it does without one once the
+            drift outgrows its tracker's budget (0.1 % of the model's bytes: a few steps after an anchor at
+            RL learning rates). Written on a thread after the anchor's ``publish()`` returns. Best on a local
+            disk, not a tmpfs (that would be memory). A copy that cannot be written or read back intact is
+            dropped with a warning (:mod:`deltastore.publish.anchor_copy`). Removed at :meth:`close`.
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
@@ -270,6 +271,8 @@ class Publisher:
         if self._writer is not None:
             self._raise_background_error()
         check_step(step, self.store, self._last_step)
+        if self._writer is None and self.stages.anchor_copy is not None:
+            self.stages.anchor_copy.settle()  # the last anchor's copy reads the mirror this compare advances
         if (self._writer is None and self._mirror is not None and self.quantizer is None and not self.adapter_only
                 and not isinstance(state, (Mapping, torch.nn.Module))):
             # an iterator on a known chain: compared piece by piece as it arrives (publish/stream.py)

@@ -72,6 +72,9 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
     # a compare that advanced the mirror (a synchronous publish) has it hold this version already: from here
     # on, any failure before the commit moves it back
     advanced = c.diff is not None and c.diff.advanced
+    copy_notes: list[str | None] = []  # the anchor copy's trouble, warned about once the version is committed
+    if stages.anchor_copy is not None:  # the last anchor's copy is complete before the mirror changes
+        stages.anchor_copy.settle()
     try:
         same_layout = c.diff is not None  # on the chain (a parent), possibly with a layout change
         new, dropped = c.layout if c.layout is not None else ((), ())
@@ -89,7 +92,6 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
         is_anchor, with_diff = decision.is_anchor, decision.with_diff
         planner = stages.planner
 
-        copy_notes: list[str] = []  # the anchor copy's trouble, warned about once the version is committed
         delta_of: dict[str, list[Part]] = {}
         full_of: dict[str, list[Part]] = {}
         diff_of: dict[str, list[Part]] = {}
@@ -160,9 +162,11 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
                  drift_elements=drift_elements, relaid=c.layout is not None)
     _log.info("committed version %d (%s): %d of %d elements changed, %d B stored, %.3f s", step, manifest.kind,
               manifest.changed, manifest.total, manifest.object_bytes() + len(data), time.time() - c.captured)
-    if is_anchor and stages.anchor_copy is not None and head.tracks_drift():
-        copy_notes.append(stages.anchor_copy.write(mirror, head.last, checksums))
+    if stages.anchor_copy is not None:
+        copy_notes.append(stages.anchor_copy.take_note())
     notes += [post_commit(n) for n in copy_notes if n is not None]
+    if is_anchor and stages.anchor_copy is not None and head.tracks_drift() and head.last is not None:
+        stages.anchor_copy.write(mirror, head.last, checksums)  # on its own thread; settled before the next
     if stages.retainer is not None:
         try:
             stages.retainer.after_commit()
