@@ -121,6 +121,8 @@ def write_version(stages: PublishStages, c: Captured, *, files: dict[str, dict[s
                     copy_notes.append(note)
                 if loose is None:
                     loose = differential_from_anchor(stages.store, head, mirror, workers=planner.max_workers)
+                    _log.info("version %d: its differential read anchor %d back from the store (a local copy, "
+                              "anchor_copy_dir=, would spare that)", step, head.anchor.step)
                 differential, base = Diff({}, loose=loose), anchored(loose)
             elif mirror.device.type == "cpu":
                 differential = Diff({}, DriftTracker.differential_flat(proposed, mirror.view))
