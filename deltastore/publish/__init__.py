@@ -8,6 +8,8 @@
   drift) and the anchor policy's decision for the next version;
 * :mod:`.resume` — a chain picked up from the store: the mirror and the head rebuilt from the latest
   version, and the differential from the anchor measured exactly;
+* :mod:`.anchor_copy` — the last anchor's bits in a local file (``anchor_copy_dir``), so a differential
+  compares with it instead of reading the anchor back from the store;
 * :mod:`.objects` — object planning: sparse or whole per tensor, grouping,
   anchors cut to stream;
 * :mod:`.upload` — encode and upload object jobs with a bounded number in

@@ -7,7 +7,8 @@ metadata, dtype), opens the store and builds, for one writer: the object
 :class:`~deltastore.publish.chain.ChainHead`, the
 :class:`~deltastore.publish.upload.Uploader`, the retention
 :class:`~deltastore.publish.commit.Retainer` and the version files recorded
-from ``source_dir``. :class:`~deltastore.Publisher` adds capture and the
+from ``source_dir`` (and, with ``anchor_copy_dir``, the
+:class:`~deltastore.publish.anchor_copy.AnchorCopy`). :class:`~deltastore.Publisher` adds capture and the
 background writer on top; :class:`~deltastore.ShardedPublisher` opens one per
 rank. :meth:`PublishStages.close` releases what :meth:`open` acquired.
 """
