@@ -16,8 +16,9 @@ the copy (checked: ``deltastore.__file__`` must lie in the copy, not in the
 editable install), and the edit is undone. First the same tests run on the
 unmutated copy: they must pass, so every failure afterwards is the mutant's.
 
-A mutant is *caught* when at least one of its tests fails; the script prints
-which ones and exits 1 if any mutant survives. Not part of CI (``make test``):
+A mutant is *caught* when at least one of its tests fails, or pytest is killed
+by a signal (a crash fails the suite too); the script prints which ones and
+exits 1 if any mutant survives. Not part of CI (``make test``):
 about 5 minutes on 2 cores.
 """
 
@@ -514,10 +515,14 @@ def main(argv: list[str] | None = None) -> int:
                 if kernel:
                     build(copy)
             m.caught_by = failed
-            caught = status != 0 and bool(failed)
+            # pytest killed by a signal (a mutant writing through stale addresses can crash it) lists no failed
+            # test, but the suite fails all the same
+            crashed = status < 0
+            caught = status != 0 and (bool(failed) or crashed)
             if not caught:
                 survived.append(m)
-            verdict = f"CAUGHT by {len(failed)} test(s)" if caught else f"SURVIVED (pytest exit {status})"
+            verdict = (f"CAUGHT by {len(failed)} test(s)" if failed else f"CAUGHT (pytest killed by signal {-status})"
+                       ) if caught else f"SURVIVED (pytest exit {status})"
             print(f"\nmutant {m.name}: {m.what}\n  {verdict} in {secs:.0f} s", flush=True)
             for t in failed[:8]:
                 print(f"    {t}")
