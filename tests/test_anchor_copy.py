@@ -202,3 +202,25 @@ def test_a_sharded_publisher_refuses_a_copy(tmp_path):
 
     with pytest.raises(ValueError, match="anchor_copy_dir"):
         ShardedPublisher(str(tmp_path / "s"), group=LOCAL, anchor_copy_dir=tmp_path / "copy")
+
+
+def test_a_script_that_never_closes_its_publisher_leaves_no_copy_behind(tmp_path):
+    """The copy is the model's size: a training script that exits without ``close()`` must not leave one per run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import ROOT
+
+    copy_dir = tmp_path / "copy"
+    script = textwrap.dedent(f"""
+        import os, torch, deltastore as ds
+        pub = ds.Publisher({str(tmp_path / "s")!r}, anchor_copy_dir={str(copy_dir)!r})
+        pub.publish({{"w": torch.randn(4096).to(torch.bfloat16)}}, step=0)
+        pub.stages.anchor_copy.settle()
+        assert len(os.listdir({str(copy_dir)!r})) == 1
+        """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(copy_dir) == []

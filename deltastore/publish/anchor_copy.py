@@ -27,8 +27,9 @@ no longer matches the mirror's layout is removed, and the caller gets a note
 (a warning for a version's ``warnings``): the differential then comes from
 the store, as without a copy. Only a host (CPU) mirror gets a
 copy. The file is replaced at the next anchor and removed by
-:meth:`AnchorCopy.drop` (``Publisher.close``); a process killed before that
-leaves it behind (its name starts with ``deltastore-anchor-``).
+:meth:`AnchorCopy.drop` (``Publisher.close``), or at the latest when the
+interpreter exits; only a process killed (a signal, ``os._exit``) leaves it
+behind (its name starts with ``deltastore-anchor-``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +69,10 @@ class AnchorCopy:
         self._checksums: dict[str, int] = {}
         self._writing: threading.Thread | None = None
         self._note: str | None = None
+        # files this copy made, removed at the latest when it is collected or the interpreter exits (a script
+        # that never closes its Publisher must not leave a model-sized file behind at every run)
+        self._made: set[Path] = set()
+        weakref.finalize(self, _unlink_all, self._made)
 
     def write(self, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> None:
         """Replace the copy with ``mirror``'s bits, which must be those of ``anchor`` (every tensor's checksum
@@ -76,7 +82,10 @@ class AnchorCopy:
         if mirror.device.type != "cpu":
             return
         self.anchor = anchor
-        self._writing = threading.Thread(target=self._write_file, args=(mirror.regions(), mirror, anchor, checksums),
+        path = self.directory / f"deltastore-anchor-{os.getpid()}-{uuid.uuid4().hex[:12]}.bits"
+        self._made.add(path)
+        self._writing = threading.Thread(target=self._write_file,
+                                         args=(path, mirror.regions(), mirror, anchor, checksums),
                                          name="deltastore-anchor-copy", daemon=True)
         self._writing.start()
 
@@ -91,8 +100,8 @@ class AnchorCopy:
         note, self._note = self._note, None
         return note
 
-    def _write_file(self, regions: list, mirror: Mirror, anchor: VersionRef, checksums: dict[str, int]) -> None:
-        path = self.directory / f"deltastore-anchor-{os.getpid()}-{uuid.uuid4().hex[:12]}.bits"
+    def _write_file(self, path: Path, regions: list, mirror: Mirror, anchor: VersionRef,
+                    checksums: dict[str, int]) -> None:
         layout: dict[int, list[tuple[str, int, int]]] = {}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -163,8 +172,7 @@ class AnchorCopy:
     def drop(self) -> None:
         """Remove the copy (nothing held afterwards; a copy being written is waited for first)."""
         self.settle()
-        if self.path is not None:
-            _unlink(self.path)
+        _unlink_all(self._made)
         self.path, self.anchor, self._layout, self._checksums = None, None, {}, {}
 
 
@@ -200,6 +208,12 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+def _unlink_all(paths: set[Path]) -> None:
+    for p in list(paths):
+        _unlink(p)
+        paths.discard(p)
 
 
 __all__ = ["AnchorCopy", "CHUNK_BYTES"]

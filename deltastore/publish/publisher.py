@@ -121,7 +121,8 @@ class Publisher:
             drift outgrows its tracker's budget (0.1 % of the model's bytes: a few steps after an anchor at
             RL learning rates). Written on a thread after the anchor's ``publish()`` returns. Best on a local
             disk, not a tmpfs (that would be memory). A copy that cannot be written or read back intact is
-            dropped with a warning (:mod:`deltastore.publish.anchor_copy`). Removed at :meth:`close`.
+            dropped with a warning (:mod:`deltastore.publish.anchor_copy`). Removed at :meth:`close` (or at
+            interpreter exit).
 
     Raises :class:`UnknownCodecError` for an unknown codec and ``TypeError``
     for metadata that is not JSON-serialisable.
