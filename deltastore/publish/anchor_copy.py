@@ -81,7 +81,6 @@ class AnchorCopy:
         self.drop()
         if mirror.device.type != "cpu":
             return
-        self.anchor = anchor
         path = self.directory / f"deltastore-anchor-{os.getpid()}-{uuid.uuid4().hex[:12]}.bits"
         self._made.add(path)
         self._writing = threading.Thread(target=self._write_file,
@@ -117,11 +116,10 @@ class AnchorCopy:
                     at += buf.numel() * width
         except Exception as e:  # noqa: BLE001 - the copy's own trouble: a note, the store path instead
             _unlink(path)
-            self.anchor = None
             self._note = (f"anchor copy for version {anchor.step} not written to {self.directory} ({e!r}); "
                           "differentials read the anchor back from the store")
             return
-        self.path, self._layout = path, layout
+        self.path, self.anchor, self._layout = path, anchor, layout
         self._checksums = {n: checksums[n] for items in layout.values() for n, _, _ in items}
 
     def differential(self, mirror: Mirror, anchor: VersionRef, *, hint: float = 1 / 64
@@ -180,7 +178,7 @@ def _chunks(items: list[tuple[str, int, int]], width: int) -> list[list[tuple[st
     """``items`` (consecutive in the file) in runs of at most :data:`CHUNK_BYTES` (a larger tensor alone)."""
     out: list[list[tuple[str, int, int]]] = []
     for item in items:
-        if out and item[1] + item[2] * width - out[-1][0][1] <= CHUNK_BYTES:
+        if out and _span([out[-1][0], item], width) <= CHUNK_BYTES:
             out[-1].append(item)
         else:
             out.append([item])
